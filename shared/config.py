@@ -1,0 +1,74 @@
+"""Configuration shared by more than one service. Units are at each field. Torch-free."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("sarathi", "vllm", "orca", "faster_transformer", "hybrid_only", "chunked_only")
+
+
+@dataclass
+class ModelInfo:
+    """What the scheduler and the gateway need to know about the model a worker loaded."""
+
+    name: str
+    max_model_len: int            # tokens: the context window (prompt + generated)
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_layers: int = 0
+    block_size: int = 16          # tokens per KV block
+    num_blocks: int = 0           # KV blocks the worker allocated (per layer)
+
+
+@dataclass
+class SchedulerConfig:
+    """Knobs of the scheduler.
+
+    policy: one of POLICIES.
+    token_budget: tau, tokens per iteration (decode tokens count too); sarathi and chunked_only.
+    max_num_batched_tokens: tokens per iteration for policies with whole prefills (vllm, orca).
+    max_num_seqs: cap on the running set (all policies).
+    max_model_len: tokens; a request whose prompt + max_tokens exceed it is rejected.
+    enable_prefix_caching: reuse full KV blocks with the same token prefix across requests.
+    watermark: fraction of KV blocks kept free at admission so running decodes can grow.
+    tile_size: if > 0, sarathi cuts the last chunk so the batch's token count is a multiple of
+        tile_size when that drops fewer than tile_size tokens (paper section 4.3).
+    """
+
+    policy: str = "sarathi"
+    token_budget: int = 512
+    max_num_batched_tokens: int = 4096
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = False
+    watermark: float = 0.01
+    tile_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.token_budget < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("token_budget, max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: num_blocks blocks of block_size tokens, per layer."""
+
+    block_size: int = 16
+    num_blocks: int = 1024
+
+
+@dataclass
+class WorkerConfig:
+    """How a worker loads and runs the model.
+
+    model: a GGUF file or a Hugging Face-style directory; None = the default SmolLM2 GGUF.
+    dtype: "auto" picks by measurement for the device; else "float32" or "bfloat16".
+    num_threads: torch intra-op threads on CPU; 0 = leave torch's default.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    num_threads: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)

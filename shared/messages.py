@@ -1,0 +1,174 @@
+"""The message types that cross a process boundary. Torch-free, msgpack-friendly.
+
+Two families:
+
+* scheduler -> worker (one iteration): `Batch` of `SeqChunk`s; worker -> scheduler: `BatchOutput`.
+  This is the in-process contract between the scheduler's engine loop and any executor
+  (the real torch executor, a ZeroMQ client to remote workers, or a simulated worker).
+  The wire protocol of the worker service (full data once, diffs after) is built on top of it
+  in worker_svc / scheduler_svc and re-creates exactly these objects on the worker side.
+* gateway <-> scheduler (one request): `RequestMsg`, `TokenEvent`, `AbortMsg`, carried by the
+  queue (Redis streams, or an in-process queue in embedded mode).
+
+Units: token counts and positions are in tokens; times are seconds (time.time() or an injected
+clock, as documented at the field).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shared.sampling import SamplingParams
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler -> worker: one iteration
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SeqChunk:
+    """One sequence's share of an iteration.
+
+    Invariants:
+    * token_ids are the tokens whose K/V are computed in this step, at positions
+      start_pos .. start_pos + len(token_ids) - 1. A decode has exactly one token (the last
+      sampled one); a prefill chunk has >= 1 prompt tokens.
+    * start_pos == number of tokens of this sequence already in the KV cache (cached prefix).
+    * block_table lists the physical KV block ids of the sequence in logical order and covers
+      at least start_pos + len(token_ids) tokens (block_size tokens per block).
+    * sample is True iff a token is due after this step: a decode, or the chunk that ends the
+      prompt. Only those rows go through the LM head.
+    * output_index is how many tokens the request has generated before this step; with a seed,
+      the token is drawn with shared.sampling.step_seed(seed, output_index).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    sampling: SamplingParams
+    output_index: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["sampling"] = self.sampling.to_dict()
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "SeqChunk":
+        d = dict(d)
+        d["sampling"] = SamplingParams.from_dict(d["sampling"])
+        return cls(**d)
+
+
+@dataclass
+class Batch:
+    """One iteration: a hybrid batch. Order: decodes first, then prefill chunks (by convention
+    of the sarathi policy; executors must accept any order).
+
+    freed_req_ids: requests that finished, were aborted or preempted since the last batch;
+    the worker drops any per-request state it holds for them (their blocks are already free
+    in the scheduler's block manager).
+    """
+
+    batch_id: int
+    seqs: list[SeqChunk]
+    freed_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"batch_id": self.batch_id, "seqs": [s.to_wire() for s in self.seqs],
+                "freed_req_ids": list(self.freed_req_ids)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "Batch":
+        return cls(d["batch_id"], [SeqChunk.from_wire(s) for s in d["seqs"]], list(d["freed_req_ids"]))
+
+
+@dataclass
+class BatchOutput:
+    """The result of one iteration.
+
+    sampled: req_id -> sampled token id, exactly for the SeqChunks with sample=True.
+    timings: seconds, e.g. {"forward_s": ..., "total_s": ...}, measured on the worker.
+    """
+
+    batch_id: int
+    sampled: dict[str, int]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "BatchOutput":
+        return cls(d["batch_id"], dict(d["sampled"]), dict(d.get("timings", {})))
+
+
+# ---------------------------------------------------------------------------------------------
+# gateway <-> scheduler: one request
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class RequestMsg:
+    """A request accepted by a gateway. arrival_time: time.time() at the gateway (seconds)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    reply_to: str
+    arrival_time: float
+
+    def to_wire(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["sampling"] = self.sampling.to_dict()
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "RequestMsg":
+        d = dict(d)
+        d["sampling"] = SamplingParams.from_dict(d["sampling"])
+        return cls(**d)
+
+
+@dataclass
+class TokenEvent:
+    """One generated token (or the end) of a request, sent to its gateway.
+
+    index: 0-based position of token_id in the request's output; the gateway drops an event
+        whose index it has already seen (replays after a scheduler restart resend them).
+    token_id: None on a pure end/error event.
+    finish_reason: None while running; "stop" | "length" | "abort" | "error" at the end.
+    error: a human-readable message when finish_reason == "error".
+    """
+
+    req_id: str
+    index: int
+    token_id: int | None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "TokenEvent":
+        return cls(**d)
+
+
+@dataclass
+class AbortMsg:
+    """Stop a request (client disconnect, stop-string match). Its blocks are freed at the next
+    step boundary."""
+
+    req_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "AbortMsg":
+        return cls(**d)

@@ -1,0 +1,78 @@
+"""Sampling parameters of one request: validated once, at the edge, then trusted everywhere.
+
+Torch-free: the gateway, the scheduler and the worker all import this module.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never be served as asked. `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each new token of one request.
+
+    temperature: 0 means greedy (argmax); > 0 scales logits before softmax.
+    top_k: keep the k most likely tokens; -1 (or 0) disables.
+    top_p: keep the smallest set of tokens whose probability mass reaches top_p; 1.0 disables.
+    max_tokens: number of tokens to generate at most (>= 1).
+    seed: makes sampling reproducible per request: token i is drawn with a generator seeded by
+        (seed, i), so a recomputed (preempted or replayed) request draws the same tokens.
+    stop_token_ids: generation ends (finish_reason "stop") when one of these is sampled.
+    ignore_eos: keep generating past the model's EOS tokens (benchmarks use this).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first out-of-range field."""
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}", "temperature")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}", "top_k")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        return cls(**d)
+
+
+def step_seed(seed: int, output_index: int) -> int:
+    """The generator seed for the `output_index`-th generated token of a request seeded `seed`.
+
+    Stateless so that sampling is reproducible across preemption, replay and worker restarts.
+    """
+    return (seed * 1_000_003 + output_index * 7_919 + 0x5EED) % (2**63 - 1)
