@@ -1,0 +1,160 @@
+"""The model's tokenizer and chat template, from a GGUF file's metadata or a Hugging Face dir.
+
+Built from library parts only: the BPE itself is the `tokenizers` library's (a GGUF's vocab and
+merges are fed to `tokenizers.models.BPE`), chat templates are rendered with jinja2 the way
+`transformers` renders them. Torch-free, so the gateway does not pay for importing torch.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+from shared.model_source import ModelSource
+
+# GGUF token types (llama.cpp's llama_token_type): CONTROL tokens are special.
+_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+
+
+@dataclass
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template.
+
+    eos_token_ids: every id that ends generation (the GGUF/config EOS, plus the chat template's
+    end-of-turn token when it is a distinct special token).
+    """
+
+    backend: HFTokenizer
+    chat_template: str | None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_token is not None:
+            bos = self.backend.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos] + ids
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Prompt ids of a chat. The template writes any BOS itself, so none is added here."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render a chat with the model's template (the prompt text, not yet tokenized)."""
+        if not self.chat_template:
+            # A base model: plain "role: content" lines, so chat still works, visibly unformatted.
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            return text + ("assistant: " if add_generation_prompt else "")
+        return _compile(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    """The tokenizer of a resolved model (see shared.model_source.resolve_model)."""
+    if source.kind == "gguf":
+        return _from_gguf(Path(source.path))
+    return _from_hf_dir(Path(source.path))
+
+
+# --------------------------------------------------------------------------------------------
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+    return env.from_string(template)
+
+
+def _end_of_turn_ids(backend: HFTokenizer, template: str | None, eos_id: int | None) -> list[int]:
+    ids = [eos_id] if eos_id is not None else []
+    for marker in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+        tid = backend.token_to_id(marker)
+        if tid is not None and template and marker in template and tid not in ids:
+            ids.append(tid)
+    return ids
+
+
+def _from_gguf(path: Path) -> Tokenizer:
+    from gguf import GGUFReader  # numpy-only; imported here so HF-dir users don't need it
+
+    fields = GGUFReader(path).fields
+
+    def get(key: str, default: Any = None) -> Any:
+        f = fields.get(key)
+        return default if f is None else f.contents()
+
+    kind = get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path.name}: tokenizer type {kind!r} is not supported (only byte-level BPE 'gpt2')")
+    tokens: list[str] = get("tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges")]
+    types = get("tokenizer.ggml.token_type", [1] * len(tokens))
+    backend = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if get("tokenizer.ggml.pre") in ("smollm", "llama-bpe", "qwen2", "starcoder"):
+        pre.insert(0, pre_tokenizers.Digits(individual_digits=True))  # llama.cpp splits \p{N} first
+    backend.pre_tokenizer = pre_tokenizers.Sequence(pre)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i, t in enumerate(types) if t in (_GGUF_CONTROL, _GGUF_USER_DEFINED)])
+    bos_id, eos_id = get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id")
+    template = get("tokenizer.chat_template")
+    return Tokenizer(
+        backend=backend, chat_template=template,
+        bos_token=tokens[bos_id] if bos_id is not None else None,
+        eos_token=tokens[eos_id] if eos_id is not None else None,
+        add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+        eos_token_ids=_end_of_turn_ids(backend, template, eos_id))
+
+
+def _token_str(tok: Any) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def _from_hf_dir(path: Path) -> Tokenizer:
+    tj = path / "tokenizer.json"
+    if not tj.is_file():
+        raise FileNotFoundError(f"model directory {str(path)!r} has no tokenizer.json")
+    backend = HFTokenizer.from_file(str(tj))
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # several named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    bos, eos = _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token"))
+    eos_id = backend.token_to_id(eos) if eos else None
+    ids = _end_of_turn_ids(backend, template, eos_id)
+    for name in ("generation_config.json", "config.json"):  # the model's own EOS ids count too
+        p = path / name
+        extra = json.loads(p.read_text()).get("eos_token_id") if p.is_file() else None
+        for i in ([extra] if isinstance(extra, int) else extra or []):
+            if i not in ids:
+                ids.append(i)
+    # tokenizer.json's own post-processor adds BOS where the model wants it (Llama), so
+    # add_bos stays False here: it is only for GGUF backends, which have no post-processor.
+    return Tokenizer(backend=backend, chat_template=template, bos_token=bos, eos_token=eos, eos_token_ids=ids)
