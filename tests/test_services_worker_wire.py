@@ -1,0 +1,128 @@
+"""The worker service over real ZeroMQ, with a recording fake executor (torch-free: this is about
+the service plumbing, not the model): the worker rebuilds exactly the scheduler's batches, and
+every failure comes back as a clear error reply."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import zmq
+
+from scheduler_svc.remote_executor import RemoteExecutor, WorkerError
+from shared.config import ModelInfo
+from shared.messages import Batch, BatchOutput, SeqChunk
+from shared.sampling import SamplingParams
+from worker_svc.service import WorkerServer
+from worker_svc.wire import pack, unpack
+
+
+class RecordingExecutor:
+    """Samples token 1000 + output_index for every due row; records what it was given."""
+
+    model_info = ModelInfo("fake", max_model_len=64, vocab_size=2000, eos_token_ids=[0])
+
+    def __init__(self, fail_on: int | None = None):
+        self.batches: list[Batch] = []
+        self.freed: list[str] = []
+        self.fail_on = fail_on
+
+    def execute(self, batch: Batch) -> BatchOutput:
+        if batch.batch_id == self.fail_on:
+            raise RuntimeError("device on fire")
+        self.batches.append(batch)
+        return BatchOutput(batch.batch_id, {s.req_id: 1000 + s.output_index for s in batch.seqs if s.sample},
+                           {"forward_s": 0.001})
+
+    def free(self, req_ids):
+        self.freed.extend(req_ids)
+
+
+@pytest.fixture
+def serve(tmp_path):
+    started = []
+
+    def start(executor, address=None):
+        address = address or f"ipc://{tmp_path}/w{len(started)}.sock"
+        server = WorkerServer(executor, address)
+        stop = threading.Event()
+        t = threading.Thread(target=server.serve_forever, args=(stop,), daemon=True)
+        t.start()
+        started.append((server, stop, t))
+        return server.address
+
+    yield start
+    for server, stop, t in started:
+        stop.set()
+        t.join(5)
+        server.close()
+
+
+def seq(req, toks, start, sample, out=0):
+    return SeqChunk(req, toks, start, list(range((start + len(toks) + 3) // 4)), sample,
+                    SamplingParams(temperature=0.0), out)
+
+
+def three_batches():
+    return [Batch(0, [seq("a", [1, 2, 3, 4, 5], 0, False)]),
+            Batch(1, [seq("a", [6], 5, True), seq("b", [9, 9], 0, True)]),
+            Batch(2, [seq("a", [1000], 6, True, 1), seq("b", [1000], 2, True, 1)])]
+
+
+def test_worker_rebuilds_the_same_batches_and_returns_sampled_tokens(serve):
+    ex = RecordingExecutor()
+    remote = RemoteExecutor(serve(ex), timeout_s=5)
+    assert remote.model_info.name == "fake"
+    outs = [remote.execute(b) for b in three_batches()]
+    assert ex.batches == three_batches()
+    assert outs[1].sampled == {"a": 1000, "b": 1000}
+    assert {"forward_s", "decode_s", "worker_total_s", "rpc_s"} <= set(outs[2].timings)
+
+
+def test_restarted_worker_gets_the_batch_resent_in_full(serve, tmp_path):
+    addr = f"ipc://{tmp_path}/restart.sock"
+    first = RecordingExecutor()
+    remote = RemoteExecutor(serve(first, addr), timeout_s=5)
+    b0, b1, b2 = three_batches()
+    remote.execute(b0)
+    remote.execute(b1)
+    # a second worker on a new address stands in for a restarted one: it knows no request
+    second = RecordingExecutor()
+    remote2 = RemoteExecutor(serve(second), timeout_s=5)
+    remote2.encoders[0].states = remote.encoders[0].states  # scheduler believes it sent a and b
+    remote2.encoders[0].epoch = "stale"
+    remote2.execute(b2)
+    assert second.batches == [b2]
+
+
+def test_executor_failure_is_an_error_reply_and_the_next_batch_is_sent_in_full(serve):
+    ex = RecordingExecutor(fail_on=1)
+    remote = RemoteExecutor(serve(ex), timeout_s=5)
+    b0, b1, b2 = three_batches()
+    remote.execute(b0)
+    with pytest.raises(WorkerError, match="execute_failed.*device on fire"):
+        remote.execute(b1)
+    assert "a" in ex.freed
+    remote.execute(b2)
+    assert ex.batches[-1] == b2
+
+
+def test_dead_worker_times_out_with_a_clear_error(tmp_path):
+    remote = RemoteExecutor(f"ipc://{tmp_path}/nobody.sock", timeout_s=0.3)
+    with pytest.raises(WorkerError, match="did not answer"):
+        remote.execute(three_batches()[0])
+    assert not remote.ping(0.1)
+
+
+@pytest.mark.parametrize("payload,kind", [(b"\xc1garbage", "bad_request"),
+                                          (pack({"op": "dance", "seq": 3}), "unknown_op"),
+                                          (pack({"op": "batch", "seq": 4}), "bad_request")])
+def test_malformed_messages_get_error_replies(serve, payload, kind):
+    addr = serve(RecordingExecutor())
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(addr)
+    s.send(payload)
+    assert s.poll(5000)
+    reply = unpack(s.recv())
+    s.close()
+    assert reply["ok"] is False and reply["error"] == kind and reply["message"]

@@ -1,0 +1,147 @@
+"""The worker service: a ZeroMQ ROUTER socket in front of one executor (one device).
+
+Requests are msgpack dicts with an "op" and a client-chosen "seq" number that the reply echoes
+(so a client can drop a late reply to a request it already gave up on):
+
+* {"op": "ping"} -> {"ok": True}
+* {"op": "info"} -> {"ok": True, "model_info": {...ModelInfo fields...}}
+* {"op": "batch", "epoch", "batch_id", "seqs", "freed"} (see worker_svc.wire) ->
+  {"ok": True, "batch_id", "sampled": {req_id: token_id}, "timings": {name: seconds}}
+
+Any failure is a reply, never silence: {"ok": False, "error": kind, "message": text}, with kind
+"unknown_request" (a diff for a request this worker holds no state for: resend in full),
+"bad_request" (malformed message), "execute_failed" (the executor raised; the worker forgets all
+per-request state, so the client must start a new epoch) or "unknown_op".
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Protocol
+
+import zmq
+
+from shared.messages import Batch, BatchOutput
+from worker_svc.wire import BatchDecoder, UnknownRequestError, error_reply, output_reply, pack, unpack
+
+log = logging.getLogger("sarathi.worker")
+
+
+class ExecutorLike(Protocol):
+    model_info: Any
+
+    def execute(self, batch: Batch) -> BatchOutput: ...
+
+    def free(self, req_ids: list[str]) -> None: ...
+
+
+class WorkerServer:
+    """Serves one executor on `address` (tcp://, ipc:// or inproc://). Single-threaded: batches
+    are executed one at a time, in arrival order (the wire mirror relies on that order)."""
+
+    def __init__(self, executor: ExecutorLike, address: str, ctx: zmq.Context | None = None):
+        self.executor = executor
+        self.decoder = BatchDecoder()
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        # the address actually bound (resolves tcp://*:0 to a real port)
+        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def serve_forever(self, stop: threading.Event | None = None, poll_ms: int = 100) -> None:
+        """Answer requests until `stop` is set (checked every poll_ms milliseconds)."""
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            if self.sock.poll(poll_ms, zmq.POLLIN):
+                frames = self.sock.recv_multipart()
+                # frames: [client identity, (envelope...), payload]; reply on the same envelope
+                self.sock.send_multipart(frames[:-1] + [pack(self.handle_bytes(frames[-1]))])
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+    def handle_bytes(self, payload: bytes) -> dict[str, Any]:
+        try:
+            msg = unpack(payload)
+            seq = msg.get("seq")
+        except Exception as e:  # not msgpack, or not a map
+            return error_reply("bad_request", f"cannot decode message: {e!r}")
+        reply = self.handle(msg)
+        reply["seq"] = seq
+        return reply
+
+    def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "ping":
+            return {"ok": True}
+        if op == "info":
+            return {"ok": True, "model_info": dataclasses.asdict(self.executor.model_info)}
+        if op == "batch":
+            return self._batch(msg)
+        return error_reply("unknown_op", f"unknown op {op!r}; expected ping, info or batch")
+
+    def _batch(self, msg: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        try:
+            dropped = self.decoder.new_epoch(msg["epoch"])
+            if dropped:
+                self.executor.free(dropped)
+            batch = self.decoder.decode(msg)
+        except UnknownRequestError as e:
+            return error_reply("unknown_request", f"no state for request {e.args[0]!r}; send it in full")
+        except (KeyError, TypeError, ValueError) as e:
+            return error_reply("bad_request", f"malformed batch message: {e!r}")
+        t1 = time.perf_counter()
+        try:
+            output = self.executor.execute(batch)
+        except Exception as e:
+            log.exception("executor failed on batch %s", batch.batch_id)
+            self._forget_all()
+            return error_reply("execute_failed", f"{type(e).__name__}: {e}")
+        self.decoder.on_output(output)
+        timings = dict(output.timings)
+        timings.update(decode_s=t1 - t0, worker_total_s=time.perf_counter() - t0)
+        return output_reply(BatchOutput(output.batch_id, dict(output.sampled), timings))
+
+    def _forget_all(self) -> None:
+        """After a failed execute the executor's per-request state is unknown: drop it all and
+        make the client start a new epoch (its next batch sends every request in full)."""
+        ids = list(self.decoder.states)
+        self.decoder.states.clear()
+        self.decoder.epoch = None
+        try:
+            self.executor.free(ids)
+        except Exception:
+            log.exception("free after a failed execute")
+
+
+def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
+               dtype: str = "auto", device: str = "cpu", num_threads: int = 0,
+               num_blocks: int = 1024, block_size: int = 16,
+               executor: ExecutorLike | None = None,
+               stop: threading.Event | None = None,
+               ready: threading.Event | None = None) -> None:
+    """Load the model and serve it on `address` until `stop` is set (forever when None).
+
+    model: GGUF file or HF directory; None = the default SmolLM2. dtype: "auto" | "float32" |
+    "bfloat16". num_blocks x block_size tokens of paged KV cache. executor: serve this object
+    instead of loading a model (tests, the simulated worker). ready: set once the socket is bound
+    and the model is loaded.
+    """
+    if executor is None:
+        from shared.config import CacheConfig, WorkerConfig
+        from worker_svc.executor import Executor  # torch: imported only where a model runs
+        cfg = WorkerConfig(model=model, dtype=dtype, device=device, num_threads=num_threads,
+                           cache=CacheConfig(block_size=block_size, num_blocks=num_blocks))
+        executor = Executor(cfg)
+    server = WorkerServer(executor, address)
+    log.info("worker serving %s on %s", executor.model_info.name, server.address)
+    if ready is not None:
+        ready.set()
+    try:
+        server.serve_forever(stop)
+    finally:
+        server.close()
