@@ -142,6 +142,9 @@ class TokenEvent:
     token_id: None on a pure end/error event.
     finish_reason: None while running; "stop" | "length" | "abort" | "error" at the end.
     error: a human-readable message when finish_reason == "error".
+    scheduled_time: time.time() (seconds) when a scheduler took the request from the queue; set
+        on the first event (index 0) by the queue if the scheduler leaves it None. The gateway's
+        queue-time metric is scheduled_time - arrival_time.
     """
 
     req_id: str
@@ -150,6 +153,7 @@ class TokenEvent:
     finish_reason: str | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
+    scheduled_time: float | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
