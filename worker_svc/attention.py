@@ -1,0 +1,145 @@
+"""Attention over a hybrid batch and the paged KV cache (CPU path, pure torch).
+
+The batch's tokens are one flat row set [T]. Each sequence owns a contiguous row range. Its new
+K/V are written to their cache slots first, then its queries attend to the cache: positions
+0 .. start_pos + i for query i (cached prefix + itself, causally). So a prefill chunk and a
+decode are the same computation; they differ only in how they are batched for speed:
+
+* decodes (1 query each) run together: their blocks are gathered into one padded
+  [B, L, Hkv, D] tensor and one SDPA call treats the G query heads of each kv head as G
+  "positions" (GQA without repeating K/V), with a padding mask per sequence;
+* chunks of more than one token run one SDPA call each, with a causal mask offset by the
+  cached prefix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from worker_svc.kv_cache import PagedKVCache
+
+
+@dataclass
+class ChunkMeta:
+    """One multi-token chunk: rows [row_start, row_end) of the batch, positions
+    start_pos .. start_pos + n - 1; blocks: its first ceil(context_len / bs) block ids."""
+
+    row_start: int
+    row_end: int
+    start_pos: int
+    blocks: torch.Tensor      # [nb] int64
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + self.row_end - self.row_start
+
+
+@dataclass
+class DecodeMeta:
+    """All single-token sequences: rows [B] of the batch, block tables padded with block 0 to
+    [B, nb], and valid [B, 1, 1, nb * bs] (True for key positions < that sequence's length)."""
+
+    rows: torch.Tensor
+    block_tables: torch.Tensor
+    valid: torch.Tensor
+    contiguous_rows: slice | None   # rows as a slice when they are contiguous (no index copy)
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer's attention needs for one batch; built once per batch.
+
+    slot_mapping [T] int64: cache slot of each token's K/V.
+    """
+
+    slot_mapping: torch.Tensor
+    chunks: list[ChunkMeta] = field(default_factory=list)
+    decode: DecodeMeta | None = None
+
+
+def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int) -> AttentionMetadata:
+    """seqs: (start_pos, num_new_tokens, block_table) per sequence, in batch row order.
+    The caller has validated that each block table covers start_pos + num_new_tokens."""
+    slots, chunks, dec_rows, dec_tables, dec_lens = [], [], [], [], []
+    row = 0
+    for start, n, table in seqs:
+        ctx = start + n
+        nb = -(-ctx // block_size)
+        pos = torch.arange(start, ctx)
+        bt = torch.tensor(table[:nb], dtype=torch.int64)
+        slots.append(bt[pos // block_size] * block_size + pos % block_size)
+        if n == 1:
+            dec_rows.append(row)
+            dec_tables.append(bt)
+            dec_lens.append(ctx)
+        else:
+            chunks.append(ChunkMeta(row, row + n, start, bt))
+        row += n
+    meta = AttentionMetadata(torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64), chunks)
+    if dec_rows:
+        meta.decode = _decode_meta(dec_rows, dec_tables, dec_lens, block_size)
+    return meta
+
+
+def _decode_meta(rows: list[int], tables: list[torch.Tensor], lens: list[int], bs: int) -> DecodeMeta:
+    nb = max(len(t) for t in tables)
+    padded = torch.zeros(len(tables), nb, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        padded[i, :len(t)] = t
+    valid = torch.arange(nb * bs).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    return DecodeMeta(torch.tensor(rows), padded, valid[:, None, None, :],
+                      slice(rows[0], rows[0] + len(rows)) if contiguous else None)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
+                    layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens (already rotated) -> out [T, Hq, D]."""
+    cache.write(layer, meta.slot_mapping, k, v)
+    out = torch.empty_like(q)
+    kc, vc = cache.k[layer], cache.v[layer]
+    if meta.decode is not None:
+        _decode_attention(q, kc, vc, meta.decode, out, scale)
+    for c in meta.chunks:
+        _chunk_attention(q, kc, vc, c, out, scale)
+    return out
+
+
+def _decode_attention(q, kc, vc, d: DecodeMeta, out, scale) -> None:
+    B, nb = d.block_tables.shape
+    _, bs, hkv, dim = kc.shape
+    group = q.shape[1] // hkv
+    flat = d.block_tables.view(-1)
+    keys = kc.index_select(0, flat).view(B, nb * bs, hkv, dim).transpose(1, 2)   # [B,Hkv,L,D]
+    vals = vc.index_select(0, flat).view(B, nb * bs, hkv, dim).transpose(1, 2)
+    qd = q[d.contiguous_rows] if d.contiguous_rows is not None else q.index_select(0, d.rows)
+    # GQA: the G query heads sharing a kv head become G query "positions" of that head.
+    qd = qd.view(B, hkv, group, dim)
+    o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=d.valid, scale=scale)
+    o = o.reshape(B, hkv * group, dim)
+    if d.contiguous_rows is not None:
+        out[d.contiguous_rows] = o
+    else:
+        out.index_copy_(0, d.rows, o)
+
+
+def _chunk_attention(q, kc, vc, c: ChunkMeta, out, scale) -> None:
+    _, bs, hkv, dim = kc.shape
+    ctx, n = c.context_len, c.row_end - c.row_start
+    group = q.shape[1] // hkv
+    keys = kc.index_select(0, c.blocks).view(-1, hkv, dim)[:ctx]
+    vals = vc.index_select(0, c.blocks).view(-1, hkv, dim)[:ctx]
+    if group > 1:   # chunks are compute-bound: repeating K/V is cheap next to the matmuls
+        keys = keys.repeat_interleave(group, dim=1)
+        vals = vals.repeat_interleave(group, dim=1)
+    qc = q[c.row_start:c.row_end].transpose(0, 1).unsqueeze(0)        # [1, Hq, n, D]
+    keys, vals = keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
+    if c.start_pos == 0:
+        o = F.scaled_dot_product_attention(qc, keys, vals, is_causal=True, scale=scale)
+    else:
+        # query i sits at position start_pos + i and sees keys 0 .. start_pos + i
+        mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(c.start_pos, ctx).unsqueeze(1)
+        o = F.scaled_dot_product_attention(qc, keys, vals, attn_mask=mask, scale=scale)
+    out[c.row_start:c.row_end] = o.squeeze(0).transpose(0, 1)

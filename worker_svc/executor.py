@@ -1,0 +1,132 @@
+"""The worker's engine: one hybrid batch in, the sampled tokens out.
+
+Executor owns the model weights and the paged KV cache tensors. It trusts the scheduler's
+block bookkeeping (which blocks belong to whom) but checks every batch against its own limits
+(context length, block ids, vocabulary) so that a bad batch is an error, not a silent
+corruption of another request's KV.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from shared.config import ModelInfo, WorkerConfig
+from shared.messages import Batch, BatchOutput, SeqChunk
+from shared.model_source import resolve_model
+from worker_svc.attention import build_metadata
+from worker_svc.kv_cache import PagedKVCache
+from worker_svc.loader import load_weights
+from worker_svc.model.llama import LlamaForCausalLM
+from worker_svc.model.linear import TensorParallel
+from worker_svc.sampler import Sampler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class BatchError(ValueError):
+    """A batch the worker cannot execute as sent; names the request and the problem."""
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """'auto' -> float32 on CPU: see bench/results/engine_iteration.json (small decode batches,
+    the common case in serving, are weight-bandwidth bound, and torch's bf16 linear reads
+    weights slowly at 1-16 rows) -> bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class Executor:
+    """Loads config.model, then allocates config.cache.num_blocks KV blocks per layer.
+
+    Weights are loaded (and checked) before the cache is allocated, so a bad model path or a
+    corrupt file raises without having allocated anything.
+    """
+
+    def __init__(self, config: WorkerConfig, tp: TensorParallel = TensorParallel(),
+                 sampler_seed: int | None = None):
+        self.config = config
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        source = resolve_model(config.model)
+        cfg, weights = load_weights(source)
+        self.model = LlamaForCausalLM(cfg, weights, self.dtype, tp).to(config.device)
+        del weights
+        self.model_cfg = cfg
+        self.block_size = config.cache.block_size
+        self.cache = PagedKVCache(cfg.num_layers, config.cache.num_blocks, self.block_size,
+                                  cfg.num_kv_heads // tp.world_size, cfg.head_dim, self.dtype,
+                                  config.device)
+        self.sampler = Sampler(sampler_seed)
+        self.model_info = ModelInfo(
+            name=source.name, max_model_len=cfg.max_position_embeddings,
+            vocab_size=cfg.vocab_size, eos_token_ids=list(cfg.eos_token_ids),
+            num_layers=cfg.num_layers, block_size=self.block_size,
+            num_blocks=config.cache.num_blocks)
+
+    def free(self, req_ids: list[str]) -> None:
+        """Drop per-request state. The executor keeps none (blocks are the scheduler's), so
+        this is a no-op that accepts unknown ids."""
+
+    def execute(self, batch: Batch) -> BatchOutput:
+        """Run one iteration; sampled holds a token exactly for the seqs with sample=True."""
+        t0 = time.perf_counter()
+        self.free(batch.freed_req_ids)
+        due, logits, t1, t2 = self._forward(batch)
+        tokens = self.sampler.sample(logits, [s.sampling for s in due], [s.output_index for s in due])
+        t3 = time.perf_counter()
+        return BatchOutput(batch.batch_id, {s.req_id: tok for s, tok in zip(due, tokens)},
+                           {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2,
+                            "total_s": t3 - t0})
+
+    def compute_logits(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Like execute (K/V are written) but return the float32 logits [V] of each seq with
+        sample=True instead of sampling (tests, scoring)."""
+        due, logits, _, _ = self._forward(batch)
+        return {s.req_id: logits[i] for i, s in enumerate(due)}
+
+    def _forward(self, batch: Batch):
+        t0 = time.perf_counter()
+        due = [s for s in batch.seqs if s.sample]
+        if not batch.seqs:
+            return due, torch.empty(0, self.model_info.vocab_size), t0, t0
+        for s in batch.seqs:
+            self._check(s)
+        ids = torch.tensor([t for s in batch.seqs for t in s.token_ids], dtype=torch.int64)
+        positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids))
+                               for s in batch.seqs])
+        meta = build_metadata([(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs],
+                              self.block_size)
+        rows, row = [], 0
+        for s in batch.seqs:
+            row += len(s.token_ids)
+            if s.sample:
+                rows.append(row - 1)       # the chunk's last token predicts the next one
+        t1 = time.perf_counter()
+        logits = self.model(ids, positions, self.cache, meta, torch.tensor(rows, dtype=torch.int64))
+        return due, logits, t1, time.perf_counter()
+
+    def _check(self, s: SeqChunk) -> None:
+        n, end = len(s.token_ids), s.start_pos + len(s.token_ids)
+        if n == 0:
+            raise BatchError(f"request {s.req_id}: empty token_ids (an empty prompt cannot be run)")
+        if s.start_pos < 0:
+            raise BatchError(f"request {s.req_id}: negative start_pos {s.start_pos}")
+        if end > self.model_info.max_model_len:
+            raise BatchError(f"request {s.req_id}: positions up to {end} exceed the model's "
+                             f"context length max_model_len={self.model_info.max_model_len}")
+        need = -(-end // self.block_size)
+        if len(s.block_table) < need:
+            raise BatchError(f"request {s.req_id}: block table has {len(s.block_table)} blocks, "
+                             f"{need} needed for {end} tokens of block_size {self.block_size}")
+        bad = [b for b in s.block_table[:need] if not 0 <= b < self.cache.num_blocks]
+        if bad:
+            raise BatchError(f"request {s.req_id}: block ids {bad[:5]} outside the cache's "
+                             f"{self.cache.num_blocks} blocks")
+        vocab = self.model_info.vocab_size
+        if any(not 0 <= t < vocab for t in s.token_ids):
+            raise BatchError(f"request {s.req_id}: token id outside the vocabulary [0, {vocab})")

@@ -1,0 +1,69 @@
+"""Linear layers written so tensor parallelism (Megatron style) can shard them later.
+
+* ColumnParallelLinear splits the output features across ranks (q/k/v, gate/up): each rank
+  computes its own heads / intermediate slice, no communication.
+* RowParallelLinear splits the input features (o_proj, down_proj): each rank holds the
+  matching column slice, and the partial outputs are summed with one all-reduce.
+
+With world_size 1 (the only setting used today) both are a plain F.linear. Fused layers
+(qkv, gate_up) are sharded part by part, so each rank keeps whole heads of q, k and v.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The process-group hook: this rank's index, the group size, the torch.distributed group."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+
+    def shard(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's contiguous 1/world_size slice of t along dim."""
+        if self.world_size == 1:
+            return t
+        if t.shape[dim] % self.world_size:
+            raise ValueError(f"cannot split size {t.shape[dim]} across {self.world_size} ranks")
+        return t.chunk(self.world_size, dim=dim)[self.rank]
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """y = x @ W.T (+ b); W is the concatenation of `parts` (e.g. q, k, v), each sharded by rows."""
+
+    def __init__(self, parts: list[torch.Tensor], biases: list[torch.Tensor] | None,
+                 tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(
+            torch.cat([tp.shard(w, 0) for w in parts]).to(dtype).contiguous(), requires_grad=False)
+        self.bias = None if biases is None else torch.nn.Parameter(
+            torch.cat([tp.shard(b, 0) for b in biases]).to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """y = all_reduce(x_shard @ W_shard.T): x arrives already split by columns (heads)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.weight = torch.nn.Parameter(tp.shard(weight, 1).to(dtype).contiguous(), requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias   # the bias is added once, after the sum

@@ -1,0 +1,95 @@
+"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2, SmolLM) over a flat hybrid batch.
+
+forward() takes all tokens of an iteration as one row set [T]: every linear layer runs once
+over all rows (decodes piggyback on the prefill chunk); only attention looks at sequence
+boundaries (worker_svc.attention). The LM head runs only on `logit_rows`.
+
+Weights come from worker_svc.loader as a dict of Hugging Face names -> tensors, already in
+HF layout (GGUF q/k rows un-permuted), and are cast to `dtype` here.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker_svc.attention import AttentionMetadata, paged_attention
+from worker_svc.kv_cache import PagedKVCache
+from worker_svc.model.config import ModelConfig
+from worker_svc.model.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel
+from worker_svc.model.rope import RotaryEmbedding
+
+
+class RMSNorm(torch.nn.Module):
+    """x / rms(x) * w, computed in float32 like HF (matters for bf16)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str,
+                 index: int, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        bias = [w[a + f"{p}_proj.bias"] for p in "qkv"] if cfg.attention_bias else None
+        self.qkv = ColumnParallelLinear([w[a + f"{p}_proj.weight"] for p in "qkv"], bias, tp, dtype)
+        self.o_proj = RowParallelLinear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"), tp, dtype)
+        self.gate_up = ColumnParallelLinear([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]],
+                                            None, tp, dtype)
+        self.down = RowParallelLinear(w[m + "down_proj.weight"], None, tp, dtype)
+        self.input_norm = RMSNorm(w[prefix + "input_layernorm.weight"], cfg.rms_norm_eps, dtype)
+        self.post_norm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps, dtype)
+        self.index = index
+        self.num_heads = cfg.num_heads // tp.world_size        # heads on this rank
+        self.num_kv_heads = cfg.num_kv_heads // tp.world_size
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        T, hd = x.shape[0], self.head_dim
+        q, k, v = self.qkv(self.input_norm(x)).split(
+            [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], dim=-1)
+        q, k = rope(positions, q.view(T, -1, hd), k.view(T, -1, hd))
+        attn = paged_attention(q, k, v.reshape(T, -1, hd), cache, self.index, meta, self.scale)
+        x = x + self.o_proj(attn.view(T, -1))
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """Embedding -> num_layers x DecoderLayer -> final norm -> LM head (tied or not).
+
+    The vocabulary is not sharded (every rank keeps the whole embedding and LM head)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 tp: TensorParallel = TensorParallel()):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = torch.nn.Parameter(weights["model.embed_tokens.weight"].to(dtype), requires_grad=False)
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(cfg, weights, f"model.layers.{i}.", i, tp, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = torch.nn.Parameter(weights["lm_head.weight"].to(dtype), requires_grad=False)
+        self.rope = RotaryEmbedding(cfg, cfg.max_position_embeddings)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                meta: AttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] int64; logit_rows: [S] row indices -> logits [S, V] float32."""
+        x = F.embedding(input_ids, self.embed)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, cache, meta)
+        x = self.norm(x.index_select(0, logit_rows))     # norm is per row: do it only where needed
+        return F.linear(x, self.lm_head).float()

@@ -1,0 +1,63 @@
+"""Rotary position embeddings, Hugging Face convention (rotate_half: the two halves of a head
+are the real and imaginary parts). GGUF q/k weights are un-permuted at load time to match.
+
+cos/sin are precomputed in float32 for positions 0 .. max_positions - 1 and looked up by
+position, so a token's rotation depends only on its absolute position (what makes chunked
+prefill exact).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from worker_svc.model.config import ModelConfig
+
+
+def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """inv_freq[i] = theta^(-2i/d), rescaled for llama3-style rope scaling. Shape [head_dim/2]."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "llama3":
+        return _llama3(inv_freq, scaling)
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type != "default":
+        raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: llama3, linear)")
+    return inv_freq
+
+
+def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Applies RoPE to q [T, Hq, D] and k [T, Hkv, D] at positions [T] (int64)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        inv_freq = inverse_frequencies(cfg)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)             # [P, D]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)    # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
