@@ -79,7 +79,7 @@ def test_compose_runs_the_four_services_configured_by_sarathi_env_vars():
         svc = compose["services"][name]
         assert svc["command"] == [name]
         assert all(k.startswith("SARATHI_") for k in svc["environment"])
-    assert compose["services"]["scheduler"]["environment"]["SARATHI_WORKERS"] == "tcp://worker:5555"
+    assert compose["services"]["scheduler"]["environment"]["SARATHI_WORKER_ADDR"] == "tcp://worker:5555"
 
 
 @pytest.mark.parametrize("name", ["Dockerfile", ".dockerignore"])
