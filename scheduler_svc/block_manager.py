@@ -1,0 +1,130 @@
+"""The paged KV cache's bookkeeping: which physical blocks each request holds.
+
+Units: blocks of `block_size` tokens. The scheduler owns this state; workers own the tensors.
+
+Invariants:
+* every block is either free (ref count 0, in the free list) or used (ref count >= 1);
+  num_free_blocks + num_used_blocks == num_blocks at every moment.
+* a running request holds blocks covering all its tokens: len(block_table) * block_size >=
+  num_tokens (whole prompt allocated at admission, one block more as a decode crosses a
+  block boundary).
+* with prefix caching, a used block may be shared (ref count > 1) only if it is full and keyed.
+
+The free list is ordered for reuse: blocks without a key are handed out first, then keyed
+(cached) blocks oldest-freed first (LRU), so a freed prefix stays findable as long as possible.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from scheduler_svc.prefix_cache import PrefixCache, extend_block_hashes
+from scheduler_svc.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int = 0,
+                 enable_prefix_caching: bool = False):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.watermark_blocks = watermark_blocks  # kept free at admission so decodes can grow
+        self.ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cache = PrefixCache() if enable_prefix_caching else None
+
+    # -- counts (blocks) -----------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    # -- admission: the whole sequence so far ---------------------------------------------------
+    def can_allocate(self, req: Request) -> bool:
+        """Enough free blocks for all of req's tokens, keeping the watermark free."""
+        hits = self._cached_prefix(req)
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0)  # hits still in the free list
+        need = self.blocks_for(req.num_tokens) - len(hits) + revived
+        return len(self._free) - need >= self.watermark_blocks
+
+    def allocate(self, req: Request) -> int:
+        """Give req blocks for all its tokens, reusing its cached prefix; returns the number
+        of prefix tokens found cached (already computed: num_computed_tokens starts there)."""
+        assert not req.block_table, f"{req.req_id} already holds blocks"
+        hits = self._cached_prefix(req)
+        for b in hits:
+            if self.ref_counts[b] == 0:
+                del self._free[b]
+            self.ref_counts[b] += 1
+        fresh = [self._take_free() for _ in range(self.blocks_for(req.num_tokens) - len(hits))]
+        req.block_table = hits + fresh
+        req.num_cached_blocks = len(hits)
+        req.num_computed_tokens = len(hits) * self.block_size
+        return req.num_computed_tokens
+
+    # -- growth: one block as a decode crosses a block boundary -------------------------------
+    def can_append(self, req: Request) -> bool:
+        return self._missing_blocks(req) <= len(self._free)
+
+    def append(self, req: Request) -> None:
+        for _ in range(self._missing_blocks(req)):
+            req.block_table.append(self._take_free())
+
+    def _missing_blocks(self, req: Request) -> int:
+        return max(0, self.blocks_for(req.num_tokens) - len(req.block_table))
+
+    # -- release --------------------------------------------------------------------------------
+    def free(self, req: Request) -> None:
+        """Drop req's references. Tail blocks go back first so they are evicted before the
+        prefix blocks that other requests are more likely to share."""
+        for b in reversed(req.block_table):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self._free[b] = None
+                if self.cache is None or not self.cache.is_cached(b):
+                    self._free.move_to_end(b, last=False)  # no content worth keeping
+        req.block_table = []
+        req.num_cached_blocks = 0
+
+    # -- prefix caching -----------------------------------------------------------------------
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Key req's full blocks whose K/V are now computed (call after their batch ran)."""
+        if self.cache is None:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, num_full)
+        for i in range(req.num_cached_blocks, num_full):
+            self.cache.insert(req.block_hashes[i], req.block_table[i])
+        req.num_cached_blocks = max(req.num_cached_blocks, num_full)
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks of req's longest keyed prefix. At least the last token is left out,
+        so there is always something to compute and a token to sample."""
+        if self.cache is None:
+            return []
+        num_full = (req.num_tokens - 1) // self.block_size
+        hashes = extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, num_full)
+        hits = []
+        for key in hashes[:num_full]:
+            block = self.cache.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _take_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        if self.cache is not None:
+            self.cache.evict(block)
+        self.ref_counts[block] = 1
+        return block

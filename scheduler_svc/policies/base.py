@@ -1,0 +1,126 @@
+"""The policy interface: a policy decides, once per iteration, which requests get how many tokens.
+
+A policy sees only a StepContext: the running requests split into decodes and prefills, the
+head of the waiting queue, and four moves (admit, reserve a decode's next block, take tokens,
+shrink the last chunk). Memory, preemption and the request counters stay in the scheduler, so
+a policy is a few lines and adding one touches one file plus the registry.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from scheduler_svc.request import Request, RequestStatus
+from shared.config import SchedulerConfig
+
+if TYPE_CHECKING:
+    from scheduler_svc.scheduler import Scheduler
+
+
+class StepContext:
+    """The batch being built in one schedule() call.
+
+    chunks: (request, number of tokens) in batch order; num_tokens: their sum (tokens).
+    Requests in flight (in a batch not yet updated) are invisible: a request is in at most
+    one in-flight batch.
+    """
+
+    def __init__(self, sched: "Scheduler"):
+        self._sched = sched
+        self.chunks: list[list] = []       # [request, num_tokens]; a list so shrink can edit
+        self.num_tokens = 0
+        self._planned: set[str] = set()
+
+    # -- what there is ------------------------------------------------------------------------
+    def decodes(self) -> list[Request]:
+        """Running requests whose next step is one decode token, oldest admitted first."""
+        return [r for r in self._sched.running if r.is_decode and not r.in_flight]
+
+    def prefills(self) -> list[Request]:
+        """Running requests with prompt (or recompute) tokens left, not yet in this batch."""
+        return [r for r in self._sched.running
+                if r.num_new_tokens > 0 and not r.is_decode and not r.in_flight
+                and r.req_id not in self._planned]
+
+    @property
+    def num_running(self) -> int:
+        """All admitted requests, in flight or not."""
+        return len(self._sched.running)
+
+    @property
+    def has_waiting(self) -> bool:
+        return bool(self._sched.waiting)
+
+    # -- moves ----------------------------------------------------------------------------------
+    def take(self, req: Request, num_tokens: int) -> None:
+        """Put num_tokens of req's next tokens into the batch (1 <= n <= num_new_tokens)."""
+        assert 1 <= num_tokens <= req.num_new_tokens and req.req_id not in self._planned
+        self.chunks.append([req, num_tokens])
+        self.num_tokens += num_tokens
+        self._planned.add(req.req_id)
+
+    def shrink_last(self, num_tokens: int) -> None:
+        """Drop num_tokens from the last chunk (it keeps at least one token)."""
+        chunk = self.chunks[-1]
+        assert 0 <= num_tokens < chunk[1]
+        chunk[1] -= num_tokens
+        self.num_tokens -= num_tokens
+
+    def reserve_decode(self, req: Request) -> bool:
+        """Make room for req's next token, preempting the newest running requests that are
+        not in this batch if memory is short. False if req itself was preempted (it was the
+        newest) or is no longer running."""
+        return req.status is RequestStatus.RUNNING and self._sched.reserve_slot(req, self._planned)
+
+    def admit_next(self, max_new_tokens: int | None = None) -> Request | None:
+        """Admit the head of the waiting queue if the running set has room (max_num_seqs) and
+        memory has its blocks (with the watermark). max_new_tokens caps its tokens, except in
+        an empty batch: a prompt longer than the cap then runs alone rather than never.
+        FCFS: if the head does not fit, nobody behind it is admitted."""
+        waiting = self._sched.waiting
+        if not waiting:
+            return None
+        head = waiting[0]
+        if max_new_tokens is not None and self.chunks and head.num_tokens > max_new_tokens:
+            return None
+        return head if self._sched.admit_head() else None
+
+
+class Policy:
+    """One scheduling policy. Subclasses set `name` and implement plan()."""
+
+    name = "base"
+
+    def __init__(self, config: SchedulerConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len  # tokens
+
+    def plan(self, ctx: StepContext) -> None:
+        """Fill ctx with this iteration's chunks through ctx's moves."""
+        raise NotImplementedError
+
+    # -- shared building blocks ---------------------------------------------------------------
+    def take_all_decodes(self, ctx: StepContext, budget: int | None = None) -> None:
+        """Every running decode, oldest first, while ctx.num_tokens < budget (None: no cap)."""
+        for req in ctx.decodes():
+            if budget is not None and ctx.num_tokens >= budget:
+                return
+            if ctx.reserve_decode(req):
+                ctx.take(req, 1)
+
+    def take_whole_prompts(self, ctx: StepContext, max_tokens: int | None = None) -> None:
+        """Admit waiting requests and take all their tokens, while they fit max_tokens."""
+        while True:
+            left = None if max_tokens is None else max_tokens - ctx.num_tokens
+            req = ctx.admit_next(left)
+            if req is None:
+                return
+            ctx.take(req, req.num_new_tokens)
+
+    def take_chunked_prefills(self, ctx: StepContext, budget: int) -> None:
+        """Partial prefills first, then new requests, each cut to the budget left (tokens)."""
+        for req in ctx.prefills():
+            if ctx.num_tokens >= budget:
+                return
+            ctx.take(req, min(req.num_new_tokens, budget - ctx.num_tokens))
+        while ctx.num_tokens < budget and (req := ctx.admit_next()) is not None:
+            ctx.take(req, min(req.num_new_tokens, budget - ctx.num_tokens))

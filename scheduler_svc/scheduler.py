@@ -1,0 +1,269 @@
+"""The scheduler: owns every request's state and all KV-block bookkeeping. Torch-free.
+
+One iteration is `schedule()` -> (an executor runs the Batch) -> `update(batch, output)`.
+Counters advance when a batch is scheduled, so a pipeline may schedule the next micro-batch
+before this one's output is back; a request is in at most one in-flight batch. Given the same
+arrivals and the same clock, it makes the same batches.
+
+Step boundaries (the start of schedule() and the end of update()) are where aborts take
+effect and where blocks of finished requests have been freed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.policies import StepContext, make_policy
+from scheduler_svc.request import Request, RequestStatus
+from shared.config import CacheConfig, ModelInfo, SchedulerConfig
+from shared.messages import Batch, BatchOutput, SeqChunk, TokenEvent
+from shared.sampling import InvalidRequestError, SamplingParams
+
+
+class Scheduler:
+    def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
+                 model_info: ModelInfo, clock: Callable[[], float] = time.monotonic):
+        self.config = sched_config
+        self.model_info = model_info
+        self.clock = clock  # seconds; all timestamps come from it
+        self.max_model_len = min(sched_config.max_model_len, model_info.max_model_len)  # tokens
+        self.eos_token_ids = frozenset(model_info.eos_token_ids)
+        self.block_manager = BlockManager(
+            cache_config.num_blocks, cache_config.block_size,
+            int(sched_config.watermark * cache_config.num_blocks),
+            sched_config.enable_prefix_caching)
+        self.policy = make_policy(sched_config, self.max_model_len)
+        self.requests: dict[str, Request] = {}   # every unfinished request
+        self.waiting: deque[Request] = deque()   # FCFS; preempted requests go to the head
+        self.running: list[Request] = []         # admitted, in admission order (oldest first)
+        self._freed_ids: list[str] = []          # for the next batch's freed_req_ids
+        self._events: list[TokenEvent] = []      # end events of aborts, for the next caller
+        self._abort_lock = threading.Lock()
+        self._abort_ids: list[tuple[str, str | None]] = []
+        self._next_batch_id = 0
+        self._counters = dict(num_preemptions=0, prefix_cache_hit_tokens=0,
+                              prefix_cache_query_tokens=0, num_finished=0, num_aborted=0,
+                              last_prefill_tokens=0, last_decode_tokens=0, last_batch_size=0)
+
+    # -- requests in -----------------------------------------------------------------------------
+    def add_request(self, req_id: str, prompt_token_ids: list[int],
+                    sampling: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> Request:
+        """Queue a request; raises InvalidRequestError if it could never be served as asked.
+        arrival_time: seconds on this scheduler's clock (default: now)."""
+        sampling = SamplingParams() if sampling is None else sampling
+        self.validate_request(req_id, prompt_token_ids, sampling)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        req = Request(req_id, list(prompt_token_ids), sampling, arrival)
+        self.requests[req_id] = req
+        self.waiting.append(req)
+        return req
+
+    def validate_request(self, req_id: str, prompt: list[int], sampling: SamplingParams) -> None:
+        """Raise InvalidRequestError (param, code, message) if add_request would refuse it."""
+        sampling.validate()
+        if req_id in self.requests:
+            raise InvalidRequestError(f"request id {req_id!r} is already in use", "req_id",
+                                      "duplicate_request_id")
+        if not prompt:
+            raise InvalidRequestError("the prompt must contain at least one token", "prompt")
+        vocab = self.model_info.vocab_size
+        if vocab > 0 and not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})",
+                                      "prompt", "invalid_token_id")
+        total = len(prompt) + sampling.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{total} were requested ({len(prompt)} in the prompt, {sampling.max_tokens} "
+                "max_tokens)", "max_tokens", "context_length_exceeded")
+        bm = self.block_manager
+        usable = bm.num_blocks - bm.watermark_blocks
+        if bm.blocks_for(total) > usable:
+            raise InvalidRequestError(
+                f"the request needs {bm.blocks_for(total)} KV blocks ({total} tokens) but the "
+                f"KV cache can give one request at most {usable} blocks of {bm.block_size} "
+                "tokens", "max_tokens", "kv_cache_too_small")
+
+    def abort(self, req_id: str, error: str | None = None) -> None:
+        """Stop a request at the next step boundary (thread-safe). With `error`, it finishes
+        with reason "error" and that message; otherwise "abort". Unknown ids are ignored."""
+        with self._abort_lock:
+            self._abort_ids.append((req_id, error))
+
+    # -- one iteration ----------------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        """Plan the next iteration with the policy; None if there is nothing to run now."""
+        self._process_aborts()
+        ctx = StepContext(self)
+        self.policy.plan(ctx)
+        if not ctx.chunks:
+            return None
+        now = self.clock()
+        seqs = [self._schedule_chunk(req, n, now) for req, n in ctx.chunks]
+        batch = Batch(self._next_batch_id, seqs, self._freed_ids)
+        self._next_batch_id += 1
+        self._freed_ids = []
+        self._count_batch(seqs)
+        return batch
+
+    def _schedule_chunk(self, req: Request, n: int, now: float) -> SeqChunk:
+        start = req.num_computed_tokens
+        req.num_computed_tokens = start + n
+        req.in_flight = True
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        return SeqChunk(req.req_id, req.token_ids[start:start + n], start, list(req.block_table),
+                        req.num_computed_tokens == req.num_tokens, req.sampling,
+                        req.num_output_tokens)
+
+    def update(self, batch: Batch, output: BatchOutput) -> list[TokenEvent]:
+        """Take an executed batch's sampled tokens; returns the TokenEvents of this step (and
+        of aborts processed since the last call). Finished requests free their blocks here."""
+        if output.batch_id != batch.batch_id:
+            raise ValueError(f"output of batch {output.batch_id} given for batch {batch.batch_id}")
+        now = self.clock()
+        for seq in batch.seqs:
+            req = self.requests.get(seq.req_id)
+            if req is None or not req.in_flight:
+                continue  # finished meanwhile (e.g. aborted with an error by the service)
+            req.in_flight = False
+            self.block_manager.cache_computed_blocks(req)
+            if seq.sample:
+                self._append_token(req, self._sampled(output, seq.req_id), now)
+        self._process_aborts()
+        return self.take_events()
+
+    @staticmethod
+    def _sampled(output: BatchOutput, req_id: str) -> int:
+        try:
+            return output.sampled[req_id]
+        except KeyError:
+            raise ValueError(f"executor returned no token for {req_id!r}, which was due one") from None
+
+    def _append_token(self, req: Request, token: int, now: float) -> None:
+        req.token_ids.append(token)
+        req.token_times.append(now)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        reason = self._finish_reason(req, token)
+        self._events.append(TokenEvent(req.req_id, req.num_output_tokens - 1, token, reason,
+                                       num_prompt_tokens=req.num_prompt_tokens))
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        sp = req.sampling
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def take_events(self) -> list[TokenEvent]:
+        """Events produced since the last call (update() returns them too)."""
+        events, self._events = self._events, []
+        return events
+
+    # -- memory moves used by the policies' StepContext ----------------------------------------
+    def admit_head(self) -> bool:
+        """Move the head of the waiting queue to running if max_num_seqs and memory allow."""
+        req = self.waiting[0]
+        bm = self.block_manager
+        if len(self.running) >= self.config.max_num_seqs or not bm.can_allocate(req):
+            return False
+        self.waiting.popleft()
+        hit_tokens = bm.allocate(req)
+        if bm.cache is not None:
+            self._counters["prefix_cache_hit_tokens"] += hit_tokens
+            self._counters["prefix_cache_query_tokens"] += req.num_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return True
+
+    def reserve_slot(self, req: Request, planned: set[str]) -> bool:
+        """Blocks for req's next token; preempts the newest running requests that are neither
+        in flight nor planned (possibly req itself) until there is room."""
+        bm = self.block_manager
+        while not bm.can_append(req):
+            victim = next((r for r in reversed(self.running)
+                           if not r.in_flight and r.req_id not in planned), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is req:
+                return False
+        bm.append(req)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Preemption by recompute: free the blocks, keep every token (prompt and generated),
+        and requeue at the head; the whole sequence is prefilled again later."""
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        self._freed_ids.append(req.req_id)
+        self._counters["num_preemptions"] += 1
+
+    # -- finishing ------------------------------------------------------------------------------
+    def _process_aborts(self) -> None:
+        with self._abort_lock:
+            pending, self._abort_ids = self._abort_ids, []
+        deferred = []
+        for req_id, error in pending:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req.in_flight:  # its batch is still out: wait for the boundary after it
+                deferred.append((req_id, error))
+                continue
+            self._events.append(TokenEvent(req_id, req.num_output_tokens, None,
+                                           "error" if error else "abort", error,
+                                           req.num_prompt_tokens))
+            self._finish(req, "error" if error else "abort", error)
+        if deferred:
+            with self._abort_lock:
+                self._abort_ids[:0] = deferred
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        was_running = req.status is RequestStatus.RUNNING
+        req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
+        req.finish_time = self.clock()
+        self.block_manager.free(req)
+        if was_running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        del self.requests[req.req_id]
+        if req.first_scheduled_time is not None:
+            self._freed_ids.append(req.req_id)
+        self._counters["num_aborted" if reason in ("abort", "error") else "num_finished"] += 1
+
+    # -- introspection --------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)
+
+    def _count_batch(self, seqs: list[SeqChunk]) -> None:
+        decode = sum(1 for s in seqs if len(s.token_ids) == 1 and s.output_index > 0 and s.sample)
+        total = sum(len(s.token_ids) for s in seqs)
+        self._counters.update(last_prefill_tokens=total - decode, last_decode_tokens=decode,
+                              last_batch_size=len(seqs))
+
+    def stats(self) -> dict:
+        """running, waiting (requests); num_free_blocks, num_total_blocks (blocks); kv_usage
+        (fraction of blocks used); num_preemptions, num_finished, num_aborted (counts since
+        start); prefix_cache_hit_tokens, prefix_cache_query_tokens (tokens since start);
+        last_prefill_tokens, last_decode_tokens, last_batch_size (the last batch scheduled)."""
+        bm = self.block_manager
+        return dict(running=len(self.running), waiting=len(self.waiting),
+                    num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+                    kv_usage=bm.num_used_blocks / bm.num_blocks, **self._counters)

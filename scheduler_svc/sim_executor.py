@@ -1,0 +1,114 @@
+"""A deterministic, torch-free executor for tests and benchmarks.
+
+SimExecutor keeps a fake KV cache of token ids, written through each SeqChunk's block table,
+and derives each sampled token from the context it reads back through the block table. The
+next token is therefore a function of the sequence's tokens only (like a greedy model), not
+of how the scheduler chunked, preempted or shared it, *unless* the scheduler got the memory
+wrong: a bad block table, a shared block overwritten, or a read of a slot never written
+changes the output or raises. Tests compare outputs against a run with ample memory.
+
+Optional cost model + SimClock: the clock advances by the modelled iteration time, so TTFT /
+TBT metrics can be computed without a GPU.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from shared.messages import Batch, BatchOutput, SeqChunk
+
+
+class SimClock:
+    """A manual clock (seconds) to inject into the Scheduler: `clock()` reads it."""
+
+    def __init__(self, start: float = 0.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def linear_cost_model(base_s: float = 0.010, per_prefill_token_s: float = 5e-5,
+                      per_decode_token_s: float = 2e-4) -> Callable[[Batch], float]:
+    """Iteration time (seconds) = base + per-token costs; a decode is a 1-token sampled chunk
+    after the prompt. Crude, but enough to see stalls in simulated TBT."""
+    def cost(batch: Batch) -> float:
+        t = base_s
+        for s in batch.seqs:
+            decode = len(s.token_ids) == 1 and s.output_index > 0
+            t += per_decode_token_s if decode else per_prefill_token_s * len(s.token_ids)
+        return t
+    return cost
+
+
+class SimExecutor:
+    """execute(batch) -> BatchOutput, deterministic.
+
+    block_size: tokens per KV block (must match the scheduler's).
+    vocab_size: sampled tokens are in [1, vocab_size).
+    scripts: req_id -> tokens to emit by output index (e.g. to end with an EOS); past the
+        script's end, tokens come from the context hash.
+    verify_kv: read the whole context back through the block table for every sampled token
+        (O(context) per token); False derives the token from (req_id, position) only, for
+        benchmarks.
+    """
+
+    def __init__(self, block_size: int, vocab_size: int = 32000,
+                 scripts: dict[str, list[int]] | None = None, verify_kv: bool = True,
+                 cost_model: Callable[[Batch], float] | None = None,
+                 clock: SimClock | None = None):
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.scripts = scripts or {}
+        self.verify_kv = verify_kv
+        self.cost_model = cost_model
+        self.clock = clock
+        self.kv: dict[int, list[int | None]] = {}   # block id -> token id per slot
+        self.num_batches = 0
+        self.computed_tokens = 0                     # tokens whose K/V were written, total
+
+    def execute(self, batch: Batch) -> BatchOutput:
+        sampled = {}
+        for seq in batch.seqs:
+            self._write(seq)
+            if seq.sample:
+                sampled[seq.req_id] = self._next_token(seq)
+        cost = self.cost_model(batch) if self.cost_model else 0.0
+        if self.clock is not None:
+            self.clock.advance(cost)
+        self.num_batches += 1
+        return BatchOutput(batch.batch_id, sampled, {"forward_s": cost})
+
+    def _slot(self, seq: SeqChunk, pos: int) -> tuple[list, int]:
+        block = seq.block_table[pos // self.block_size]
+        return self.kv.setdefault(block, [None] * self.block_size), pos % self.block_size
+
+    def _write(self, seq: SeqChunk) -> None:
+        self.computed_tokens += len(seq.token_ids)
+        if not self.verify_kv:
+            return
+        for i, tok in enumerate(seq.token_ids):
+            slots, off = self._slot(seq, seq.start_pos + i)
+            slots[off] = tok
+
+    def _next_token(self, seq: SeqChunk) -> int:
+        script = self.scripts.get(seq.req_id, ())
+        if seq.output_index < len(script):
+            token = script[seq.output_index]
+            if self.verify_kv:
+                self._read_context(seq)  # still check the memory
+            return token
+        end = seq.start_pos + len(seq.token_ids)
+        key = tuple(self._read_context(seq)) if self.verify_kv else (seq.req_id, end)
+        return 1 + hash(key) % (self.vocab_size - 1)
+
+    def _read_context(self, seq: SeqChunk) -> list[int]:
+        context = []
+        for pos in range(seq.start_pos + len(seq.token_ids)):
+            slots, off = self._slot(seq, pos)
+            if slots[off] is None:
+                raise AssertionError(f"{seq.req_id}: KV slot of position {pos} was never written")
+            context.append(slots[off])
+        return context
