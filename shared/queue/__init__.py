@@ -1,0 +1,193 @@
+"""The request queue between gateways and schedulers, and the token streams back.
+
+Two sides, two implementations with the same semantics:
+
+* `GatewayQueue` (async, used inside the gateway's asyncio loop): submit requests, send aborts,
+  receive the TokenEvents addressed to this gateway, read the queue depth for backpressure.
+* `SchedulerQueue` (sync, called from the scheduler's loop thread): fetch new requests only when
+  there is room (pull-based admission), ack finished/aborted ones, replay un-acked ones after a
+  restart, publish token events, poll aborts.
+
+Implementations: `shared.queue.redis_streams` (distributed mode: a Redis stream with a consumer
+group; the pending-entries list is the durable in-flight set) and `shared.queue.local` (embedded
+mode: one process, no Redis; the gateway's event loop and the scheduler thread share a broker).
+
+Invariants both implementations keep:
+* `submit` returns only once the request is durable (Redis: XADD returned).
+* `fetch` returns only requests never delivered before; a request stays "pending" for its
+  consumer until `ack`, and `replay_pending` hands pending ones back after a restart.
+* A request aborted before it was fetched is never returned by fetch/replay (it is acked and
+  dropped), so `poll_aborts` may name ids the scheduler never saw: ignore unknown ids.
+* Every TokenEvent is delivered to the gateway named by its request's `reply_to`, in publish
+  order; duplicates (same req_id and index) can happen after a replay and are the gateway's
+  to drop.
+"""
+from __future__ import annotations
+
+import abc
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from shared.messages import RequestMsg, TokenEvent
+
+
+@dataclass
+class QueueConfig:
+    """Names and timings of the queue. All Redis keys start with `prefix`.
+
+    claim_min_idle_ms: ms; a pending request another consumer has not touched for this long is
+        claimed by `replay_pending` (XAUTOCLAIM). Live schedulers refresh their pending entries
+        every heartbeat, so only a dead replica's entries get that idle.
+    heartbeat_interval_s: seconds between heartbeats (done inside fetch/poll_aborts/heartbeat).
+    heartbeat_ttl_s: seconds a scheduler counts as alive after its last heartbeat (/ready).
+    out_maxlen: approximate cap, in entries, of each gateway's reply stream (MAXLEN ~).
+    out_ttl_s: seconds a reply stream lives after its last publish (a dead gateway's stream
+        expires instead of leaking).
+    aborts_maxlen: approximate cap, in entries, of the abort stream.
+    """
+
+    prefix: str = "sarathi:"
+    group: str = "schedulers"
+    claim_min_idle_ms: int = 30_000
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 10.0
+    out_maxlen: int = 100_000
+    out_ttl_s: int = 3600
+    aborts_maxlen: int = 10_000
+
+    @property
+    def requests_key(self) -> str:
+        return f"{self.prefix}requests"
+
+    @property
+    def aborts_key(self) -> str:
+        return f"{self.prefix}aborts"
+
+    def out_key(self, gateway_id: str) -> str:
+        return f"{self.prefix}out:{gateway_id}"
+
+    def heartbeat_key(self, consumer: str) -> str:
+        return f"{self.prefix}scheduler:{consumer}"
+
+
+def new_gateway_id() -> str:
+    """A gateway id unique per process: a restarted gateway gets a fresh reply stream."""
+    return f"gw-{uuid.uuid4().hex[:12]}"
+
+
+def default_consumer_name() -> str:
+    """Stable per host (a StatefulSet pod name, or the hostname), so that a restarted scheduler
+    replica finds its own pending entries. Override with SARATHI_CONSUMER."""
+    return os.environ.get("SARATHI_CONSUMER") or f"sched-{socket.gethostname()}"
+
+
+class GatewayQueue(abc.ABC):
+    """The gateway's side. All methods run on the gateway's asyncio loop."""
+
+    gateway_id: str
+
+    @abc.abstractmethod
+    async def submit(self, req: RequestMsg) -> None:
+        """Enqueue `req`; returns once it is durable. req.reply_to must be self.gateway_id."""
+
+    @abc.abstractmethod
+    async def abort(self, req_id: str) -> None:
+        """Ask every scheduler to stop `req_id` (and never to start it, if still queued)."""
+
+    @abc.abstractmethod
+    def events(self) -> AsyncIterator[TokenEvent]:
+        """Every TokenEvent addressed to this gateway, in publish order; runs until cancelled."""
+
+    @abc.abstractmethod
+    async def depth(self) -> int:
+        """Requests queued and not yet taken by any scheduler."""
+
+    @abc.abstractmethod
+    async def scheduler_alive(self) -> bool:
+        """True if at least one scheduler heartbeat is younger than heartbeat_ttl_s."""
+
+    async def close(self) -> None:
+        """Release connections. Idempotent."""
+
+
+class SchedulerQueue(abc.ABC):
+    """The scheduler's side. Called from one thread (the scheduler's loop); blocking calls."""
+
+    consumer: str
+
+    @abc.abstractmethod
+    def fetch(self, max_n: int, block_ms: int = 0) -> list[RequestMsg]:
+        """Up to max_n requests never delivered before; waits up to block_ms ms (0: no wait)
+        when none is queued. Call only when there is room for them."""
+
+    @abc.abstractmethod
+    def replay_pending(self) -> list[RequestMsg]:
+        """This consumer's un-acked requests (after a restart), plus requests claimed from
+        consumers idle longer than claim_min_idle_ms. Recompute them from the prompt."""
+
+    @abc.abstractmethod
+    def ack(self, req_id: str) -> None:
+        """The request finished or was aborted: it leaves the pending set. Unknown ids: no-op."""
+
+    @abc.abstractmethod
+    def publish(self, events: list[TokenEvent], reply_to: dict[str, str] | None = None) -> None:
+        """Send each event to its request's gateway. reply_to: req_id -> gateway id; ids not in
+        it are looked up among the requests this queue delivered (unknown ones are dropped)."""
+
+    @abc.abstractmethod
+    def poll_aborts(self) -> list[str]:
+        """Request ids aborted by gateways since the last call (may include unknown ids)."""
+
+    @abc.abstractmethod
+    def heartbeat(self) -> None:
+        """Mark this scheduler alive and keep its pending requests from being claimed. Done
+        inside fetch/poll_aborts too; call it directly only during long pauses."""
+
+    def close(self) -> None:
+        """Release connections. Idempotent."""
+
+
+def make_gateway_queue(redis_url: str | None, *, config: QueueConfig | None = None,
+                       gateway_id: str | None = None, broker=None) -> GatewayQueue:
+    """Redis when redis_url is given; else the in-process queue over `broker` (a LocalBroker
+    shared with the scheduler side; required in that case)."""
+    config = config or QueueConfig()
+    gateway_id = gateway_id or new_gateway_id()
+    if redis_url:
+        from shared.queue.redis_streams import RedisGatewayQueue
+        return RedisGatewayQueue(redis_url, config, gateway_id)
+    if broker is None:
+        raise ValueError("the in-process queue needs the broker shared with the scheduler side")
+    from shared.queue.local import LocalGatewayQueue
+    return LocalGatewayQueue(broker, gateway_id)
+
+
+def make_scheduler_queue(redis_url: str | None, *, config: QueueConfig | None = None,
+                         consumer: str | None = None, broker=None) -> SchedulerQueue:
+    """Redis when redis_url is given; else the in-process queue over `broker` (required)."""
+    config = config or QueueConfig()
+    consumer = consumer or default_consumer_name()
+    if redis_url:
+        from shared.queue.redis_scheduler import RedisSchedulerQueue
+        return RedisSchedulerQueue(redis_url, config, consumer)
+    if broker is None:
+        raise ValueError("the in-process queue needs the broker shared with the gateway side")
+    from shared.queue.local import LocalSchedulerQueue
+    return LocalSchedulerQueue(broker, consumer)
+
+
+def make_queues(redis_url: str | None, *, config: QueueConfig | None = None,
+                gateway_id: str | None = None, consumer: str | None = None
+                ) -> tuple[GatewayQueue, SchedulerQueue]:
+    """Both sides at once: embedded mode (redis_url None: an in-process broker, no Redis) or a
+    single process that still wants Redis."""
+    config = config or QueueConfig()
+    broker = None
+    if not redis_url:
+        from shared.queue.local import LocalBroker
+        broker = LocalBroker(config)
+    return (make_gateway_queue(redis_url, config=config, gateway_id=gateway_id, broker=broker),
+            make_scheduler_queue(redis_url, config=config, consumer=consumer, broker=broker))

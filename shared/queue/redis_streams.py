@@ -1,0 +1,96 @@
+"""The queue on Redis streams (distributed mode): key layout, helpers, the gateway side.
+The scheduler side is in shared.queue.redis_scheduler.
+
+Keys (all under QueueConfig.prefix):
+* `requests`: stream of RequestMsg (field "req", JSON), read by the consumer group `group`.
+  An entry stays in the group's pending-entries list (PEL) until the scheduler acks it, and is
+  deleted on ack: so XLEN - (PEL size) is the number of requests not yet taken (`depth`).
+* `aborts`: stream of aborted ids (field "req_id"); every scheduler reads all of it (XREAD,
+  no group), MAXLEN-trimmed.
+* `out:<gateway id>`: one stream per gateway; each entry is one publish call's events for that
+  gateway (field "events", a JSON list), MAXLEN-trimmed, expiring out_ttl_s after the last
+  publish so a dead gateway's stream does not leak.
+* `schedulers` (a set of consumer names) and `scheduler:<consumer>` (a key with a TTL): the
+  heartbeat the gateway's /ready reads.
+"""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+import redis
+import redis.asyncio as aioredis
+
+from shared.messages import RequestMsg, TokenEvent
+from shared.queue import GatewayQueue, QueueConfig
+from shared.queue.common import decode_events, encode_request
+
+PAGE = 256  # entries per Redis round trip when draining a backlog
+
+
+def is_busygroup(exc: redis.ResponseError) -> bool:
+    return str(exc).startswith("BUSYGROUP")
+
+
+def entries_of(resp) -> list[tuple[str, dict]]:
+    """The (id, fields) entries of an XREAD/XREADGROUP reply (RESP2: [[stream, entries]])."""
+    return [e for _, entries in resp or [] for e in entries]
+
+
+class RedisGatewayQueue(GatewayQueue):
+    """One gateway's view of the queue. Use it from one asyncio loop."""
+
+    def __init__(self, url: str, config: QueueConfig, gateway_id: str):
+        self.r = aioredis.Redis.from_url(url, decode_responses=True)
+        self.cfg, self.gateway_id = config, gateway_id
+        self._group_ready = False
+
+    async def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            await self.r.xgroup_create(self.cfg.requests_key, self.cfg.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if not is_busygroup(exc):
+                raise
+        self._group_ready = True
+
+    async def submit(self, req: RequestMsg) -> None:
+        await self._ensure_group()
+        await self.r.xadd(self.cfg.requests_key, {"req": encode_request(req)})
+
+    async def abort(self, req_id: str) -> None:
+        await self.r.xadd(self.cfg.aborts_key, {"req_id": req_id},
+                          maxlen=self.cfg.aborts_maxlen, approximate=True)
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        key, cursor = self.cfg.out_key(self.gateway_id), "0-0"
+        last_trim = time.monotonic()
+        while True:
+            resp = await self.r.xread({key: cursor}, count=PAGE, block=1000)
+            for eid, fields in entries_of(resp):
+                cursor = eid
+                for ev in decode_events(fields["events"]):
+                    yield ev
+            if time.monotonic() - last_trim > 1.0 and cursor != "0-0":
+                # Entries we have read are of no further use: free them now instead of
+                # waiting for MAXLEN or the TTL.
+                await self.r.xtrim(key, minid=cursor, approximate=True)
+                last_trim = time.monotonic()
+
+    async def depth(self) -> int:
+        await self._ensure_group()
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.xlen(self.cfg.requests_key)
+            pipe.xpending(self.cfg.requests_key, self.cfg.group)
+            length, pending = await pipe.execute()
+        return max(0, length - int(pending["pending"]))
+
+    async def scheduler_alive(self) -> bool:
+        names = await self.r.smembers(f"{self.cfg.prefix}schedulers")
+        if not names:
+            return False
+        return await self.r.exists(*[self.cfg.heartbeat_key(n) for n in names]) > 0
+
+    async def close(self) -> None:
+        await self.r.aclose()

@@ -1,0 +1,57 @@
+"""What only the Redis implementation has: its key layout, trimming and bad entries."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis
+
+from shared.messages import RequestMsg, TokenEvent
+from shared.queue import QueueConfig, make_queues
+from shared.sampling import SamplingParams
+
+
+def _req(req_id: str, gw: str) -> RequestMsg:
+    return RequestMsg(req_id, [1, 2], SamplingParams(), gw, time.time())
+
+
+def test_a_malformed_entry_is_dropped_without_wedging_the_consumer(redis_server_url, redis_prefix):
+    cfg = QueueConfig(prefix=redis_prefix)
+    gq, sq = make_queues(redis_server_url, config=cfg, gateway_id="gw", consumer="s1")
+    r = redis.Redis.from_url(redis_server_url, decode_responses=True)
+    r.xadd(cfg.requests_key, {"req": "{not json"})
+    asyncio.run(gq.submit(_req("ok", "gw")))
+    assert [m.req_id for m in sq.fetch(10)] == ["ok"]
+    assert r.xlen(cfg.requests_key) == 1  # the bad entry was acked and deleted
+    sq.close()
+
+
+def test_reply_streams_are_capped_and_expire(redis_server_url, redis_prefix):
+    cfg = QueueConfig(prefix=redis_prefix, out_ttl_s=60)
+    _, sq = make_queues(redis_server_url, config=cfg, gateway_id="gw", consumer="s1")
+    sq.publish([TokenEvent("x", 0, 1)], reply_to={"x": "gw"})
+    r = redis.Redis.from_url(redis_server_url, decode_responses=True)
+    assert 0 < r.ttl(cfg.out_key("gw")) <= 60
+    sq.close()
+
+
+def test_the_gateway_trims_reply_entries_it_has_read(redis_server_url, redis_prefix):
+    cfg = QueueConfig(prefix=redis_prefix)
+    gq, sq = make_queues(redis_server_url, config=cfg, gateway_id="gw", consumer="s1")
+    r = redis.Redis.from_url(redis_server_url, decode_responses=True)
+
+    async def main():
+        stream = gq.events()
+        for i in range(300):
+            sq.publish([TokenEvent("x", i, 1)], reply_to={"x": "gw"})
+        seen = [await anext(stream) for _ in range(300)]
+        await asyncio.sleep(1.1)
+        sq.publish([TokenEvent("x", 300, 1)], reply_to={"x": "gw"})
+        seen.append(await anext(stream))
+        await stream.aclose()
+        await gq.close()
+        return seen
+
+    assert [e.index for e in asyncio.run(main())] == list(range(301))
+    assert r.xlen(cfg.out_key("gw")) < 300
+    sq.close()
