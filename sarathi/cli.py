@@ -1,0 +1,111 @@
+"""`sarathi`: one console command for every role.
+
+Every option also reads an environment variable SARATHI_<OPTION> (dashes -> underscores,
+upper case), so containers are configured without flags. Flags win over the environment.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from shared.config import POLICIES
+
+
+def _env(name: str, default):
+    raw = os.environ.get("SARATHI_" + name.upper().replace("-", "_"))
+    if raw is None:
+        return default
+    if isinstance(default, bool):
+        return raw.lower() in ("1", "true", "yes", "on")
+    return type(default)(raw) if default is not None else raw
+
+
+def _add(p: argparse.ArgumentParser, name: str, default, help: str, type=None, **kw) -> None:
+    if isinstance(default, bool):
+        p.add_argument(f"--{name}", default=_env(name, default), action=argparse.BooleanOptionalAction, help=help)
+        return
+    p.add_argument(f"--{name}", default=_env(name, default), type=type or (type_of(default)), help=help, **kw)
+
+
+def type_of(default):
+    return str if default is None else type(default)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    _add(p, "model", None, "a GGUF file or HF-style model directory (default: SmolLM2-135M-Instruct)")
+    _add(p, "dtype", "auto", "weights/activations dtype", choices=["auto", "float32", "bfloat16"])
+    _add(p, "threads", 0, "torch CPU threads (0 = torch default)")
+    _add(p, "num-blocks", 2048, "KV cache blocks per layer")
+    _add(p, "block-size", 16, "tokens per KV block")
+
+
+def _sched_args(p: argparse.ArgumentParser) -> None:
+    _add(p, "policy", "sarathi", "batching policy", choices=list(POLICIES))
+    _add(p, "token-budget", 512, "tau: tokens per iteration (sarathi, chunked_only)")
+    _add(p, "max-num-seqs", 128, "cap on running requests")
+    _add(p, "max-num-batched-tokens", 4096, "tokens per iteration for whole-prefill policies")
+    _add(p, "prefix-caching", False, "reuse KV blocks of shared prompt prefixes")
+
+
+def _net_args(p: argparse.ArgumentParser, gateway: bool) -> None:
+    _add(p, "redis-url", None, "Redis URL (embedded mode: omit for an in-process queue)")
+    if gateway:
+        _add(p, "host", "127.0.0.1", "HTTP bind address")
+        _add(p, "port", 8000, "HTTP port")
+        _add(p, "api-key", None, "require 'Authorization: Bearer <key>'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sarathi", description="Stall-free LLM serving (Sarathi-Serve).")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("generate", help="offline generation: print the completion of a prompt")
+    _model_args(p)
+    _sched_args(p)
+    p.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for several)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap the prompt in the model's chat template (default: on)")
+
+    p = sub.add_parser("serve", help="embedded mode: gateway + scheduler + worker on localhost")
+    _model_args(p)
+    _sched_args(p)
+    _net_args(p, gateway=True)
+
+    p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway (needs --redis-url)")
+    _add(p, "model", None, "model whose tokenizer and chat template to use")
+    _net_args(p, gateway=True)
+
+    p = sub.add_parser("scheduler", help="the scheduler service (Redis queue in, ZeroMQ workers out)")
+    _add(p, "model", None, "model (for its limits; weights are loaded by workers)")
+    _sched_args(p)
+    _net_args(p, gateway=False)
+    _add(p, "worker-addr", "tcp://127.0.0.1:5555", "ZeroMQ address of the worker")
+    _add(p, "metrics-port", 9100, "Prometheus port of the scheduler")
+
+    p = sub.add_parser("worker", help="a worker service: holds the model, runs batches from ZeroMQ")
+    _model_args(p)
+    _add(p, "bind", "tcp://0.0.0.0:5555", "ZeroMQ address to bind")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from sarathi import commands  # heavy imports only after parsing (fast --help)
+
+    try:
+        return getattr(commands, args.cmd)(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
+        print(f"sarathi {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
