@@ -24,6 +24,11 @@ class WorkerError(RuntimeError):
     """A worker answered with an error, or did not answer within the timeout."""
 
 
+class WorkerRestartedError(WorkerError):
+    """A worker process was replaced since the last reply: the KV content of every request that
+    has computed tokens is lost, so those requests must be recomputed or failed."""
+
+
 class RemoteExecutor:
     """execute(batch) -> BatchOutput over ZeroMQ.
 
@@ -41,6 +46,7 @@ class RemoteExecutor:
         self._seq = itertools.count()
         self._pending_free: list[str] = []
         self._model_info: ModelInfo | None = None
+        self._instances: list[str | None] = [None] * len(self.addresses)
 
     def _connect(self, address: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
@@ -83,6 +89,7 @@ class RemoteExecutor:
         t0 = time.perf_counter()
         try:
             replies = self._execute_once(batch)
+            self._check_instances(replies)
         except WorkerError:
             self.reset()
             raise
@@ -118,6 +125,14 @@ class RemoteExecutor:
                     raise _Resend()
                 raise WorkerError(f"worker {self.addresses[i]}: {r.get('error')}: {r.get('message')}")
         return replies
+
+    def _check_instances(self, replies: list[dict[str, Any]]) -> None:
+        """Raise WorkerRestartedError if a worker's process changed since the last batch."""
+        changed = [self.addresses[i] for i, r in enumerate(replies)
+                   if self._instances[i] not in (None, r.get("instance"))]
+        self._instances = [r.get("instance") for r in replies]
+        if changed:
+            raise WorkerRestartedError(f"worker {', '.join(changed)} restarted: its KV cache is lost")
 
     def _recv(self, i: int, seq: int, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s

@@ -8,7 +8,7 @@ import threading
 import pytest
 import zmq
 
-from scheduler_svc.remote_executor import RemoteExecutor, WorkerError
+from scheduler_svc.remote_executor import RemoteExecutor, WorkerError, WorkerRestartedError
 from shared.config import ModelInfo
 from shared.messages import Batch, BatchOutput, SeqChunk
 from shared.sampling import SamplingParams
@@ -92,6 +92,35 @@ def test_restarted_worker_gets_the_batch_resent_in_full(serve, tmp_path):
     remote2.encoders[0].epoch = "stale"
     remote2.execute(b2)
     assert second.batches == [b2]
+
+
+def test_worker_process_replaced_on_the_same_address_is_reported_as_lost_kv(tmp_path):
+    addr = f"ipc://{tmp_path}/same.sock"
+    servers = []
+
+    def start():
+        server = WorkerServer(RecordingExecutor(), addr)
+        stop = threading.Event()
+        t = threading.Thread(target=server.serve_forever, args=(stop,), daemon=True)
+        t.start()
+        servers.append((server, stop, t))
+
+    def stop_last():
+        server, stop, t = servers[-1]
+        stop.set()
+        t.join(5)
+        server.close()
+
+    start()
+    remote = RemoteExecutor(addr, timeout_s=5)
+    b0, b1, b2 = three_batches()
+    remote.execute(b0)
+    stop_last()
+    start()  # a new process: same address, empty KV cache
+    with pytest.raises(WorkerRestartedError, match="KV cache is lost"):
+        remote.execute(b1)
+    remote.execute(Batch(3, [seq("c", [5, 6], 0, True)]))  # new work runs on the new worker
+    stop_last()
 
 
 def test_executor_failure_is_an_error_reply_and_the_next_batch_is_sent_in_full(serve):

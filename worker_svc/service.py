@@ -1,7 +1,9 @@
 """The worker service: a ZeroMQ ROUTER socket in front of one executor (one device).
 
 Requests are msgpack dicts with an "op" and a client-chosen "seq" number that the reply echoes
-(so a client can drop a late reply to a request it already gave up on):
+(so a client can drop a late reply to a request it already gave up on). Every reply also carries
+"instance", an id of this server process: a change tells the client that the worker restarted
+and its KV cache (the content of every block) is gone.
 
 * {"op": "ping"} -> {"ok": True}
 * {"op": "info"} -> {"ok": True, "model_info": {...ModelInfo fields...}}
@@ -19,6 +21,7 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 from typing import Any, Protocol
 
 import zmq
@@ -44,6 +47,8 @@ class WorkerServer:
     def __init__(self, executor: ExecutorLike, address: str, ctx: zmq.Context | None = None):
         self.executor = executor
         self.decoder = BatchDecoder()
+        # names this process's KV cache: a client that sees it change knows the KV is gone
+        self.instance = uuid.uuid4().hex
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -70,7 +75,7 @@ class WorkerServer:
         except Exception as e:  # not msgpack, or not a map
             return error_reply("bad_request", f"cannot decode message: {e!r}")
         reply = self.handle(msg)
-        reply["seq"] = seq
+        reply.update(seq=seq, instance=self.instance)
         return reply
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
