@@ -1,0 +1,81 @@
+"""The offline Python API: `LLM(model).generate(prompts, params)`.
+
+It joins the three in-process parts the services run apart: the tokenizer (shared), the
+scheduler with its batching policy (scheduler_svc) and the torch executor (worker_svc).
+
+    >>> from sarathi import LLM, SamplingParams
+    >>> llm = LLM()                                   # SmolLM2-135M-Instruct, CPU
+    >>> out = llm.chat([[{"role": "user", "content": "Hi!"}]], SamplingParams(temperature=0, max_tokens=16))
+    >>> print(out[0].text)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from scheduler_svc.engine_loop import EngineLoop, GenerationOutput
+from scheduler_svc.scheduler import Scheduler
+from shared.config import CacheConfig, SchedulerConfig, WorkerConfig
+from shared.model_source import resolve_model
+from shared.sampling import SamplingParams
+from shared.tokenizer import load_tokenizer
+
+
+@dataclass
+class Completion:
+    """One finished prompt: its text and the raw engine output (ids, finish reason, timings)."""
+
+    prompt: str | list[int]
+    text: str
+    output: GenerationOutput
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.output.output_token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason
+
+
+class LLM:
+    """A model loaded in this process, served by the real scheduler and executor.
+
+    model: a GGUF file or HF-style directory; None = the shipped SmolLM2-135M-Instruct.
+    policy / token_budget: the batching policy and tau (tokens per iteration).
+    num_blocks / block_size: the paged KV cache (blocks per layer, tokens per block).
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", threads: int = 0,
+                 num_blocks: int = 2048, block_size: int = 16, policy: str = "sarathi",
+                 token_budget: int = 512, max_num_seqs: int = 128,
+                 max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False):
+        from worker_svc.executor import Executor  # torch lives only behind this import
+
+        source = resolve_model(model)
+        self.tokenizer = load_tokenizer(source)
+        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
+        self.executor = Executor(WorkerConfig(model=str(source.path), dtype=dtype,
+                                              num_threads=threads, cache=cache))
+        info = self.executor.model_info
+        self.model_info = info
+        sched = SchedulerConfig(policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=info.max_model_len,
+                                enable_prefix_caching=enable_prefix_caching)
+        self.engine = EngineLoop(Scheduler(sched, cache, info), self.executor)
+
+    def generate(self, prompts: Sequence[str | list[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+        """Complete each prompt (text, or token ids); results in the order of the prompts.
+        An invalid request raises InvalidRequestError before anything runs."""
+        ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        outputs = self.engine.generate(ids, params)
+        return [Completion(p, self.tokenizer.decode(o.output_token_ids), o) for p, o in zip(prompts, outputs)]
+
+    def chat(self, conversations: Sequence[list[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+        """Like generate(), each conversation rendered with the model's chat template."""
+        ids = [self.tokenizer.encode_chat(c) for c in conversations]
+        outputs = self.engine.generate(ids, params)
+        return [Completion(i, self.tokenizer.decode(o.output_token_ids), o) for i, o in zip(ids, outputs)]
