@@ -5,9 +5,10 @@ Units: blocks of `block_size` tokens. The scheduler owns this state; workers own
 Invariants:
 * every block is either free (ref count 0, in the free list) or used (ref count >= 1);
   num_free_blocks + num_used_blocks == num_blocks at every moment.
-* a running request holds blocks covering all its tokens: len(block_table) * block_size >=
-  num_tokens (whole prompt allocated at admission, one block more as a decode crosses a
-  block boundary).
+* a running request holds blocks covering every token computed or scheduled:
+  len(block_table) * block_size >= num_computed_tokens. The whole sequence is allocated at
+  admission; a newly sampled token gets its slot (one block more when it crosses a block
+  boundary) when its decode is scheduled.
 * with prefix caching, a used block may be shared (ref count > 1) only if it is full and keyed.
 
 The free list is ordered for reuse: blocks without a key are handed out first, then keyed
