@@ -211,6 +211,15 @@ class Scheduler:
         self._freed_ids.append(req.req_id)
         self._counters["num_preemptions"] += 1
 
+    def fail_batch(self, batch: Batch, error: str) -> None:
+        """The batch's output will never come (worker failure): its requests end with an
+        "error" event at the next step boundary."""
+        for seq in batch.seqs:
+            req = self.requests.get(seq.req_id)
+            if req is not None:
+                req.in_flight = False
+                self.abort(seq.req_id, error=error)
+
     # -- finishing ------------------------------------------------------------------------------
     def _process_aborts(self) -> None:
         with self._abort_lock:

@@ -28,7 +28,7 @@ request_st = st.tuples(
 
 workload_st = st.lists(request_st, min_size=1, max_size=10)
 
-PROPERTY_SETTINGS = settings(max_examples=30, deadline=None,
+PROPERTY_SETTINGS = settings(max_examples=100, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 
 

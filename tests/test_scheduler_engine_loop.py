@@ -1,0 +1,75 @@
+"""EngineLoop: schedule -> execute -> update, offline generate(), abort at any moment."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from scheduler_svc.engine_loop import EngineLoop, StalledError
+from scheduler_svc.sim_executor import SimExecutor, sim_engine
+from shared.sampling import InvalidRequestError, SamplingParams
+
+
+def test_generate_returns_one_output_per_prompt_in_order():
+    loop = sim_engine("sarathi", block_size=4, num_blocks=64, max_model_len=64)
+    outs = loop.generate([[1, 2, 3], [4, 5]], [SamplingParams(temperature=0.0, max_tokens=2,
+                                                              ignore_eos=True),
+                                               SamplingParams(temperature=0.0, max_tokens=5,
+                                                              ignore_eos=True)])
+    assert [o.prompt_token_ids for o in outs] == [[1, 2, 3], [4, 5]]
+    assert [len(o.output_token_ids) for o in outs] == [2, 5]
+    assert all(o.finish_reason == "length" and o.first_token_time is not None for o in outs)
+
+
+def test_generate_validates_every_prompt_before_running_any():
+    loop = sim_engine("sarathi", block_size=4, num_blocks=64, max_model_len=64)
+    with pytest.raises(InvalidRequestError):
+        loop.generate([[1, 2], []])
+    assert not loop.has_unfinished()
+
+
+def test_step_streams_events_to_a_callback():
+    loop = sim_engine("sarathi", block_size=4, num_blocks=64, max_model_len=64)
+    seen = []
+    loop.generate([[1, 2]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                  on_event=seen.append)
+    assert [e.index for e in seen] == [0, 1, 2]
+
+
+def test_abort_from_another_thread_ends_the_request():
+    loop = sim_engine("sarathi", block_size=4, num_blocks=64, max_model_len=64)
+    loop.add_request("r", [1, 2], SamplingParams(temperature=0.0, max_tokens=50,
+                                                 ignore_eos=True))
+    loop.step()
+    t = threading.Thread(target=loop.abort, args=("r",))
+    t.start()
+    t.join()
+    events = []
+    loop.run_until_done(on_event=events.append)
+    assert events[-1].finish_reason == "abort"
+    assert loop.scheduler.stats()["num_aborted"] == 1
+
+
+def test_the_executor_is_any_object_with_execute():
+    class Recording(SimExecutor):
+        def __init__(self):
+            super().__init__(block_size=4)
+            self.batch_ids = []
+
+        def execute(self, batch):
+            self.batch_ids.append(batch.batch_id)
+            return super().execute(batch)
+
+    sim = sim_engine("sarathi", block_size=4, num_blocks=64, max_model_len=64)
+    ex = Recording()
+    loop = EngineLoop(sim.scheduler, ex)
+    loop.generate([[1, 2]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert ex.batch_ids == [0, 1, 2]
+
+
+def test_a_stalled_scheduler_raises_instead_of_spinning():
+    loop = sim_engine("sarathi", block_size=4, num_blocks=64, max_model_len=64)
+    loop.add_request("r", [1, 2], SamplingParams(max_tokens=2))
+    loop.scheduler.schedule()      # in flight, never updated: nothing else to run
+    with pytest.raises(StalledError):
+        loop.step()
