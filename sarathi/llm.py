@@ -18,7 +18,7 @@ from scheduler_svc.scheduler import Scheduler
 from shared.config import CacheConfig, SchedulerConfig, WorkerConfig
 from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
-from shared.tokenizer import load_tokenizer
+from shared.tokenizer import Tokenizer, load_tokenizer
 
 
 @dataclass
@@ -53,7 +53,7 @@ class LLM:
         from worker_svc.executor import Executor  # torch lives only behind this import
 
         source = resolve_model(model)
-        self.tokenizer = load_tokenizer(source)
+        self._source, self._tokenizer = source, None
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
         self.executor = Executor(WorkerConfig(model=str(source.path), dtype=dtype,
                                               num_threads=threads, cache=cache))
@@ -65,17 +65,32 @@ class LLM:
                                 enable_prefix_caching=enable_prefix_caching)
         self.engine = EngineLoop(Scheduler(sched, cache, info), self.executor)
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """Loaded on first use: a checkpoint without tokenizer files still serves token ids."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self._source)
+        return self._tokenizer
+
     def generate(self, prompts: Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
         """Complete each prompt (text, or token ids); results in the order of the prompts.
         An invalid request raises InvalidRequestError before anything runs."""
         ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         outputs = self.engine.generate(ids, params)
-        return [Completion(p, self.tokenizer.decode(o.output_token_ids), o) for p, o in zip(prompts, outputs)]
+        return [Completion(p, self._decode(o), o) for p, o in zip(prompts, outputs)]
 
     def chat(self, conversations: Sequence[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
         """Like generate(), each conversation rendered with the model's chat template."""
         ids = [self.tokenizer.encode_chat(c) for c in conversations]
         outputs = self.engine.generate(ids, params)
-        return [Completion(i, self.tokenizer.decode(o.output_token_ids), o) for i, o in zip(ids, outputs)]
+        return [Completion(i, self._decode(o), o) for i, o in zip(ids, outputs)]
+
+    def _decode(self, out: GenerationOutput) -> str:
+        if self._tokenizer is None and not self._has_tokenizer_files():
+            return ""  # ids in, ids out: see Completion.token_ids
+        return self.tokenizer.decode(out.output_token_ids)
+
+    def _has_tokenizer_files(self) -> bool:
+        return self._source.kind == "gguf" or (self._source.path / "tokenizer.json").is_file()
