@@ -82,7 +82,8 @@ class BlockManager:
             req.block_table.append(self._take_free())
 
     def _missing_blocks(self, req: Request) -> int:
-        return max(0, self.blocks_for(req.num_tokens) - len(req.block_table))
+        # inlined arithmetic: called for every decode of every iteration
+        return max(0, -(-len(req.token_ids) // self.block_size) - len(req.block_table))
 
     # -- release --------------------------------------------------------------------------------
     def free(self, req: Request) -> None:

@@ -45,6 +45,7 @@ class Request:
     num_cached_blocks: int = 0      # leading blocks registered in (or taken from) the prefix cache
     in_flight: bool = False         # part of a scheduled batch whose output has not come back
     num_preemptions: int = 0
+    num_prompt_tokens: int = 0      # len(prompt_token_ids), cached: read in every iteration
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one per generated token
@@ -53,23 +54,20 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     # -- token counts (tokens) -----------------------------------------------------------------
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_new_tokens(self) -> int:
@@ -79,7 +77,8 @@ class Request:
     @property
     def is_decode(self) -> bool:
         """True when the only token left to compute is the last sampled one."""
-        return self.num_new_tokens == 1 and self.num_output_tokens > 0
+        n = len(self.token_ids)
+        return n - self.num_computed_tokens == 1 and n > self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -159,7 +159,8 @@ class Scheduler:
         sp = req.sampling
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+        n = len(req.token_ids)
+        if n - req.num_prompt_tokens >= sp.max_tokens or n >= self.max_model_len:
             return "length"
         return None
 
@@ -188,6 +189,8 @@ class Scheduler:
         """Blocks for req's next token; preempts the newest running requests that are neither
         in flight nor planned (possibly req itself) until there is room."""
         bm = self.block_manager
+        if len(req.block_table) * bm.block_size >= len(req.token_ids):
+            return True  # fast path: the next token's slot is already there
         while not bm.can_append(req):
             victim = next((r for r in reversed(self.running)
                            if not r.in_flight and r.req_id not in planned), None)

@@ -37,9 +37,10 @@ class StepContext:
 
     def prefills(self) -> list[Request]:
         """Running requests with prompt (or recompute) tokens left, not yet in this batch."""
+        planned = self._planned  # checked first: after take_all_decodes most requests are in it
         return [r for r in self._sched.running
-                if r.num_new_tokens > 0 and not r.is_decode and not r.in_flight
-                and r.req_id not in self._planned]
+                if r.req_id not in planned and not r.in_flight and r.num_new_tokens > 0
+                and not r.is_decode]
 
     @property
     def num_running(self) -> int:
@@ -53,7 +54,7 @@ class StepContext:
     # -- moves ----------------------------------------------------------------------------------
     def take(self, req: Request, num_tokens: int) -> None:
         """Put num_tokens of req's next tokens into the batch (1 <= n <= num_new_tokens)."""
-        assert 1 <= num_tokens <= req.num_new_tokens and req.req_id not in self._planned
+        assert num_tokens >= 1, "a chunk has at least one token"
         self.chunks.append([req, num_tokens])
         self.num_tokens += num_tokens
         self._planned.add(req.req_id)
