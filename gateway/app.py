@@ -1,0 +1,121 @@
+"""The OpenAI-compatible gateway: a FastAPI app over a tokenizer and a GatewayQueue.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (all behind the
+optional bearer API key); GET /health (the process is alive), GET /ready (model loaded, event
+stream running, a scheduler reachable), GET /metrics (Prometheus). Torch-free.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+from typing import Awaitable, Callable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway.errors import APIError, install_error_handlers
+from gateway.generation import Dispatcher
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.serving import Serving, ServingConfig
+from shared.config import ModelInfo
+from shared.queue import GatewayQueue
+
+ReadyCheck = Callable[[], Awaitable[bool]]
+
+
+def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key: str | None = None,
+               max_queue_depth: int = 1024, model_name: str | None = None, default_max_tokens: int = 256,
+               ready_check: ReadyCheck | None = None, event_timeout_s: float | None = 600.0,
+               metrics: GatewayMetrics | None = None) -> FastAPI:
+    """The gateway app. It owns `queue` from here on (closes it at shutdown).
+
+    api_key: if set, /v1/* need `Authorization: Bearer <api_key>` (else 401).
+    max_queue_depth: requests queued and not yet taken; at or above it: 429 + Retry-After.
+    model_name: the name served (default model_info.name); requests may name any model.
+    ready_check: async () -> bool, the "scheduler reachable" half of /ready (default: a fresh
+        scheduler heartbeat in the queue, queue.scheduler_alive).
+    event_timeout_s: seconds without a token event before a request fails (None: never).
+    """
+    metrics = metrics or GatewayMetrics()
+    dispatcher = Dispatcher(queue)
+    cfg = ServingConfig(model_name=model_name or model_info.name, max_queue_depth=max_queue_depth,
+                        default_max_tokens=default_max_tokens, event_timeout_s=event_timeout_s)
+    serving = Serving(tokenizer, model_info, queue, dispatcher, metrics, cfg)
+    ready_check = ready_check or queue.scheduler_alive
+    started = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(dispatcher.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await queue.close()
+
+    app = FastAPI(title="sarathi gateway", lifespan=lifespan)
+    app.state.serving, app.state.metrics, app.state.queue = serving, metrics, queue
+
+    def count_rejection(err: APIError) -> None:
+        if err.status < 500 or err.status == 503:  # answered before queueing
+            metrics.rejected.labels(status=str(err.status)).inc()
+
+    install_error_handlers(app, on_error=count_rejection)
+    auth = [Depends(_bearer_check(api_key))] if api_key else []
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completion(body, request)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": cfg.model_name, "object": "model", "created": started, "owned_by": "sarathi",
+            "max_model_len": model_info.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        reason = None
+        if not dispatcher.running:
+            reason = "the token event stream is not running"
+        else:
+            try:
+                if not await ready_check():
+                    reason = "no scheduler is reachable"
+            except Exception as exc:  # noqa: BLE001 - e.g. Redis down: not ready, not a crash
+                reason = f"readiness check failed: {exc}"
+        if reason:
+            return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ready", "model": cfg.model_name})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+def _bearer_check(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise APIError(401, "invalid or missing API key (expected 'Authorization: Bearer <key>')",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return check
