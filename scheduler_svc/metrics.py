@@ -1,0 +1,132 @@
+"""The scheduler service's Prometheus metrics and its small HTTP endpoint.
+
+Names start with `sarathi_scheduler_`. Units: seconds, tokens, blocks, as in each name.
+Gauges mirror `Scheduler.stats()` after every iteration; the iteration histograms are fed by
+`InstrumentedExecutor`, which sees every batch that reaches the workers.
+
+HTTP (one port): /metrics (Prometheus text), /health (200 while the process runs), /ready (200
+once the workers answered and the loop runs, else 503), /stats (JSON: the last stats snapshot,
+e.g. num_free_blocks, for tests and operators).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from socketserver import ThreadingMixIn
+from typing import Callable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from shared.messages import Batch, BatchOutput
+
+ITERATION_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)   # seconds
+TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)      # tokens
+
+
+class SchedulerMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY):
+        self.registry = registry
+        p, r = "sarathi_scheduler_", registry
+        self.running = Gauge(p + "running_requests", "Requests holding KV blocks", registry=r)
+        self.waiting = Gauge(p + "waiting_requests", "Requests queued in the scheduler", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        self.free_blocks = Gauge(p + "kv_free_blocks", "KV blocks in the free pool", registry=r)
+        self.total_blocks = Gauge(p + "kv_total_blocks", "KV blocks in the cache", registry=r)
+        self.preemptions = Counter(p + "preemptions", "Requests preempted (recompute)", registry=r)
+        self.iteration = Histogram(p + "iteration_seconds", "Time of one iteration on the workers",
+                                   buckets=ITERATION_BUCKETS, registry=r)
+        self.iter_tokens = Histogram(p + "iteration_tokens", "Tokens per iteration by kind",
+                                     ["kind"], buckets=TOKEN_BUCKETS, registry=r)
+        self.tokens = Counter(p + "tokens", "Tokens computed, by kind (prefill, decode)",
+                              ["kind"], registry=r)
+        self.finished = Counter(p + "requests_finished", "Requests ended, by finish reason",
+                                ["reason"], registry=r)
+        self.rejected = Counter(p + "requests_rejected", "Requests refused at admission", registry=r)
+        self.worker_errors = Counter(p + "worker_errors", "Iterations the workers failed", registry=r)
+        self.policy = Gauge(p + "policy_info", "The batching policy (value 1)", ["policy"], registry=r)
+        self.token_budget = Gauge(p + "token_budget", "tau: tokens per iteration", registry=r)
+        self._preemptions_seen = 0
+
+    def set_config(self, policy: str, token_budget: int) -> None:
+        self.policy.labels(policy=policy).set(1)
+        self.token_budget.set(token_budget)
+
+    def observe_stats(self, stats: dict) -> None:
+        """Mirror a Scheduler.stats() snapshot (counters advance by the delta since the last)."""
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        self.kv_usage.set(stats["kv_usage"])
+        self.free_blocks.set(stats["num_free_blocks"])
+        self.total_blocks.set(stats["num_total_blocks"])
+        delta = stats["num_preemptions"] - self._preemptions_seen
+        if delta > 0:
+            self.preemptions.inc(delta)
+        self._preemptions_seen = stats["num_preemptions"]
+
+    def observe_batch(self, batch: Batch, seconds: float) -> None:
+        decode = sum(1 for s in batch.seqs if len(s.token_ids) == 1 and s.output_index > 0)
+        prefill = batch.num_tokens - decode
+        self.iteration.observe(seconds)
+        for kind, n in (("prefill", prefill), ("decode", decode)):
+            self.iter_tokens.labels(kind=kind).observe(n)
+            self.tokens.labels(kind=kind).inc(n)
+
+
+class InstrumentedExecutor:
+    """Wraps an executor: times each batch into the metrics and remembers the batch in flight
+    (`in_flight`, None when none), so a failed iteration's requests can be identified."""
+
+    def __init__(self, executor, metrics: SchedulerMetrics):
+        self.executor = executor
+        self.metrics = metrics
+        self.in_flight: Batch | None = None
+
+    def execute(self, batch: Batch) -> BatchOutput:
+        self.in_flight = batch
+        t0 = time.perf_counter()
+        output = self.executor.execute(batch)
+        self.metrics.observe_batch(batch, time.perf_counter() - t0)
+        self.in_flight = None
+        return output
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args) -> None:  # probes every few seconds would flood the log
+        pass
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+def start_http(port: int, host: str, registry: CollectorRegistry, is_ready: Callable[[], bool],
+               stats: Callable[[], dict]) -> tuple[WSGIServer, threading.Thread]:
+    """Serve /metrics, /health, /ready and /stats on host:port in a daemon thread (port 0:
+    any free port; read it from server.server_port)."""
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        path = environ.get("PATH_INFO", "/")
+        if path == "/health":
+            return _text(start_response, "200 OK", "ok")
+        if path == "/ready":
+            ok = is_ready()
+            return _text(start_response, "200 OK" if ok else "503 Service Unavailable",
+                         "ready" if ok else "not ready")
+        if path == "/stats":
+            body = json.dumps(stats()).encode()
+            start_response("200 OK", [("Content-Type", "application/json")])
+            return [body]
+        return metrics_app(environ, start_response)
+
+    server = make_server(host, port, app, _ThreadingWSGIServer, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="scheduler-http", daemon=True)
+    thread.start()
+    return server, thread
+
+
+def _text(start_response, status: str, body: str):
+    start_response(status, [("Content-Type", "text/plain")])
+    return [body.encode()]

@@ -1,0 +1,213 @@
+"""The scheduler service's plumbing, torch-free: the in-process queue, a real ZeroMQ worker
+service around the simulated executor (scheduler_svc.sim_executor), and the service loop in a
+thread. What is tested is the service (admission, events, acks, aborts, failures, replay,
+metrics), not the model, hence the simulated worker."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from scheduler_svc.service import run_scheduler
+from scheduler_svc.sim_executor import SimExecutor
+from shared.config import ModelInfo
+from shared.messages import RequestMsg
+from shared.queue import make_queues
+from shared.sampling import SamplingParams
+from worker_svc.service import WorkerServer
+
+BLOCK, NUM_BLOCKS = 4, 64
+
+
+class SimWorker(SimExecutor):
+    """The simulated executor with what a worker service needs: model_info, free(), and an
+    optional failure on a chosen batch id."""
+
+    model_info = ModelInfo("sim", max_model_len=96, vocab_size=500, eos_token_ids=[0],
+                           block_size=BLOCK, num_blocks=NUM_BLOCKS)
+
+    def __init__(self, fail_batches=(), delay_s: float = 0.0):
+        super().__init__(BLOCK, vocab_size=500)
+        self.fail_batches, self.delay_s = set(fail_batches), delay_s
+
+    def execute(self, batch):
+        time.sleep(self.delay_s)
+        if batch.batch_id in self.fail_batches:
+            raise RuntimeError("simulated device error")
+        return super().execute(batch)
+
+    def free(self, req_ids):
+        pass
+
+
+class Stack:
+    """Worker service + scheduler service (thread each) + the gateway side of the queue."""
+
+    def __init__(self, tmp_path, worker: SimWorker, queues=None, name="sim"):
+        self.gq, self.sq = queues or make_queues(None)
+        self.server = WorkerServer(worker, f"ipc://{tmp_path}/{name}.sock")
+        self.stop = threading.Event()
+        self.service = None
+        ready = threading.Event()
+
+        def on_ready(svc):
+            self.service = svc
+            ready.set()
+
+        self.threads = [threading.Thread(target=self.server.serve_forever, args=(self.stop,), daemon=True),
+                        threading.Thread(target=run_scheduler, daemon=True, kwargs=dict(
+                            worker_addr=self.server.address, queue=self.sq, metrics_port=0,
+                            metrics_host="127.0.0.1", registry=CollectorRegistry(),
+                            max_num_seqs=8, token_budget=16, stop=self.stop, on_ready=on_ready))]
+        for t in self.threads:
+            t.start()
+        assert ready.wait(10)
+
+    def close(self):
+        self.stop.set()
+        for t in self.threads:
+            t.join(10)
+        self.server.close()
+
+
+@pytest.fixture
+def stack(tmp_path):
+    made = []
+
+    def make(worker=None, queues=None):
+        made.append(Stack(tmp_path, worker or SimWorker(), queues, name=f"w{len(made)}"))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def eventually(cond, timeout=5.0) -> bool:
+    """Acks follow the publish of a request's last event (never the other way round: an acked
+    request must have had its end delivered), so a test that saw the end waits for the ack."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def request(req_id, prompt_len=10, max_tokens=5, **sp):
+    return RequestMsg(req_id, list(range(1, prompt_len + 1)), SamplingParams(temperature=0.0, max_tokens=max_tokens, **sp),
+                      reply_to="gw", arrival_time=time.time())
+
+
+async def collect(gq, reqs, expect=(), timeout=20.0, on_event=None):
+    """Submit `reqs`, gather events until each of them (and of `expect`) ended, or until
+    on_event returns True; returns req_id -> events."""
+    gq.gateway_id = "gw"
+    for r in reqs:
+        await gq.submit(r)
+    events = {r: [] for r in [q.req_id for q in reqs] + list(expect)}
+
+    async def gather():
+        async for ev in gq.events():
+            events.setdefault(ev.req_id, []).append(ev)
+            if on_event is not None and await on_event(ev):
+                return
+            if all(e and e[-1].finish_reason for e in events.values()):
+                return
+
+    await asyncio.wait_for(gather(), timeout)
+    return events
+
+
+def test_requests_stream_indexed_tokens_and_are_acked_when_finished(stack):
+    s = stack()
+    events = asyncio.run(collect(s.gq, [request(f"r{i}", 5 + i, max_tokens=4 + i) for i in range(6)]))
+    for i in range(6):
+        evs = events[f"r{i}"]
+        assert [e.index for e in evs] == list(range(4 + i))
+        assert evs[-1].finish_reason == "length" and all(e.token_id is not None for e in evs)
+    assert eventually(lambda: s.gq.broker.pending == {})
+
+
+def test_an_invalid_request_gets_an_error_event_and_is_acked(stack):
+    s = stack()
+    events = asyncio.run(collect(s.gq, [request("long", prompt_len=90, max_tokens=10)]))
+    (ev,) = events["long"]
+    assert ev.finish_reason == "error" and "context length" in ev.error and ev.index == 0
+    assert eventually(lambda: s.gq.broker.pending == {})
+
+
+def test_an_aborted_request_ends_with_an_abort_event_and_frees_its_blocks(stack):
+    s = stack(SimWorker(delay_s=0.01))
+
+    async def abort_after_two(ev):
+        if ev.index == 1:
+            await s.gq.abort("victim")
+
+    events = asyncio.run(collect(s.gq, [request("victim", max_tokens=60)], on_event=abort_after_two))
+    assert events["victim"][-1].finish_reason == "abort"
+    assert eventually(lambda: s.service.snapshot["num_free_blocks"] == NUM_BLOCKS)
+    assert eventually(lambda: s.gq.broker.pending == {})
+
+
+def test_a_failed_iteration_errors_its_requests_and_the_service_keeps_serving(stack):
+    s = stack(SimWorker(fail_batches={2}))
+
+    async def both():  # one event loop: the in-process queue binds to the first one
+        return (await collect(s.gq, [request("a", max_tokens=8)]),
+                await collect(s.gq, [request("b", max_tokens=3)]))
+
+    events, later = asyncio.run(both())
+    assert events["a"][-1].finish_reason == "error" and "simulated device error" in events["a"][-1].error
+    assert [e.index for e in later["b"]] == [0, 1, 2] and later["b"][-1].finish_reason == "length"
+
+
+def test_a_restarted_scheduler_replays_unfinished_requests_with_the_same_tokens(stack):
+    reference = asyncio.run(collect(stack().gq, [request("x", max_tokens=30)]))["x"]
+    queues = make_queues(None)
+    first = stack(SimWorker(delay_s=0.02), queues)
+
+    async def stop_midway(ev):
+        if ev.index == 5:
+            first.stop.set()  # the loop exits without acking: "x" stays pending
+            return True
+
+    async def crash_and_restart():  # one event loop: the in-process queue binds to the first one
+        seen = (await collect(queues[0], [request("x", max_tokens=30)], on_event=stop_midway))["x"]
+        first.close()
+        assert "x" in queues[0].broker.pending and seen[-1].finish_reason is None
+        stack(SimWorker(), queues)
+        return seen, (await collect(queues[0], [], expect=["x"]))["x"]
+
+    seen, replayed = asyncio.run(crash_and_restart())
+    assert replayed[-1].finish_reason == "length"
+    by_index = {}
+    for ev in seen + replayed:  # duplicates by index must carry the same token
+        assert by_index.setdefault(ev.index, ev.token_id) == ev.token_id
+    assert [by_index[i] for i in range(30)] == [e.token_id for e in reference]
+    assert eventually(lambda: queues[0].broker.pending == {})
+
+
+def test_metrics_health_ready_and_stats_are_served_over_http(stack):
+    s = stack()
+    asyncio.run(collect(s.gq, [request("m", max_tokens=3)]))
+    port = s.service.http_port
+    get = lambda path: urllib.request.urlopen(f"http://127.0.0.1:{port}{path}").read().decode()
+    assert get("/health") == "ok" and get("/ready") == "ready"
+    assert json.loads(get("/stats"))["num_total_blocks"] == NUM_BLOCKS
+    text = get("/metrics")
+    for name in ("sarathi_scheduler_running_requests", "sarathi_scheduler_waiting_requests",
+                 "sarathi_scheduler_kv_cache_usage_ratio", "sarathi_scheduler_preemptions_total",
+                 "sarathi_scheduler_iteration_seconds_bucket",
+                 'sarathi_scheduler_iteration_tokens_count{kind="decode"}',
+                 'sarathi_scheduler_tokens_total{kind="prefill"} 10.0',
+                 'sarathi_scheduler_tokens_total{kind="decode"} 2.0',
+                 'sarathi_scheduler_policy_info{policy="sarathi"} 1.0',
+                 "sarathi_scheduler_token_budget 16.0",
+                 'sarathi_scheduler_requests_finished_total{reason="length"} 1.0'):
+        assert name in text, name
