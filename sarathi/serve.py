@@ -1,0 +1,148 @@
+"""Embedded mode: gateway + scheduler + one worker on localhost, one command, one process tree.
+
+The same components as the distributed mode, wired in one place:
+
+* the worker runs in a child process (default; the model's compute never competes with the
+  gateway for the GIL) on ipc://<tempdir>/worker.sock, or in a thread on inproc://worker;
+* the scheduler service runs in a thread of this process against that worker (ZeroMQ);
+* the gateway (uvicorn) runs in the main thread;
+* the queue between them is in-process (no Redis) unless `redis_url` is given;
+* one Prometheus registry holds the gateway's and the scheduler's metrics: GET /metrics shows
+  both (e.g. sarathi_scheduler_kv_free_blocks next to the gateway's TTFT histogram).
+
+Stopping (Ctrl-C, SIGTERM) stops uvicorn, then the scheduler thread, then the worker.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import threading
+import time
+
+log = logging.getLogger("sarathi.serve")
+
+
+def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int = 8000,
+                 redis_url: str | None = None, dtype: str = "auto", threads: int = 0,
+                 num_blocks: int = 2048, block_size: int = 16, policy: str = "sarathi",
+                 token_budget: int = 512, max_num_seqs: int = 128,
+                 max_num_batched_tokens: int = 4096, prefix_caching: bool = False,
+                 max_model_len: int | None = None, api_key: str | None = None,
+                 worker: str = "process", log_level: str = "info") -> None:
+    """Serve `model` (None: the default SmolLM2) on http://host:port until interrupted.
+
+    redis_url: None = in-process queue; a URL = the Redis queue (same semantics, durable).
+    dtype, threads (torch CPU threads, 0 = default), num_blocks x block_size (KV cache, tokens per
+    block): the worker. policy, token_budget (tau, tokens), max_num_seqs, max_num_batched_tokens,
+    prefix_caching: the scheduler. max_model_len: tokens; None = the model's context length.
+    api_key: require `Authorization: Bearer <key>` on /v1/*. worker: "process" | "thread".
+    """
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from gateway.app import create_app
+    from gateway.metrics import GatewayMetrics
+    from scheduler_svc.remote_executor import RemoteExecutor
+    from scheduler_svc.service import run_scheduler
+    from shared.model_source import resolve_model
+    from shared.queue import make_queues
+    from shared.tokenizer import load_tokenizer
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    source = resolve_model(model)  # fail fast on a bad path, before starting anything
+    worker_kw = dict(model=str(source.path), dtype=dtype, threads=threads,
+                     num_blocks=num_blocks, block_size=block_size)
+    with tempfile.TemporaryDirectory(prefix="sarathi-") as tmp:
+        stop_worker, address = _start_worker(worker, worker_kw, tmp)
+        stop = threading.Event()
+        sched_thread = None
+        try:
+            tokenizer = load_tokenizer(source)
+            executor = RemoteExecutor(address, timeout_s=300.0)
+            info = _wait_worker(executor, stop_worker)
+            max_len = min(max_model_len or info.max_model_len, info.max_model_len)
+            gateway_queue, scheduler_queue = make_queues(redis_url)
+            registry = CollectorRegistry()
+            sched_thread = threading.Thread(target=run_scheduler, name="scheduler", daemon=True, kwargs=dict(
+                queue=scheduler_queue, executor=executor, registry=registry, metrics_port=None,
+                policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
+                max_model_len=max_len, stop=stop))
+            sched_thread.start()
+            app = create_app(tokenizer, dataclasses.replace(info, max_model_len=max_len),
+                             gateway_queue, api_key=api_key, metrics=GatewayMetrics(registry))
+            log.info("serving %s on http://%s:%d (queue: %s, worker: %s)", info.name, host, port,
+                     redis_url or "in-process", address)
+            uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        finally:
+            stop.set()
+            if sched_thread is not None:
+                sched_thread.join(10)
+            stop_worker()
+
+
+def _wait_worker(executor, stop_worker):
+    """The worker's ModelInfo once it has loaded the model; raises if it died while loading."""
+    from scheduler_svc.remote_executor import WorkerError
+
+    while True:
+        try:
+            return executor.wait_ready(2.0)
+        except WorkerError:
+            if not stop_worker.alive():
+                raise RuntimeError("the worker exited while loading the model (see its log above)")
+
+
+class _WorkerHandle:
+    """Stops the worker (call it); alive() says whether it still runs."""
+
+    def __init__(self, stop, alive):
+        self._stop, self.alive = stop, alive
+
+    def __call__(self) -> None:
+        self._stop()
+
+
+def _start_worker(kind: str, worker_kw: dict, tmp: str):
+    if kind == "thread":
+        from worker_svc.service import run_worker
+        stop = threading.Event()
+        t = threading.Thread(target=run_worker, name="worker", daemon=True,
+                             kwargs=dict(address="inproc://worker", stop=stop, **worker_kw))
+        t.start()
+        return _WorkerHandle(lambda: (stop.set(), t.join(10)), t.is_alive), "inproc://worker"
+    if kind != "process":
+        raise ValueError(f"worker must be 'process' or 'thread', not {kind!r}")
+    address = f"ipc://{tmp}/worker.sock"
+    # spawn, not fork: a forked child would inherit this process's threads and sockets
+    proc = mp.get_context("spawn").Process(target=_worker_main, name="sarathi-worker",
+                                           args=(address, worker_kw, os.getpid()), daemon=True)
+    proc.start()
+
+    def stop() -> None:
+        proc.terminate()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+    return _WorkerHandle(stop, proc.is_alive), address
+
+
+def _worker_main(address: str, worker_kw: dict, parent_pid: int) -> None:
+    """The worker child: serve until the parent is gone (even if it was SIGKILLed)."""
+    from worker_svc.service import run_worker
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+
+    def watch_parent() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        stop.set()
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    run_worker(address=address, stop=stop, **worker_kw)
