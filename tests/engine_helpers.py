@@ -15,7 +15,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-               rms_norm_eps=1e-5, initializer_range=0.1, eos_token_id=1, bos_token_id=0,
+               rms_norm_eps=1e-5, initializer_range=0.2, eos_token_id=1, bos_token_id=0,
                tie_word_embeddings=False)
 
 TINY_CONFIGS = {
@@ -36,7 +36,7 @@ def make_tiny_checkpoint(root: Path, name: str, seed: int = 0) -> Path:
     cfg = AutoConfig.for_model(model_type, **{**_COMMON, **extra})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    if model_type == "qwen2":    # random init zeroes biases; make them matter
+    if model_type == "qwen2":    # init zeroes biases; make them matter
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

@@ -42,7 +42,8 @@ def load_weights(source: ModelSource) -> tuple[ModelConfig, Weights]:
     except (ModelLoadError, ModelConfigError):
         raise
     except Exception as e:   # gguf / safetensors raise many types on garbage; name the file
-        raise ModelLoadError(f"cannot read model {str(source.path)!r}: {type(e).__name__}: {e}") from e
+        raise ModelLoadError(f"cannot read model {str(source.path)!r} (corrupt or truncated file?): "
+                             f"{type(e).__name__}: {e}") from e
     check_weights(cfg, weights, source.path)
     return cfg, weights
 

@@ -1,0 +1,69 @@
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers loading the
+same GGUF with its own dequantizer and un-permutation (independent of worker_svc.loader)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.model_source import resolve_model
+from tests.engine_helpers import blocks_for, greedy_generate, make_executor, prefill_logits
+
+pytestmark = pytest.mark.slow
+torch.set_num_threads(2)
+PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+
+
+def hf_model_from_gguf(path: str):
+    """transformers' GGUF path without `accelerate` (which from_pretrained(gguf_file=) needs)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = load_gguf_checkpoint(path, return_tensors=False)["config"]
+    with no_init_weights():
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing = model.load_state_dict(tensors, strict=False).missing_keys
+    assert missing == ["lm_head.weight"]          # tied to the embedding
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from shared.tokenizer import load_tokenizer
+
+    source = resolve_model(None)
+    tok = load_tokenizer(source)
+    prompt = tok.encode(tok.apply_chat_template(PROMPT), add_special_tokens=False)
+    return tok, prompt, hf_model_from_gguf(str(source.path)), make_executor(None, num_blocks=64)
+
+
+def test_smollm2_model_info_comes_from_the_gguf(smol):
+    _, _, _, ex = smol
+    info = ex.model_info
+    assert (info.name, info.max_model_len, info.vocab_size, info.num_layers) == \
+        ("SmolLM2-135M-Instruct", 8192, 49152, 30)
+    assert info.eos_token_ids == [2]           # <|im_end|>
+
+
+def test_smollm2_logits_match_transformers(smol):
+    _, prompt, hf, ex = smol
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1]
+    got = prefill_logits(ex, prompt, list(range(blocks_for(len(prompt), 16))), 16)
+    # Q4_1 weights dequantize identically; what remains is fp32 reassociation over 30 layers
+    # with logits of magnitude ~25
+    assert (got - ref).abs().max().item() <= 1e-3
+
+
+def test_smollm2_greedy_text_matches_transformers_generate(smol):
+    tok, prompt, hf, ex = smol
+    with torch.no_grad():
+        # explicit mask: the prompt contains the pad id 2 (<|im_end|>), which HF would mask out
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                          do_sample=False, eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
+    got = greedy_generate(ex, prompt, 32, list(range(blocks_for(len(prompt) + 32, 16))))
+    assert tok.decode(got) == tok.decode(ref)
+    assert got == ref
