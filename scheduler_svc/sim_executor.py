@@ -52,7 +52,7 @@ class SimExecutor:
         script's end, tokens come from the context hash.
     verify_kv: read the whole context back through the block table for every sampled token
         (O(context) per token); False derives the token from (req_id, position) only, for
-        benchmarks.
+        benchmarks (then nothing about memory is checked).
     """
 
     def __init__(self, block_size: int, vocab_size: int = 32000,
@@ -70,11 +70,15 @@ class SimExecutor:
         self.computed_tokens = 0                     # tokens whose K/V were written, total
 
     def execute(self, batch: Batch) -> BatchOutput:
-        sampled = {}
+        # Strict model of attention: every sequence reads the KV cache as it was before this
+        # batch, plus its own chunk. A scheduler that let one sequence read blocks another
+        # sequence writes in the same batch fails here (a real kernel makes no such promise).
+        prefixes = {s.req_id: self._read(s, s.start_pos) for s in batch.seqs
+                    if s.sample and self.verify_kv}
         for seq in batch.seqs:
             self._write(seq)
-            if seq.sample:
-                sampled[seq.req_id] = self._next_token(seq)
+        sampled = {s.req_id: self._next_token(s, prefixes.get(s.req_id)) for s in batch.seqs
+                   if s.sample}
         cost = self.cost_model(batch) if self.cost_model else 0.0
         if self.clock is not None:
             self.clock.advance(cost)
@@ -93,25 +97,23 @@ class SimExecutor:
             slots, off = self._slot(seq, seq.start_pos + i)
             slots[off] = tok
 
-    def _next_token(self, seq: SeqChunk) -> int:
-        script = self.scripts.get(seq.req_id, ())
-        if seq.output_index < len(script):
-            token = script[seq.output_index]
-            if self.verify_kv:
-                self._read_context(seq)  # still check the memory
-            return token
-        end = seq.start_pos + len(seq.token_ids)
-        key = tuple(self._read_context(seq)) if self.verify_kv else (seq.req_id, end)
-        return 1 + hash(key) % (self.vocab_size - 1)
-
-    def _read_context(self, seq: SeqChunk) -> list[int]:
+    def _read(self, seq: SeqChunk, end: int) -> list[int]:
+        """Tokens at positions [0, end) through seq's block table; all must be written."""
         context = []
-        for pos in range(seq.start_pos + len(seq.token_ids)):
+        for pos in range(end):
             slots, off = self._slot(seq, pos)
             if slots[off] is None:
                 raise AssertionError(f"{seq.req_id}: KV slot of position {pos} was never written")
             context.append(slots[off])
         return context
+
+    def _next_token(self, seq: SeqChunk, prefix: list[int] | None) -> int:
+        script = self.scripts.get(seq.req_id, ())
+        if seq.output_index < len(script):
+            return script[seq.output_index]
+        if prefix is None:  # verify_kv off
+            return 1 + hash((seq.req_id, seq.start_pos + len(seq.token_ids))) % (self.vocab_size - 1)
+        return 1 + hash(tuple(prefix + seq.token_ids)) % (self.vocab_size - 1)
 
 
 def sim_engine(policy: str = "sarathi", *, token_budget: int = 512, block_size: int = 16,

@@ -117,3 +117,16 @@ def test_a_preempted_request_finds_its_own_blocks_again():
     loop.run_until_done()
     stats = loop.scheduler.stats()
     assert stats["num_preemptions"] >= 1 and stats["prefix_cache_hit_tokens"] > 0
+
+
+def test_a_request_arriving_mid_prefill_of_its_twin_shares_only_the_computed_blocks():
+    loop = sim_engine("sarathi", block_size=4, num_blocks=32, token_budget=8,
+                      enable_prefix_caching=True)
+    prompt = list(range(1, 13))
+    loop.add_request("x", prompt, GREEDY)
+    loop.step()                           # x: 8 of 12 prompt tokens computed
+    y = loop.add_request("y", prompt + [99], GREEDY)
+    loop.step()                           # x's last chunk and y's first in one batch
+    assert loop.scheduler.stats()["prefix_cache_hit_tokens"] == 8
+    loop.run_until_done()                 # the SimExecutor checks every KV read
+    assert y.output_token_ids

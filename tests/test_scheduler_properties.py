@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,11 +25,21 @@ request_st = st.tuples(
     st.integers(0, 12),                                               # arrival step
     st.lists(st.integers(1, 3), min_size=1, max_size=MAX_PROMPT),     # prompt: few distinct
     st.integers(1, MAX_OUT),                                          # max_tokens
-    st.booleans())                                                    # ignore_eos
+    st.booleans(),                                                    # ignore_eos
+    st.booleans())                                                    # starts with the shared prefix
 
-workload_st = st.lists(request_st, min_size=1, max_size=10)
 
-PROPERTY_SETTINGS = settings(max_examples=100, deadline=None,
+@st.composite
+def workload_st(draw):
+    """Requests (arrival step, prompt, max_tokens, ignore_eos); many share a "system prompt"
+    so that prefix-cache hits, including on partly computed prefixes, are common."""
+    shared = draw(st.lists(st.integers(1, 3), min_size=1, max_size=16))
+    reqs = draw(st.lists(request_st, min_size=1, max_size=10))
+    return [(t, (shared + p if use_shared else p)[:MAX_PROMPT], m, ig)
+            for t, p, m, ig, use_shared in reqs]
+
+
+PROPERTY_SETTINGS = settings(max_examples=40, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -94,9 +105,9 @@ def tight_blocks(block_size: int, extra: int) -> int:
     return -(-(MAX_PROMPT + MAX_OUT) // block_size) + extra
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @PROPERTY_SETTINGS
-@given(policy=st.sampled_from(POLICIES), workload=workload_st, mem=memory_st,
-       extra=st.integers(0, 12))
+@given(workload=workload_st(), mem=memory_st, extra=st.integers(0, 12))
 def test_every_request_finishes_exactly_once_with_contiguous_token_indices(policy, workload, mem, extra):
     loop = engine(policy, num_blocks=tight_blocks(mem["block_size"], extra), **mem)
     events = drive(loop, workload)
@@ -109,9 +120,9 @@ def test_every_request_finishes_exactly_once_with_contiguous_token_indices(polic
     assert not loop.scheduler.running and not loop.scheduler.waiting
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @PROPERTY_SETTINGS
-@given(policy=st.sampled_from(POLICIES), workload=workload_st, mem=memory_st,
-       extra=st.integers(0, 4))
+@given(workload=workload_st(), mem=memory_st, extra=st.integers(0, 4))
 def test_preemption_loses_no_request_and_no_generated_token(policy, workload, mem, extra):
     loop = engine(policy, num_blocks=tight_blocks(mem["block_size"], extra), **mem)
     got = outputs(drive(loop, workload))
@@ -122,7 +133,7 @@ def test_preemption_loses_no_request_and_no_generated_token(policy, workload, me
 
 
 @PROPERTY_SETTINGS
-@given(workload=workload_st, mem=memory_st, extra=st.integers(0, 12))
+@given(workload=workload_st(), mem=memory_st, extra=st.integers(0, 12))
 def test_sarathi_never_exceeds_tau_and_never_stalls_a_decode_when_tau_suffices(workload, mem, extra):
     tau = mem["token_budget"]
 
@@ -138,7 +149,7 @@ def test_sarathi_never_exceeds_tau_and_never_stalls_a_decode_when_tau_suffices(w
 
 
 @PROPERTY_SETTINGS
-@given(workload=workload_st, block_size=st.sampled_from([1, 2, 4]))
+@given(workload=workload_st(), block_size=st.sampled_from([1, 2, 4]))
 def test_no_request_is_in_two_batches_in_flight(workload, block_size):
     """Pipelined use: schedule twice before updating; the two batches share no request."""
     loop = engine("sarathi", block_size=block_size, num_blocks=64, token_budget=16)
