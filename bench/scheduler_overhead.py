@@ -14,7 +14,9 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -96,12 +98,13 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for policy in dict.fromkeys(r["policy"] for r in results):
+    for i, policy in enumerate(dict.fromkeys(r["policy"] for r in results)):
         rs = [r for r in results if r["policy"] == policy]
-        ax.plot([r["running"] for r in rs], [r["schedule_median_ms"] for r in rs], "o-",
+        xs, color = [r["running"] for r in rs], f"C{i}"
+        ax.plot(xs, [r["schedule_median_ms"] for r in rs], "o-", color=color,
                 label=f"{policy} median")
-        ax.plot([r["running"] for r in rs], [r["schedule_p99_ms"] for r in rs], "x--",
-                label=f"{policy} p99", alpha=0.6)
+        ax.plot(xs, [r["schedule_p99_ms"] for r in rs], "x--", color=color, alpha=0.5,
+                label=f"{policy} p99")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":", label="1 ms goal")
     ax.set(xscale="log", yscale="log", xlabel="running requests",
            ylabel="schedule() time per iteration (ms)", title="Scheduler overhead")
@@ -120,14 +123,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gc-off", action="store_true", help="disable the cyclic GC while timing")
     ap.add_argument("--note", default="")
     a = ap.parse_args(argv)
+    load_before = os.getloadavg()[0]
     results = []
     for policy in a.policies:
         for n in a.sizes:
             results.append(measure(policy, n, a.prompt_len, a.iters, a.gc_off))
             print(json.dumps(results[-1]), flush=True)
-    report = {"command": "python -m bench.scheduler_overhead " + " ".join(argv or sys.argv[1:]),
+    report = {"command": shlex.join(["python", "-m", "bench.scheduler_overhead",
+                                      *(argv or sys.argv[1:])]),
               "machine": machine(), "python": platform.python_version(),
               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "load_avg_1min_before_after": [load_before, os.getloadavg()[0]],
               "prompt_len": a.prompt_len, "note": a.note, "results": results}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")
