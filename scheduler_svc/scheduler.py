@@ -57,7 +57,7 @@ class Scheduler:
         sampling = SamplingParams() if sampling is None else sampling
         self.validate_request(req_id, prompt_token_ids, sampling)
         arrival = self.clock() if arrival_time is None else arrival_time
-        req = Request(req_id, list(prompt_token_ids), sampling, arrival)
+        req = Request(req_id, [int(t) for t in prompt_token_ids], sampling, arrival)
         self.requests[req_id] = req
         self.waiting.append(req)
         return req
@@ -71,7 +71,11 @@ class Scheduler:
         if not prompt:
             raise InvalidRequestError("the prompt must contain at least one token", "prompt")
         vocab = self.model_info.vocab_size
-        if vocab > 0 and not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+        try:  # numpy integers are fine too; anything else is refused, not crashed on
+            ok = all(int(t) == t and 0 <= t < (vocab if vocab > 0 else t + 1) for t in prompt)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})",
                                       "prompt", "invalid_token_id")
         total = len(prompt) + sampling.max_tokens

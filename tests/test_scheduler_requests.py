@@ -61,6 +61,12 @@ def test_a_request_that_could_never_fit_in_the_kv_cache_is_rejected_not_queued()
     assert not loop.has_unfinished()
 
 
+def test_a_non_integer_token_id_is_rejected_not_crashed_on():
+    with pytest.raises(InvalidRequestError) as e:
+        engine().add_request("r", [1, "two"], greedy())
+    assert e.value.code == "invalid_token_id"
+
+
 def test_a_duplicate_request_id_is_rejected():
     loop = engine()
     loop.add_request("r", [1, 2], greedy())
