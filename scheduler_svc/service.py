@@ -169,6 +169,7 @@ def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] 
                   max_num_batched_tokens: int = 4096, prefix_caching: bool = False,
                   max_model_len: int | None = None, metrics_port: int | None = 9100,
                   metrics_host: str = "0.0.0.0", consumer: str | None = None,
+                  queue_prefix: str = "sarathi:",
                   worker_timeout_s: float = 120.0, model: str | None = None,
                   queue: SchedulerQueue | None = None, executor=None,
                   registry=None, stop: threading.Event | None = None,
@@ -180,7 +181,8 @@ def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] 
     policy, token_budget (tau, tokens), max_num_seqs, max_num_batched_tokens, prefix_caching: the
     scheduling knobs (shared.config.SchedulerConfig). max_model_len: tokens; None = the model's.
     metrics_port: HTTP port for /metrics /health /ready /stats (None: no server; 0: any free port).
-    consumer: the queue consumer name (default: stable per host, see shared.queue).
+    consumer: the queue consumer name (default: stable per host, see shared.queue); a restarted
+    scheduler with the same name replays its own pending requests. queue_prefix: Redis key prefix.
     model: accepted for symmetry with the other services; the model is what the workers loaded.
     executor: use this object instead of connecting to workers (tests: a SimExecutor; it must have
     a `model_info`). registry: Prometheus registry (default: the global one).
@@ -188,7 +190,7 @@ def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] 
     """
     from scheduler_svc.remote_executor import RemoteExecutor
     from shared.config import CacheConfig, SchedulerConfig
-    from shared.queue import make_scheduler_queue
+    from shared.queue import QueueConfig, make_scheduler_queue
 
     if executor is None:
         executor = RemoteExecutor(worker_addr, timeout_s=worker_timeout_s)
@@ -203,7 +205,8 @@ def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] 
                           enable_prefix_caching=prefix_caching,
                           max_model_len=max_model_len or info.max_model_len)
     scheduler = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info)
-    queue = queue or make_scheduler_queue(redis_url, consumer=consumer)
+    queue = queue or make_scheduler_queue(redis_url, consumer=consumer,
+                                          config=QueueConfig(prefix=queue_prefix))
     metrics = SchedulerMetrics(registry) if registry is not None else SchedulerMetrics()
     metrics.set_config(policy, token_budget)
     service = SchedulerService(scheduler, executor, queue, metrics)

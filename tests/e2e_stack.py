@@ -1,0 +1,133 @@
+"""The end-to-end tests' deployments, as real processes on free ports:
+
+* `EmbeddedStack`: `sarathi.serve.run_embedded` in one child process (gateway + scheduler thread
+  + worker grandchild, in-process queue); GET /metrics shows gateway and scheduler metrics.
+* `DistributedStack`: worker, scheduler and gateway as three processes around a real Redis (keys
+  under a prefix of their own), ZeroMQ over tcp://127.0.0.1; the scheduler can be SIGKILLed and
+  restarted under the same consumer name.
+
+Both expose `base_url` (the OpenAI API root) and `metrics_urls` (where the Prometheus text of the
+scheduler and the gateway can be read). Logs go to files under a temp dir; a failing start
+prints their tails.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from tests.redis_fixture import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+NUM_BLOCKS = 256      # KV blocks of 16 tokens: plenty for 64 short requests, small to allocate
+MAX_MODEL_LEN = 1024  # tokens: an over-long prompt is cheap to build
+
+
+def spawn(code: str, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 15) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def get(url: str, timeout: float = 5) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0, ""
+
+
+def wait_ready(url: str, procs: list[subprocess.Popen], logs: list[Path], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while get(url)[0] != 200:
+        dead = [p for p in procs if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            tails = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs if log.exists())
+            raise RuntimeError(f"{url} not ready (exited: {[p.args[-1][:60] for p in dead]})\n{tails}")
+        time.sleep(0.25)
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """The value of one sample in Prometheus text (0.0 when absent)."""
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+class EmbeddedStack:
+    mode = "embedded"
+
+    def __init__(self, tmp: Path):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.metrics_urls = [f"http://127.0.0.1:{self.port}/metrics"]
+        self.scheduler_metrics_url = self.metrics_urls[0]
+        self.logs = [tmp / "embedded.log"]
+        self.proc = spawn(f"from sarathi.serve import run_embedded; run_embedded(port={self.port}, "
+                          f"num_blocks={NUM_BLOCKS}, max_model_len={MAX_MODEL_LEN}, log_level='warning')",
+                          self.logs[0])
+        wait_ready(f"http://127.0.0.1:{self.port}/ready", [self.proc], self.logs)
+
+    def close(self) -> None:
+        stop(self.proc)
+
+
+class DistributedStack:
+    mode = "redis"
+
+    def __init__(self, tmp: Path, redis_url: str, prefix: str):
+        self.redis_url, self.prefix = redis_url, prefix
+        self.gw_port, self.metrics_port, zmq_port = free_port(), free_port(), free_port()
+        self.worker_addr = f"tcp://127.0.0.1:{zmq_port}"
+        self.base_url = f"http://127.0.0.1:{self.gw_port}/v1"
+        self.scheduler_metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        self.metrics_urls = [self.scheduler_metrics_url, f"http://127.0.0.1:{self.gw_port}/metrics"]
+        self.logs = [tmp / "worker.log", tmp / "scheduler.log", tmp / "gateway.log"]
+        self.worker = spawn(f"from worker_svc.service import run_worker; run_worker("
+                            f"address={self.worker_addr!r}, num_blocks={NUM_BLOCKS})", self.logs[0])
+        self.scheduler = self._start_scheduler()
+        self.gateway = spawn(f"from gateway.server import run_gateway; run_gateway("
+                             f"redis_url={redis_url!r}, port={self.gw_port}, queue_prefix={prefix!r}, "
+                             f"max_model_len={MAX_MODEL_LEN}, log_level='warning')", self.logs[2])
+        self.wait()
+
+    def _start_scheduler(self) -> subprocess.Popen:
+        return spawn("import logging; logging.basicConfig(level='INFO'); "
+                     "from scheduler_svc.service import run_scheduler; run_scheduler("
+                     f"redis_url={self.redis_url!r}, worker_addr={self.worker_addr!r}, "
+                     f"metrics_port={self.metrics_port}, metrics_host='127.0.0.1', "
+                     f"queue_prefix={self.prefix!r}, consumer='e2e-scheduler', "
+                     f"max_model_len={MAX_MODEL_LEN})", self.logs[1])
+
+    def wait(self) -> None:
+        procs = [self.worker, self.scheduler, self.gateway]
+        wait_ready(self.scheduler_metrics_url.replace("/metrics", "/ready"), procs, self.logs)
+        wait_ready(f"http://127.0.0.1:{self.gw_port}/ready", procs, self.logs)
+
+    def kill_and_restart_scheduler(self) -> None:
+        """SIGKILL: no cleanup, no acks; the new process replays the pending requests."""
+        stop(self.scheduler, signal.SIGKILL)
+        self.scheduler = self._start_scheduler()
+        self.wait()
+
+    def close(self) -> None:
+        for p in (self.gateway, self.scheduler, self.worker):
+            stop(p)
