@@ -19,7 +19,7 @@ from shared.sampling import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"        # in the waiting queue, no KV blocks
-    RUNNING = "running"        # admitted: holds KV blocks for all its tokens so far
+    RUNNING = "running"        # admitted: holds KV blocks (for every token scheduled so far)
     PREEMPTED = "preempted"    # back at the head of the waiting queue, blocks freed, to recompute
     FINISHED = "finished"      # finish_reason says why: stop | length | abort | error
 

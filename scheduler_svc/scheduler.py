@@ -24,6 +24,15 @@ from shared.sampling import InvalidRequestError, SamplingParams
 
 
 class Scheduler:
+    """add_request / abort -> schedule() -> Batch -> update(batch, output) -> TokenEvents.
+
+    Limits: prompt + max_tokens <= min(sched_config.max_model_len, model_info.max_model_len)
+    tokens, and must fit the KV cache less the watermark; block size and block count come from
+    cache_config; EOS ids from model_info. TokenEvent.index is the 0-based output index of
+    token_id (an EOS that ends a request is emitted, with finish_reason "stop"); an abort or
+    error event has token_id None and index = the number of tokens generated.
+    """
+
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
                  model_info: ModelInfo, clock: Callable[[], float] = time.monotonic):
         self.config = sched_config
