@@ -101,3 +101,12 @@ def greedy_generate(ex: Executor, prompt: list[int], max_new: int, table: list[i
         res = ex.execute(Batch(0, [chunk("g", [out[-1]], pos, table, True, output_index=len(out))]))
         out.append(res.sampled["g"])
     return out
+
+
+def use_threads(n: int):
+    """A module fixture body: run with n torch threads, restore afterwards. The tests use 1:
+    on a shared 2-core machine, 2 threads stall badly whenever anything else runs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    yield
+    torch.set_num_threads(before)

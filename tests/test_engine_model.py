@@ -7,11 +7,15 @@ import torch
 
 from shared.messages import Batch
 from tests.engine_helpers import (TINY_CONFIGS, BlockPool, blocks_for, chunk, greedy_generate,
-                                  make_executor, make_tiny_checkpoint, prefill_logits)
+                                  make_executor, make_tiny_checkpoint, prefill_logits, use_threads)
 
-torch.set_num_threads(2)
 ATOL = 1e-4        # the bound for fp32 logits vs transformers
 BS = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    yield from use_threads(1)
 
 
 @pytest.fixture(scope="module", params=list(TINY_CONFIGS))
@@ -109,3 +113,13 @@ def test_model_info_describes_the_checkpoint(tiny):
     assert info.eos_token_ids == [1]
     assert (info.block_size, info.num_blocks) == (BS, 128)
     assert info.name == path.name
+
+
+def test_bfloat16_engine_stays_close_to_float32(tiny):
+    path, _, ex32 = tiny
+    ex16 = make_executor(path, dtype="bfloat16", num_blocks=16, block_size=BS)
+    prompt, table = prompt_of(60, seed=4), list(range(blocks_for(60, BS)))
+    ref = prefill_logits(ex32, prompt, table, 60)
+    got = prefill_logits(ex16, prompt, table, 25)
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max().item() <= 0.05 * ref.abs().max().item()

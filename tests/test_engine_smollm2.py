@@ -6,11 +6,16 @@ import pytest
 import torch
 
 from shared.model_source import resolve_model
-from tests.engine_helpers import blocks_for, greedy_generate, make_executor, prefill_logits
+from tests.engine_helpers import (blocks_for, greedy_generate, make_executor, prefill_logits,
+                                  use_threads)
 
 pytestmark = pytest.mark.slow
-torch.set_num_threads(2)
 PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    yield from use_threads(1)
 
 
 def hf_model_from_gguf(path: str):
