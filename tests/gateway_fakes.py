@@ -1,17 +1,30 @@
-"""Test doubles for the gateway tests: a scripted scheduler on a SchedulerQueue, and a real
-uvicorn server in a thread. The gateway is tested alone; the whole stack has its own tests."""
+"""Test doubles for the gateway tests: a scripted scheduler on a SchedulerQueue, a real uvicorn
+server in a thread, and the fixtures that put them together (import `tokenizer` and
+`make_stack` into a test module). The gateway is tested alone; the whole stack has its own
+end-to-end tests."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import httpx
+import openai
+import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.app import create_app
+from shared.config import ModelInfo
 from shared.messages import RequestMsg, TokenEvent
-from tests.redis_fixture import free_port
+from shared.model_source import resolve_model
+from shared.queue import QueueConfig, make_gateway_queue, make_queues
+from shared.sampling import SamplingParams
+from shared.tokenizer import load_tokenizer
+from tests.redis_fixture import delete_prefix, free_port, new_prefix
 
 
 @dataclass
@@ -142,3 +155,84 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self._thread.join(10)
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures (import them into a test module to use them)
+# ---------------------------------------------------------------------------------------------
+MAX_MODEL_LEN = 256  # tokens: small, so context-length errors are cheap to provoke
+
+
+@dataclass
+class Stack:
+    """A gateway on a real uvicorn server, a fake scheduler, and the queue between them."""
+
+    url: str
+    fake: FakeScheduler
+    server: ServerThread
+    redis_url: str | None
+    queue_config: QueueConfig
+    broker: object
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=20)
+
+    def prefill(self, n: int) -> None:
+        """Queue n requests from another gateway, as if other clients were waiting."""
+        async def submit():
+            gq = make_gateway_queue(self.redis_url, config=self.queue_config, gateway_id="gw-other",
+                                    broker=self.broker)
+            for i in range(n):
+                await gq.submit(RequestMsg(f"filler-{i}", [1], SamplingParams(), "gw-other", time.time()))
+            await gq.close()
+        asyncio.run(submit())
+
+    def close(self) -> None:
+        self.server.stop()
+        self.fake.close()
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_tokenizer():
+    """Loaded once per process (seconds: it parses the GGUF), whichever module asks first."""
+    return load_tokenizer(resolve_model(None))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return smollm2_tokenizer()
+
+
+@pytest.fixture
+def make_stack(request, tokenizer):
+    stacks: list[Stack] = []
+    prefixes: list[tuple[str, str]] = []  # Redis keys to delete once the stacks are stopped
+
+    def make(backend: str = "local", plan: Callable[[RequestMsg], Plan] | None = None, admitting: bool = True,
+             **app_kwargs) -> Stack:
+        """admitting=False: the fake scheduler takes nothing until told (set fake.admitting)."""
+        url, prefix = None, "local:"
+        if backend == "redis":
+            url, prefix = request.getfixturevalue("redis_server_url"), new_prefix()
+            prefixes.append((url, prefix))
+        cfg = QueueConfig(prefix=prefix)
+        gq, sq = make_queues(url, config=cfg, consumer="fake-scheduler")
+        info = ModelInfo("smol-test", MAX_MODEL_LEN, tokenizer.vocab_size, tokenizer.eos_token_ids)
+        fake = FakeScheduler(sq, tokenizer, plan=plan or (lambda req: Plan()), admitting=admitting)
+        stack = Stack("", fake, ServerThread(create_app(tokenizer, info, gq, **app_kwargs)), url, cfg,
+                      getattr(gq, "broker", None))
+        stack.url = stack.server.url
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for s in stacks:
+        s.close()
+    for url, prefix in prefixes:
+        delete_prefix(url, prefix)
+
+
+def metric(base_url: str, name: str) -> float:
+    """The value of one unlabelled sample (or the sum over labels) on the gateway's /metrics."""
+    text = httpx.get(base_url + "/metrics").text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)

@@ -54,13 +54,21 @@ def redis_server_url():
     proc.wait(timeout=10)
 
 
-@pytest.fixture
-def redis_prefix(redis_server_url):
-    """A key prefix of this test's own; its keys are removed at the end."""
-    prefix = f"test:{uuid.uuid4().hex[:10]}:"
-    yield prefix
-    r = redis.Redis.from_url(redis_server_url)
+def new_prefix() -> str:
+    return f"test:{uuid.uuid4().hex[:10]}:"
+
+
+def delete_prefix(url: str, prefix: str) -> None:
+    r = redis.Redis.from_url(url)
     keys = list(r.scan_iter(match=prefix + "*", count=1000))
     if keys:
         r.delete(*keys)
     r.close()
+
+
+@pytest.fixture
+def redis_prefix(redis_server_url):
+    """A key prefix of this test's own; its keys are removed at the end."""
+    prefix = new_prefix()
+    yield prefix
+    delete_prefix(redis_server_url, prefix)

@@ -49,7 +49,7 @@ class RedisSchedulerQueue(SchedulerQueue):
             resp = self.r.xreadgroup(self.cfg.group, self.consumer, {self.cfg.requests_key: ">"},
                                      count=max_n, block=block)
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
                 raise
             self._ensure_group()  # the stream was deleted under us (e.g. FLUSHDB)
             return []
