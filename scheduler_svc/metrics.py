@@ -17,7 +17,7 @@ from socketserver import ThreadingMixIn
 from typing import Callable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from shared.messages import Batch, BatchOutput
 
@@ -26,7 +26,7 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)      # tok
 
 
 class SchedulerMetrics:
-    def __init__(self, registry: CollectorRegistry = REGISTRY):
+    def __init__(self, registry: CollectorRegistry):
         self.registry = registry
         p, r = "sarathi_scheduler_", registry
         self.running = Gauge(p + "running_requests", "Requests holding KV blocks", registry=r)

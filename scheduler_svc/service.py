@@ -185,7 +185,8 @@ def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] 
     scheduler with the same name replays its own pending requests. queue_prefix: Redis key prefix.
     model: accepted for symmetry with the other services; the model is what the workers loaded.
     executor: use this object instead of connecting to workers (tests: a SimExecutor; it must have
-    a `model_info`). registry: Prometheus registry (default: the global one).
+    a `model_info`). registry: Prometheus registry (default: a new one with the process metrics;
+    embedded mode passes the gateway's, so that one /metrics shows both).
     on_ready: called with the SchedulerService once the workers answered and before the loop.
     """
     from scheduler_svc.remote_executor import RemoteExecutor
@@ -207,7 +208,7 @@ def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] 
     scheduler = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info)
     queue = queue or make_scheduler_queue(redis_url, consumer=consumer,
                                           config=QueueConfig(prefix=queue_prefix))
-    metrics = SchedulerMetrics(registry) if registry is not None else SchedulerMetrics()
+    metrics = SchedulerMetrics(registry if registry is not None else _process_registry())
     metrics.set_config(policy, token_budget)
     service = SchedulerService(scheduler, executor, queue, metrics)
     server = None
@@ -240,3 +241,14 @@ def _wait_for_model_info(executor, stop: threading.Event | None):
             if stop is not None and stop.is_set():
                 return None
     return executor.model_info
+
+
+def _process_registry():
+    """A fresh registry (so that several schedulers can run in one process, as in tests) with
+    the process and platform collectors the global one would have had."""
+    from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    return registry

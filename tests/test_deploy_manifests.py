@@ -85,3 +85,38 @@ def test_compose_runs_the_four_services_configured_by_sarathi_env_vars():
 @pytest.mark.parametrize("name", ["Dockerfile", ".dockerignore"])
 def test_image_files_exist(name):
     assert (ROOT / name).is_file()
+
+
+# read elsewhere than the CLI: SARATHI_CONSUMER by shared.queue (the queue consumer name);
+# SARATHI_DEVICE by the worker's --device option, which the CLI is to offer for GPU pods
+NOT_CLI_OPTIONS = {"SARATHI_CONSUMER", "SARATHI_DEVICE"}
+
+
+def cli_options(command: str) -> set[str]:
+    """The SARATHI_<OPTION> names the `sarathi <command>` parser reads."""
+    from sarathi.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd").choices[command]
+    return {"SARATHI_" + o[2:].upper().replace("-", "_")
+            for a in sub._actions for o in a.option_strings if o.startswith("--")}
+
+
+def deployed_env() -> list[tuple[str, str]]:
+    """(command, env var name) for every container of compose and k8s running `sarathi`."""
+    pairs = []
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    for svc in compose["services"].values():
+        if svc.get("command") and svc["command"][0] in ("gateway", "scheduler", "worker"):
+            pairs += [(svc["command"][0], k) for k in svc["environment"]]
+    for d in docs():
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                if c.get("args") and c["args"][0] in ("gateway", "scheduler", "worker"):
+                    pairs += [(c["args"][0], e["name"]) for e in c.get("env", [])]
+    return pairs
+
+
+def test_every_sarathi_env_var_in_the_deployments_is_an_option_of_its_command():
+    unknown = [(cmd, var) for cmd, var in deployed_env()
+               if var not in NOT_CLI_OPTIONS and var not in cli_options(cmd)]
+    assert not unknown, f"env vars no CLI option reads: {unknown}"
