@@ -1,0 +1,59 @@
+"""Operations: health and readiness probes, Prometheus metrics, and a torch-free import."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+
+from tests.gateway_fakes import Plan, make_stack, metric, tokenizer  # noqa: F401 (fixtures)
+
+
+def test_health_answers_while_the_process_lives(make_stack):
+    stack = make_stack()
+    assert httpx.get(stack.url + "/health").json() == {"status": "ok"}
+
+
+def test_ready_needs_a_live_scheduler(make_stack):
+    stack = make_stack()
+    assert httpx.get(stack.url + "/ready").status_code == 200
+    stack.fake.close()  # its heartbeat goes away
+    resp = httpx.get(stack.url + "/ready")
+    assert resp.status_code == 503 and "scheduler" in resp.json()["reason"]
+
+
+def test_the_readiness_check_is_injectable(make_stack):
+    state = {"ok": False}
+
+    async def check() -> bool:
+        return state["ok"]
+
+    stack = make_stack(ready_check=check)
+    assert httpx.get(stack.url + "/ready").status_code == 503
+    state["ok"] = True
+    assert httpx.get(stack.url + "/ready").status_code == 200
+
+
+def test_metrics_expose_latency_histograms_and_outcomes(make_stack):
+    stack = make_stack(plan=lambda req: Plan("a b c d e f", interval_s=0.01))
+    client = stack.client()
+    client.completions.create(model="m", prompt="x", max_tokens=50)
+    client.completions.create(model="m", prompt="x", max_tokens=2)
+    httpx.post(stack.url + "/v1/completions", json={"prompt": "x", "n": 2})
+    m = lambda name: metric(stack.url, name)  # noqa: E731
+    assert m("sarathi_gateway_time_to_first_token_seconds_count") == 2
+    assert m("sarathi_gateway_inter_token_latency_seconds_count") >= 5
+    assert m("sarathi_gateway_queue_time_seconds_count") == 2
+    assert m("sarathi_gateway_e2e_request_latency_seconds_count") == 2
+    text = httpx.get(stack.url + "/metrics").text
+    assert 'sarathi_gateway_requests_finished_total{reason="stop"} 1.0' in text
+    assert 'sarathi_gateway_requests_finished_total{reason="length"} 1.0' in text
+    assert m("sarathi_gateway_requests_accepted_total") == 2
+    assert 'sarathi_gateway_requests_rejected_total{status="400"} 1.0' in text
+    assert m("sarathi_gateway_requests_in_flight") == 0
+
+
+def test_the_gateway_does_not_import_torch():
+    code = ("import sys, gateway.app, gateway.server, shared.queue.redis_scheduler, shared.queue.local; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
