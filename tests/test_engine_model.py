@@ -115,11 +115,17 @@ def test_model_info_describes_the_checkpoint(tiny):
     assert info.name == path.name
 
 
-def test_bfloat16_engine_stays_close_to_float32(tiny):
-    path, _, ex32 = tiny
+def test_bfloat16_engine_is_as_accurate_as_transformers_in_bfloat16(tiny):
+    """bf16 cannot match fp32 to 1e-4; it must not drift further than HF's own bf16 does."""
+    from transformers import AutoModelForCausalLM
+
+    path, hf32, _ = tiny
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     ex16 = make_executor(path, dtype="bfloat16", num_blocks=16, block_size=BS)
-    prompt, table = prompt_of(60, seed=4), list(range(blocks_for(60, BS)))
-    ref = prefill_logits(ex32, prompt, table, 60)
-    got = prefill_logits(ex16, prompt, table, 25)
+    prompt = prompt_of(60, seed=4)
+    with torch.no_grad():
+        ref = hf32(torch.tensor([prompt])).logits[0, -1]
+        hf_err = (hf16(torch.tensor([prompt])).logits[0, -1].float() - ref).abs().max().item()
+    got = prefill_logits(ex16, prompt, list(range(blocks_for(60, BS))), 25)
     assert got.dtype == torch.float32
-    assert (got - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
+    assert (got - ref).abs().max().item() <= 1.5 * hf_err + 1e-2
