@@ -84,3 +84,19 @@ def test_streamed_chat_with_include_usage_ends_with_a_usage_chunk(make_stack, to
     assert usage.completion_tokens == len(tokenizer.encode(REPLY, add_special_tokens=False)) + 1
     assert usage.prompt_tokens == len(stack.fake.received[0].prompt_token_ids)
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_concurrent_streams_each_get_their_own_text(make_stack):
+    import concurrent.futures
+
+    stack = make_stack("redis", plan=lambda req: Plan(f"answer number {req.prompt_token_ids[-1]} done",
+                                                      interval_s=0.005))
+    client = stack.client()
+
+    def one(i: int) -> tuple[int, str]:
+        stream = client.completions.create(model="m", prompt=[i + 10], max_tokens=30, stream=True)
+        return i, "".join(c.choices[0].text for c in stream)
+
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(one, range(24)))
+    assert all(text == f"answer number {i + 10} done" for i, text in results)

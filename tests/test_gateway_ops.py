@@ -57,3 +57,35 @@ def test_the_gateway_does_not_import_torch():
     code = ("import sys, gateway.app, gateway.server, shared.queue.redis_scheduler, shared.queue.local; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_an_unreachable_queue_gets_503_and_not_ready(tokenizer):
+    from gateway.app import create_app
+    from shared.config import ModelInfo
+    from shared.queue import make_gateway_queue
+    from tests.gateway_fakes import ServerThread
+    from tests.redis_fixture import free_port
+
+    queue = make_gateway_queue(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    info = ModelInfo("m", 256, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    server = ServerThread(create_app(tokenizer, info, queue))
+    try:
+        resp = httpx.post(server.url + "/v1/completions", json={"prompt": "x"})
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_unavailable"
+        assert httpx.get(server.url + "/ready").status_code == 503
+    finally:
+        server.stop()
+
+
+def test_model_info_comes_from_the_model_files(tokenizer, tmp_path):
+    import json
+
+    from gateway.server import model_info_from_source
+    from shared.model_source import ModelSource, resolve_model
+
+    info = model_info_from_source(resolve_model(None), tokenizer)
+    assert (info.name, info.max_model_len, info.num_layers) == ("SmolLM2-135M-Instruct", 8192, 30)
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096, "num_hidden_layers": 2}))
+    hf = ModelSource("hf", tmp_path, "tiny")
+    assert model_info_from_source(hf, tokenizer).max_model_len == 4096
+    assert model_info_from_source(hf, tokenizer, max_model_len=1024).max_model_len == 1024  # scheduler's limit

@@ -44,6 +44,7 @@ class RedisGatewayQueue(GatewayQueue):
         self.r = aioredis.Redis.from_url(url, decode_responses=True)
         self.cfg, self.gateway_id = config, gateway_id
         self._group_ready = False
+        self._cursor = "0-0"  # id of the last reply entry read: the stream is ours alone
 
     async def _ensure_group(self) -> None:
         if self._group_ready:
@@ -64,18 +65,19 @@ class RedisGatewayQueue(GatewayQueue):
                           maxlen=self.cfg.aborts_maxlen, approximate=True)
 
     async def events(self) -> AsyncIterator[TokenEvent]:
-        key, cursor = self.cfg.out_key(self.gateway_id), "0-0"
+        """Resumes after the last entry read by any earlier call (e.g. after a Redis error)."""
+        key = self.cfg.out_key(self.gateway_id)
         last_trim = time.monotonic()
         while True:
-            resp = await self.r.xread({key: cursor}, count=PAGE, block=1000)
+            resp = await self.r.xread({key: self._cursor}, count=PAGE, block=1000)
             for eid, fields in entries_of(resp):
-                cursor = eid
+                self._cursor = eid
                 for ev in decode_events(fields["events"]):
                     yield ev
-            if time.monotonic() - last_trim > 1.0 and cursor != "0-0":
+            if time.monotonic() - last_trim > 1.0 and self._cursor != "0-0":
                 # Entries we have read are of no further use: free them now instead of
                 # waiting for MAXLEN or the TTL.
-                await self.r.xtrim(key, minid=cursor, approximate=True)
+                await self.r.xtrim(key, minid=self._cursor, approximate=True)
                 last_trim = time.monotonic()
 
     async def depth(self) -> int:
