@@ -61,12 +61,17 @@ class Serving:
         arrival = time.time()
         body.check_supported()
         try:
-            prompt_ids = await asyncio.to_thread(self.tok.encode_chat, body.template_messages())
+            prompt_ids = await asyncio.to_thread(self._encode_chat, body.template_messages())
         except InvalidRequestError:
             raise
         except Exception as exc:  # the template's own raise_exception (e.g. roles out of order)
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
         return await self._serve(body, prompt_ids, "messages", True, arrival, request)
+
+    def _encode_chat(self, messages: list[dict]) -> list[int]:
+        if hasattr(self.tok, "encode_chat"):  # shared.tokenizer: no second BOS after the template's
+            return self.tok.encode_chat(messages)
+        return self.tok.encode(self.tok.apply_chat_template(messages))
 
     def _checked_ids(self, ids: list[int]) -> list[int]:
         if any(not 0 <= t < self.info.vocab_size for t in ids):
@@ -106,7 +111,8 @@ class Serving:
         req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         req = RequestMsg(req_id, prompt_ids, sampling, self.queue.gateway_id, arrival)
         gen = Generation(req, tokenizer=self.tok, queue=self.queue, dispatcher=self.dispatcher,
-                         metrics=self.metrics, stop=body.stop_strings(), end_token_ids=self._end_ids,
+                         metrics=self.metrics, stop=body.stop_strings(),
+                         end_token_ids=self._end_ids | set(sampling.stop_token_ids),
                          event_timeout_s=self.cfg.event_timeout_s)
         try:
             await gen.start()

@@ -31,8 +31,8 @@ from tests.redis_fixture import delete_prefix, free_port, new_prefix
 class Plan:
     """How the fake scheduler answers one request.
 
-    text: the reply, encoded with the real tokenizer; an EOS token follows it (finish "stop")
-        unless max_tokens cuts it first (finish "length").
+    text: the reply, encoded with the real tokenizer; an EOS token (or the request's first stop
+        token id) follows it (finish "stop") unless max_tokens cuts it first (finish "length").
     interval_s: seconds between tokens. error_after: after that many tokens, an error event.
     duplicate: publish every event twice, and replay the first tokens again midway (as a
         restarted scheduler would). hold: never finish (for disconnect tests).
@@ -73,7 +73,8 @@ class FakeScheduler:
         self._thread.start()
 
     def events_for(self, req: RequestMsg, plan: Plan) -> list[TokenEvent]:
-        ids = self.tokenizer.encode(plan.text, add_special_tokens=False) + [self.tokenizer.eos_token_ids[0]]
+        end = (req.sampling.stop_token_ids or self.tokenizer.eos_token_ids)[0]  # as a model would
+        ids = self.tokenizer.encode(plan.text, add_special_tokens=False) + [end]
         max_tokens = req.sampling.max_tokens
         if plan.hold:
             ids = ids * 1000

@@ -86,3 +86,12 @@ def test_a_request_with_no_events_ends_with_an_error_after_the_timeout(make_stac
     stack = make_stack(event_timeout_s=0.3, admitting=False)
     with pytest.raises(openai.InternalServerError, match="no token"):
         stack.client().completions.create(model="m", prompt="x", max_tokens=5)
+
+
+def test_the_stop_token_that_ends_a_request_adds_no_text(make_stack, tokenizer):
+    stack = make_stack(plan=lambda req: Plan("Hello world"))
+    (bang,) = tokenizer.encode("!", add_special_tokens=False)
+    r = stack.client().completions.create(model="m", prompt="x", max_tokens=20, extra_body={"stop": [bang]})
+    assert stack.fake.received[0].sampling.stop_token_ids == [bang]
+    assert r.choices[0].text == "Hello world" and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(tokenizer.encode("Hello world", add_special_tokens=False)) + 1
