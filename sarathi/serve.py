@@ -31,7 +31,8 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
                  token_budget: int = 512, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 4096, prefix_caching: bool = False,
                  max_model_len: int | None = None, api_key: str | None = None,
-                 worker: str = "process", log_level: str = "info") -> None:
+                 worker: str = "process", queue_prefix: str = "sarathi:",
+                 log_level: str = "info") -> None:
     """Serve `model` (None: the default SmolLM2) on http://host:port until interrupted.
 
     redis_url: None = in-process queue; a URL = the Redis queue (same semantics, durable).
@@ -39,6 +40,7 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
     block): the worker. policy, token_budget (tau, tokens), max_num_seqs, max_num_batched_tokens,
     prefix_caching: the scheduler. max_model_len: tokens; None = the model's context length.
     api_key: require `Authorization: Bearer <key>` on /v1/*. worker: "process" | "thread".
+    queue_prefix: the Redis key prefix (with redis_url).
     """
     import uvicorn
     from prometheus_client import CollectorRegistry
@@ -48,7 +50,7 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
     from scheduler_svc.remote_executor import RemoteExecutor
     from scheduler_svc.service import run_scheduler
     from shared.model_source import resolve_model
-    from shared.queue import make_queues
+    from shared.queue import QueueConfig, make_queues
     from shared.tokenizer import load_tokenizer
 
     if not logging.getLogger().handlers:
@@ -65,7 +67,7 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
             executor = RemoteExecutor(address, timeout_s=300.0)
             info = _wait_worker(executor, stop_worker)
             max_len = min(max_model_len or info.max_model_len, info.max_model_len)
-            gateway_queue, scheduler_queue = make_queues(redis_url)
+            gateway_queue, scheduler_queue = make_queues(redis_url, config=QueueConfig(prefix=queue_prefix))
             registry = CollectorRegistry()
             sched_thread = threading.Thread(target=run_scheduler, name="scheduler", daemon=True, kwargs=dict(
                 queue=scheduler_queue, executor=executor, registry=registry, metrics_port=None,

@@ -1,7 +1,8 @@
 """The end-to-end tests' deployments, as real processes on free ports:
 
 * `EmbeddedStack`: `sarathi.serve.run_embedded` in one child process (gateway + scheduler thread
-  + worker grandchild, in-process queue); GET /metrics shows gateway and scheduler metrics.
+  + worker grandchild; the in-process queue, or Redis when given a URL); GET /metrics shows
+  gateway and scheduler metrics.
 * `DistributedStack`: worker, scheduler and gateway as three processes around a real Redis (keys
   under a prefix of their own), ZeroMQ over tcp://127.0.0.1; the scheduler can be SIGKILLed and
   restarted under the same consumer name.
@@ -73,17 +74,18 @@ def metric(text: str, name: str, labels: str = "") -> float:
 
 
 class EmbeddedStack:
-    mode = "embedded"
+    """redis_url None: the in-process queue; else Redis, keys under `prefix`."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, redis_url: str | None = None, prefix: str = "sarathi:"):
+        self.mode = "embedded" if redis_url is None else "embedded-redis"
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.metrics_urls = [f"http://127.0.0.1:{self.port}/metrics"]
         self.scheduler_metrics_url = self.metrics_urls[0]
         self.logs = [tmp / "embedded.log"]
         self.proc = spawn(f"from sarathi.serve import run_embedded; run_embedded(port={self.port}, "
-                          f"num_blocks={NUM_BLOCKS}, max_model_len={MAX_MODEL_LEN}, log_level='warning')",
-                          self.logs[0])
+                          f"num_blocks={NUM_BLOCKS}, max_model_len={MAX_MODEL_LEN}, log_level='warning', "
+                          f"redis_url={redis_url!r}, queue_prefix={prefix!r})", self.logs[0])
         wait_ready(f"http://127.0.0.1:{self.port}/ready", [self.proc], self.logs)
 
     def close(self) -> None:
@@ -91,7 +93,7 @@ class EmbeddedStack:
 
 
 class DistributedStack:
-    mode = "redis"
+    mode = "distributed-redis"
 
     def __init__(self, tmp: Path, redis_url: str, prefix: str):
         self.redis_url, self.prefix = redis_url, prefix

@@ -1,7 +1,7 @@
 """End to end, as a user sees it: the real `openai` client (max_retries=0) against a real uvicorn
 gateway on a free port, the real scheduler and a real SmolLM2 worker over ZeroMQ, in both
-deployments: embedded (one process tree, in-process queue) and distributed (three processes,
-Redis). Expected tokens come from the offline engine (sarathi.llm.LLM) on the same prompts,
+deployments: embedded (one process tree; in-process queue, or Redis given a URL) and
+distributed (three processes, Redis). Expected tokens come from the offline engine (sarathi.llm.LLM) on the same prompts,
 greedy. max_tokens stay small so the suite fits in a few minutes on 2 CPU cores.
 """
 from __future__ import annotations
@@ -39,21 +39,22 @@ def offline():
     return ref
 
 
-@pytest.fixture(scope="module", params=["embedded", "redis"])
+@pytest.fixture(scope="module", params=["embedded", "embedded-redis", "distributed-redis"])
 def stack(request, tmp_path_factory, redis_server_url):
+    """embedded: in-process queue. embedded-redis: the same command given a Redis URL.
+    distributed-redis: worker, scheduler and gateway as separate processes (as in compose/k8s)."""
     tmp = tmp_path_factory.mktemp(request.param)
-    if request.param == "embedded":
-        s = EmbeddedStack(tmp)
-    else:
-        prefix = f"test:e2e:{uuid.uuid4().hex[:8]}:"
+    prefix = f"test:e2e:{uuid.uuid4().hex[:8]}:"
+    if request.param == "distributed-redis":
         s = DistributedStack(tmp, redis_server_url, prefix)
+    else:
+        s = EmbeddedStack(tmp, redis_server_url if request.param == "embedded-redis" else None, prefix)
     yield s
     s.close()
-    if request.param == "redis":
-        r = redis.Redis.from_url(redis_server_url)
-        keys = list(r.scan_iter(match=prefix + "*"))
-        if keys:
-            r.delete(*keys)
+    r = redis.Redis.from_url(redis_server_url)
+    keys = list(r.scan_iter(match=prefix + "*"))
+    if keys:
+        r.delete(*keys)
 
 
 def client(stack) -> openai.OpenAI:
@@ -148,7 +149,7 @@ def test_metrics_have_latency_histograms_and_finish_reasons(stack):
 
 
 def test_sigkill_of_the_scheduler_with_16_in_flight_loses_and_duplicates_nothing(stack, offline):
-    if stack.mode != "redis":
+    if stack.mode != "distributed-redis":
         pytest.skip("the scheduler is a separate process only in the distributed deployment")
     started = 0
 
