@@ -55,7 +55,8 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    source = resolve_model(model)  # fail fast on a bad path, before starting anything
+    source = resolve_model(model)  # fail fast on a bad path or file, before starting anything
+    tokenizer = load_tokenizer(source)
     worker_kw = dict(model=str(source.path), dtype=dtype, threads=threads,
                      num_blocks=num_blocks, block_size=block_size)
     with tempfile.TemporaryDirectory(prefix="sarathi-") as tmp:
@@ -63,7 +64,6 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
         stop = threading.Event()
         sched_thread = None
         try:
-            tokenizer = load_tokenizer(source)
             executor = RemoteExecutor(address, timeout_s=300.0)
             info = _wait_worker(executor, stop_worker)
             max_len = min(max_model_len or info.max_model_len, info.max_model_len)

@@ -44,7 +44,8 @@ class SchedulerMetrics:
         self.finished = Counter(p + "requests_finished", "Requests ended, by finish reason",
                                 ["reason"], registry=r)
         self.rejected = Counter(p + "requests_rejected", "Requests refused at admission", registry=r)
-        self.worker_errors = Counter(p + "worker_errors", "Iterations the workers failed", registry=r)
+        self.failed_iterations = Counter(p + "failed_iterations", "Iterations that failed (worker error, "
+                                         "worker restart or internal error)", registry=r)
         self.policy = Gauge(p + "policy_info", "The batching policy (value 1)", ["policy"], registry=r)
         self.token_budget = Gauge(p + "token_budget", "tau: tokens per iteration", registry=r)
         self._preemptions_seen = 0

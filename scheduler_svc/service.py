@@ -41,7 +41,7 @@ class SchedulerService:
     there is nothing to run. replay_interval_s: seconds between claims of dead replicas' work."""
 
     def __init__(self, scheduler: Scheduler, executor, queue: SchedulerQueue,
-                 metrics: SchedulerMetrics, *, max_waiting: int = 16, idle_block_ms: int = 50,
+                 metrics: SchedulerMetrics, *, max_waiting: int = 64, idle_block_ms: int = 50,
                  replay_interval_s: float = 5.0):
         self.scheduler = scheduler
         self.executor = InstrumentedExecutor(executor, metrics)
@@ -109,7 +109,7 @@ class SchedulerService:
             self._fail_in_flight(f"internal error: {type(e).__name__}: {e}")
             for req_id in list(self.scheduler.requests):
                 self.scheduler.abort(req_id, error=f"internal error: {e}")
-        self.metrics.worker_errors.inc()
+        self.metrics.failed_iterations.inc()
         return self.scheduler.take_events()
 
     def _fail_in_flight(self, message: str) -> None:
