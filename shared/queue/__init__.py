@@ -72,6 +72,11 @@ class QueueConfig:
     def heartbeat_key(self, consumer: str) -> str:
         return f"{self.prefix}scheduler:{consumer}"
 
+    @property
+    def schedulers_key(self) -> str:
+        """A set of every consumer name that ever sent a heartbeat."""
+        return f"{self.prefix}schedulers"
+
 
 def new_gateway_id() -> str:
     """A gateway id unique per process: a restarted gateway gets a fresh reply stream."""

@@ -77,9 +77,8 @@ class RedisSchedulerQueue(SchedulerQueue):
             entries += claimed
             if cursor == "0-0":
                 break
-        seen: set[str] = set()
-        unique = [e for e in entries if not (e[0] in seen or seen.add(e[0]))]
-        return self._accept(unique)
+        unique = {eid: (eid, fields) for eid, fields in entries}  # own entries may be claimed too
+        return self._accept(list(unique.values()))
 
     def _accept(self, entries: list[tuple[str, dict]]) -> list[RequestMsg]:
         """Entries -> requests now pending here. Deleted, malformed and already-aborted entries
@@ -100,7 +99,7 @@ class RedisSchedulerQueue(SchedulerQueue):
             self._taken_at.setdefault(req.req_id, taken)
             out.append(req)
         if drop:
-            self._ackentries_of(drop)
+            self._ack_and_delete(drop)
         return out
 
     def ack(self, req_id: str) -> None:
@@ -108,9 +107,9 @@ class RedisSchedulerQueue(SchedulerQueue):
         self._reply_to.pop(req_id, None)
         self._taken_at.pop(req_id, None)
         if eid is not None:
-            self._ackentries_of([eid])
+            self._ack_and_delete([eid])
 
-    def _ackentries_of(self, eids: list[str]) -> None:
+    def _ack_and_delete(self, eids: list[str]) -> None:
         pipe = self.r.pipeline(transaction=True)  # ack and delete together: depth stays exact
         pipe.xack(self.cfg.requests_key, self.cfg.group, *eids)
         pipe.xdel(self.cfg.requests_key, *eids)
@@ -161,7 +160,7 @@ class RedisSchedulerQueue(SchedulerQueue):
 
     def heartbeat(self) -> None:
         pipe = self.r.pipeline(transaction=False)
-        pipe.sadd(f"{self.cfg.prefix}schedulers", self.consumer)
+        pipe.sadd(self.cfg.schedulers_key, self.consumer)
         pipe.set(self.cfg.heartbeat_key(self.consumer), str(now()), px=int(self.cfg.heartbeat_ttl_s * 1000))
         if self._entry_ids:  # XCLAIM to ourselves resets the idle time: nobody XAUTOCLAIMs them
             pipe.xclaim(self.cfg.requests_key, self.cfg.group, self.consumer, 0,

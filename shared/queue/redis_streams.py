@@ -89,7 +89,7 @@ class RedisGatewayQueue(GatewayQueue):
         return max(0, length - int(pending["pending"]))
 
     async def scheduler_alive(self) -> bool:
-        names = await self.r.smembers(f"{self.cfg.prefix}schedulers")
+        names = await self.r.smembers(self.cfg.schedulers_key)
         if not names:
             return False
         return await self.r.exists(*[self.cfg.heartbeat_key(n) for n in names]) > 0
