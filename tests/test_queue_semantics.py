@@ -211,6 +211,8 @@ def test_scheduler_alive_follows_the_heartbeat(h):
     gq = h.gateway()
     assert h.run(gq.scheduler_alive()) is False
     sq = h.scheduler()
+    assert h.run(gq.scheduler_alive()) is False  # constructed is not yet running
+    sq.poll_aborts()
     assert h.run(gq.scheduler_alive()) is True
     sq.close()
     assert h.run(gq.scheduler_alive()) is False

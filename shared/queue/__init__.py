@@ -149,7 +149,8 @@ class SchedulerQueue(abc.ABC):
     @abc.abstractmethod
     def heartbeat(self) -> None:
         """Mark this scheduler alive and keep its pending requests from being claimed. Done
-        inside fetch/poll_aborts too; call it directly only during long pauses."""
+        inside fetch/poll_aborts/replay_pending (so a scheduler is "alive" from its loop's first
+        call, not from construction); call it directly only during long pauses."""
 
     def close(self) -> None:
         """Release connections. Idempotent."""

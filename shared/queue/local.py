@@ -123,7 +123,6 @@ class LocalSchedulerQueue(SchedulerQueue):
         self.broker, self.consumer = broker, consumer
         with broker.cond:
             broker.abort_buffers.setdefault(consumer, [])
-        self.heartbeat()
 
     def fetch(self, max_n: int, block_ms: int = 0) -> list[RequestMsg]:
         self.heartbeat()
@@ -143,6 +142,7 @@ class LocalSchedulerQueue(SchedulerQueue):
             return out
 
     def replay_pending(self) -> list[RequestMsg]:
+        self.heartbeat()
         b = self.broker
         idle_s = b.cfg.claim_min_idle_ms / 1000
         with b.cond:

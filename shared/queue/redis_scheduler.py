@@ -28,8 +28,9 @@ class RedisSchedulerQueue(SchedulerQueue):
         self._aborts_cursor = "0-0"
         self._last_heartbeat = float("-inf")
         self._ensure_group()
-        self._read_aborts(buffer=False)  # the backlog only filters; it is not news to poll
-        self.heartbeat()
+        # The backlog only filters; it is not news to poll. No heartbeat yet: the scheduler
+        # counts as alive (gateway /ready) once its loop calls fetch/poll/replay.
+        self._read_aborts(buffer=False)
 
     # -- requests ------------------------------------------------------------------------------
     def _ensure_group(self) -> None:
@@ -59,6 +60,7 @@ class RedisSchedulerQueue(SchedulerQueue):
         return self._accept(entries)
 
     def replay_pending(self) -> list[RequestMsg]:
+        self._maybe_heartbeat()
         self._read_aborts()
         entries: list[tuple[str, dict]] = []
         start = "0"
