@@ -96,30 +96,28 @@ class SchedulerService:
     def _step(self) -> list[TokenEvent]:
         try:
             return self.loop.step()
-        except WorkerRestartedError as e:
+        except WorkerRestartedError as e:  # the KV of every running request is gone
             log.error("%s; failing every request that holds KV blocks", e)
-            self._fail_in_flight(str(e))
-            for req in list(self.scheduler.running):
-                self.scheduler.abort(req.req_id, error=str(e))
+            self._recover(str(e), [r.req_id for r in self.scheduler.running])
         except WorkerError as e:
             log.error("iteration failed: %s", e)
-            self._fail_in_flight(f"the worker failed this request's iteration: {e}")
+            self._recover(f"the worker failed this request's iteration: {e}", [])
         except Exception as e:  # a bug must not leave requests hanging: fail them, keep serving
             log.exception("engine step failed")
-            self._fail_in_flight(f"internal error: {type(e).__name__}: {e}")
-            for req_id in list(self.scheduler.requests):
-                self.scheduler.abort(req_id, error=f"internal error: {e}")
+            self._recover(f"internal error: {type(e).__name__}: {e}", list(self.scheduler.requests))
         self.metrics.failed_iterations.inc()
         return self.scheduler.take_events()
 
-    def _fail_in_flight(self, message: str) -> None:
-        """The batch that was out is lost: its requests end with an error at the next step."""
+    def _recover(self, message: str, also_fail: list[str]) -> None:
+        """After a failed step nothing is outstanding (a step is synchronous), so no request may
+        stay marked in flight (aborts wait for that mark to clear). The requests of the lost
+        batch, and `also_fail`, end with an "error" event at the next step boundary."""
         batch, self.executor.in_flight = self.executor.in_flight, None
-        for seq in batch.seqs if batch else []:
-            req = self.scheduler.get_request(seq.req_id)
-            if req is not None:
-                req.in_flight = False  # its output will never come; let the abort proceed
-                self.scheduler.abort(seq.req_id, error=message)
+        lost = [s.req_id for s in batch.seqs] if batch else []
+        for req in self.scheduler.requests.values():
+            req.in_flight = False
+        for req_id in dict.fromkeys(lost + also_fail):
+            self.scheduler.abort(req_id, error=message)
 
     # -- requests in and events out -----------------------------------------------------------------
     def _admit(self, msgs: list[RequestMsg]) -> None:

@@ -31,15 +31,19 @@ class SimWorker(SimExecutor):
     model_info = ModelInfo("sim", max_model_len=96, vocab_size=500, eos_token_ids=[0],
                            block_size=BLOCK, num_blocks=NUM_BLOCKS)
 
-    def __init__(self, fail_batches=(), delay_s: float = 0.0):
+    def __init__(self, fail_batches=(), delay_s: float = 0.0, drop_tokens_on=()):
         super().__init__(BLOCK, vocab_size=500)
         self.fail_batches, self.delay_s = set(fail_batches), delay_s
+        self.drop_tokens_on = set(drop_tokens_on)
 
     def execute(self, batch):
         time.sleep(self.delay_s)
         if batch.batch_id in self.fail_batches:
             raise RuntimeError("simulated device error")
-        return super().execute(batch)
+        out = super().execute(batch)
+        if batch.batch_id in self.drop_tokens_on:
+            out.sampled.clear()  # a broken reply: tokens that were due are missing
+        return out
 
     def free(self, req_ids):
         pass
@@ -165,6 +169,20 @@ def test_a_failed_iteration_errors_its_requests_and_the_service_keeps_serving(st
     events, later = asyncio.run(both())
     assert events["a"][-1].finish_reason == "error" and "simulated device error" in events["a"][-1].error
     assert [e.index for e in later["b"]] == [0, 1, 2] and later["b"][-1].finish_reason == "length"
+
+
+def test_an_inconsistent_reply_fails_the_requests_instead_of_hanging_them(stack):
+    s = stack(SimWorker(drop_tokens_on={3}))
+
+    async def both():  # one event loop: the in-process queue binds to the first one
+        return (await collect(s.gq, [request("a", max_tokens=8), request("b", max_tokens=8)]),
+                await collect(s.gq, [request("c", max_tokens=3)]))
+
+    events, later = asyncio.run(both())
+    for r in ("a", "b"):
+        assert events[r][-1].finish_reason == "error" and "internal error" in events[r][-1].error
+    assert later["c"][-1].finish_reason == "length"
+    assert eventually(lambda: s.service.snapshot["num_free_blocks"] == NUM_BLOCKS)
 
 
 def test_a_restarted_scheduler_replays_unfinished_requests_with_the_same_tokens(stack):
