@@ -45,6 +45,7 @@ class DecodeMeta:
     block_tables: torch.Tensor
     valid: torch.Tensor
     contiguous_rows: slice | None   # rows as a slice when they are contiguous (no index copy)
+    bias: dict = field(default_factory=dict)   # dtype -> additive mask (0 / -inf), made once
 
 
 @dataclass
@@ -117,7 +118,9 @@ def _decode_attention(q, kc, vc, d: DecodeMeta, out, scale) -> None:
     qd = q[d.contiguous_rows] if d.contiguous_rows is not None else q.index_select(0, d.rows)
     # GQA: the G query heads sharing a kv head become G query "positions" of that head.
     qd = qd.view(B, hkv, group, dim)
-    o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=d.valid, scale=scale)
+    if q.dtype not in d.bias:   # an additive float mask runs faster than a bool one in SDPA on CPU
+        d.bias[q.dtype] = torch.zeros(d.valid.shape, dtype=q.dtype).masked_fill_(~d.valid, float("-inf"))
+    o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=d.bias[q.dtype], scale=scale)
     o = o.reshape(B, hkv * group, dim)
     if d.contiguous_rows is not None:
         out[d.contiguous_rows] = o
