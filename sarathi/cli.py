@@ -50,6 +50,8 @@ def _sched_args(p: argparse.ArgumentParser) -> None:
 
 def _net_args(p: argparse.ArgumentParser, gateway: bool) -> None:
     _add(p, "redis-url", None, "Redis URL (embedded mode: omit for an in-process queue)")
+    _add(p, "queue-prefix", "sarathi:", "Redis key prefix of the queue's streams")
+    _add(p, "max-model-len", 0, "context length in tokens (0 = the model's)")
     if gateway:
         _add(p, "host", "127.0.0.1", "HTTP bind address")
         _add(p, "port", 8000, "HTTP port")
@@ -80,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway (needs --redis-url)")
     _add(p, "model", None, "model whose tokenizer and chat template to use")
     _net_args(p, gateway=True)
+    _add(p, "max-queue-depth", 1024, "queued requests beyond which new ones get 429")
 
     p = sub.add_parser("scheduler", help="the scheduler service (Redis queue in, ZeroMQ workers out)")
     _add(p, "model", None, "model (for its limits; weights are loaded by workers)")
@@ -87,9 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     _net_args(p, gateway=False)
     _add(p, "worker-addr", "tcp://127.0.0.1:5555", "ZeroMQ address of the worker")
     _add(p, "metrics-port", 9100, "Prometheus port of the scheduler")
+    _add(p, "consumer", None, "queue consumer name (default: stable per host; a restart replays its pending)")
 
     p = sub.add_parser("worker", help="a worker service: holds the model, runs batches from ZeroMQ")
     _model_args(p)
+    _add(p, "device", "cpu", "torch device: cpu or cuda[:n]")
     _add(p, "bind", "tcp://0.0.0.0:5555", "ZeroMQ address to bind")
     return parser
 

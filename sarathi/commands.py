@@ -30,3 +30,48 @@ def generate(a: argparse.Namespace) -> int:
         if out.output.error:
             print(f"error: {out.output.error}", file=sys.stderr)
     return 0
+
+
+def _sched_kwargs(a: argparse.Namespace) -> dict:
+    return dict(policy=a.policy, token_budget=a.token_budget, max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=a.max_num_batched_tokens, prefix_caching=a.prefix_caching,
+                max_model_len=a.max_model_len or None, queue_prefix=a.queue_prefix)
+
+
+def serve(a: argparse.Namespace) -> int:
+    from sarathi.serve import run_embedded
+
+    run_embedded(model=a.model, host=a.host, port=a.port, redis_url=a.redis_url, dtype=a.dtype,
+                 threads=a.threads, num_blocks=a.num_blocks, block_size=a.block_size,
+                 api_key=a.api_key, **_sched_kwargs(a))
+    return 0
+
+
+def gateway(a: argparse.Namespace) -> int:
+    from gateway.server import run_gateway
+
+    if not a.redis_url:
+        raise ValueError("the gateway service needs --redis-url (or SARATHI_REDIS_URL); "
+                         "for one process use `sarathi serve`")
+    run_gateway(a.model, redis_url=a.redis_url, host=a.host, port=a.port, api_key=a.api_key,
+                max_queue_depth=a.max_queue_depth, max_model_len=a.max_model_len or None,
+                queue_prefix=a.queue_prefix)
+    return 0
+
+
+def scheduler(a: argparse.Namespace) -> int:
+    from scheduler_svc.service import run_scheduler
+
+    if not a.redis_url:
+        raise ValueError("the scheduler service needs --redis-url (or SARATHI_REDIS_URL)")
+    run_scheduler(redis_url=a.redis_url, worker_addr=a.worker_addr.split(","), model=a.model,
+                  metrics_port=a.metrics_port, consumer=a.consumer, **_sched_kwargs(a))
+    return 0
+
+
+def worker(a: argparse.Namespace) -> int:
+    from worker_svc.service import run_worker
+
+    run_worker(address=a.bind, model=a.model, dtype=a.dtype, device=a.device, threads=a.threads,
+               num_blocks=a.num_blocks, block_size=a.block_size)
+    return 0
