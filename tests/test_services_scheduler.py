@@ -218,6 +218,8 @@ def test_metrics_health_ready_and_stats_are_served_over_http(stack):
     get = lambda path: urllib.request.urlopen(f"http://127.0.0.1:{port}{path}").read().decode()
     assert get("/health") == "ok" and get("/ready") == "ready"
     assert json.loads(get("/stats"))["num_total_blocks"] == NUM_BLOCKS
+    finished = 'sarathi_scheduler_requests_finished_total{reason="length"} 1.0'
+    assert eventually(lambda: finished in get("/metrics"))  # counted just after the publish
     text = get("/metrics")
     for name in ("sarathi_scheduler_running_requests", "sarathi_scheduler_waiting_requests",
                  "sarathi_scheduler_kv_cache_usage_ratio", "sarathi_scheduler_preemptions_total",
