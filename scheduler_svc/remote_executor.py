@@ -32,13 +32,16 @@ class WorkerRestartedError(WorkerError):
 class RemoteExecutor:
     """execute(batch) -> BatchOutput over ZeroMQ.
 
+    addresses: one ZeroMQ address per worker rank, as a list or a comma-separated string.
     timeout_s: seconds to wait for every worker's reply to one message; a slow first batch on a
     CPU is still an answer, a dead worker is not, so keep it generous.
     """
 
     def __init__(self, addresses: str | list[str], timeout_s: float = 120.0,
                  ctx: zmq.Context | None = None):
-        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        if isinstance(addresses, str):  # "tcp://a:5555,tcp://b:5555" from a flag or env var
+            addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+        self.addresses = list(addresses)
         self.timeout_s = timeout_s
         self.ctx = ctx or zmq.Context.instance()
         self.socks = [self._connect(a) for a in self.addresses]

@@ -175,7 +175,8 @@ def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] 
     """Run a scheduler service until `stop` is set (forever when None).
 
     redis_url: the Redis queue (None: `queue` must be given, e.g. embedded mode's in-process one).
-    worker_addr: ZeroMQ address(es) of the workers (all ranks of this replica; the last samples).
+    worker_addr: ZeroMQ address(es) of the workers, a list or comma-separated (all ranks of this
+    replica; the last one samples).
     policy, token_budget (tau, tokens), max_num_seqs, max_num_batched_tokens, prefix_caching: the
     scheduling knobs (shared.config.SchedulerConfig). max_model_len: tokens; None = the model's.
     metrics_port: HTTP port for /metrics /health /ready /stats (None: no server; 0: any free port).

@@ -135,6 +135,7 @@ def test_a_client_disconnect_aborts_the_request_and_frees_its_kv_blocks(stack):
 
 
 def test_metrics_have_latency_histograms_and_finish_reasons(stack):
+    list(client(stack).completions.create(model="m", prompt=PROMPT, max_tokens=3, stream=True))
     text = "".join(get(u)[1] for u in stack.metrics_urls)
     for name in ("sarathi_gateway_time_to_first_token_seconds", "sarathi_gateway_inter_token_latency_seconds",
                  "sarathi_gateway_queue_time_seconds", "sarathi_gateway_e2e_request_latency_seconds"):

@@ -78,6 +78,22 @@ def test_worker_rebuilds_the_same_batches_and_returns_sampled_tokens(serve):
     assert {"forward_s", "decode_s", "worker_total_s", "rpc_s"} <= set(outs[2].timings)
 
 
+class FirstStageExecutor(RecordingExecutor):
+    """A rank that does not sample (e.g. the first pipeline stage): it never learns the tokens."""
+
+    def execute(self, batch):
+        super().execute(batch)
+        return BatchOutput(batch.batch_id, {}, {})
+
+
+def test_every_rank_rebuilds_the_batches_and_a_rank_that_does_not_sample_is_sent_the_tokens(serve):
+    first, last = FirstStageExecutor(), RecordingExecutor()
+    remote = RemoteExecutor(f"{serve(first)},{serve(last)}", timeout_s=5)
+    outs = [remote.execute(b) for b in three_batches()]
+    assert first.batches == last.batches == three_batches()
+    assert outs[1].sampled == {"a": 1000, "b": 1000}  # from the last rank
+
+
 def test_restarted_worker_gets_the_batch_resent_in_full(serve, tmp_path):
     addr = f"ipc://{tmp_path}/restart.sock"
     first = RecordingExecutor()
