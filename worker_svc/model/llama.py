@@ -52,12 +52,12 @@ class DecoderLayer(torch.nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
         T, hd = x.shape[0], self.head_dim
         q, k, v = self.qkv(self.input_norm(x)).split(
             [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], dim=-1)
-        q, k = rope(positions, q.view(T, -1, hd), k.view(T, -1, hd))
+        q, k = RotaryEmbedding.apply(cos_sin, q.view(T, -1, hd), k.view(T, -1, hd))
         attn = paged_attention(q, k, v.reshape(T, -1, hd), cache, self.index, meta, self.scale)
         x = x + self.o_proj(attn.view(T, -1))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
@@ -89,7 +89,8 @@ class LlamaForCausalLM(torch.nn.Module):
                 meta: AttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] int64; logit_rows: [S] row indices -> logits [S, V] float32."""
         x = F.embedding(input_ids, self.embed)
+        cos_sin = self.rope.tables(positions, self.dtype)    # once per batch, not per layer
         for layer in self.layers:
-            x = layer(x, positions, self.rope, cache, meta)
+            x = layer(x, cos_sin, cache, meta)
         x = self.norm(x.index_select(0, logit_rows))     # norm is per row: do it only where needed
         return F.linear(x, self.lm_head).float()

@@ -42,7 +42,8 @@ def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Applies RoPE to q [T, Hq, D] and k [T, Hkv, D] at positions [T] (int64)."""
+    """cos/sin tables [max_positions, head_dim] (float32). Look them up once per batch with
+    tables(), then rotate q [T, Hq, D] and k [T, Hkv, D] in every layer with apply()."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -52,9 +53,13 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)    # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] in `dtype` for positions [T] (int64)."""
+        return (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+        cos, sin = cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
