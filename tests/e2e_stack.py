@@ -1,11 +1,14 @@
 """The end-to-end tests' deployments, as real processes on free ports:
 
-* `EmbeddedStack`: `sarathi.serve.run_embedded` in one child process (gateway + scheduler thread
-  + worker grandchild; the in-process queue, or Redis when given a URL); GET /metrics shows
-  gateway and scheduler metrics.
-* `DistributedStack`: worker, scheduler and gateway as three processes around a real Redis (keys
-  under a prefix of their own), ZeroMQ over tcp://127.0.0.1; the scheduler can be SIGKILLed and
-  restarted under the same consumer name.
+Each is started with the real `sarathi` command line, configured through SARATHI_<OPTION>
+environment variables as docker-compose and k8s do.
+
+* `EmbeddedStack`: `sarathi serve` in one child process (gateway + scheduler thread + worker
+  grandchild; the in-process queue, or Redis when given a URL); GET /metrics shows gateway and
+  scheduler metrics.
+* `DistributedStack`: `sarathi worker`, `sarathi scheduler` and `sarathi gateway` as three
+  processes around a real Redis (keys under a prefix of their own), ZeroMQ over
+  tcp://127.0.0.1; the scheduler can be SIGKILLed and restarted under the same consumer name.
 
 Both expose `base_url` (the OpenAI API root) and `metrics_urls` (where the Prometheus text of the
 scheduler and the gateway can be read). Logs go to files under a temp dir; a failing start
@@ -30,10 +33,13 @@ NUM_BLOCKS = 256      # KV blocks of 16 tokens: plenty for 64 short requests, sm
 MAX_MODEL_LEN = 1024  # tokens: an over-long prompt is cheap to build
 
 
-def spawn(code: str, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def spawn(command: str, options: dict, log: Path) -> subprocess.Popen:
+    """`sarathi <command>` configured like a container: every option a SARATHI_<OPTION> env var."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SARATHI_")}  # only ours count
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({"SARATHI_" + k.upper(): str(v) for k, v in options.items()})
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
+        return subprocess.Popen([sys.executable, "-m", "sarathi.cli", command], cwd=ROOT, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -63,7 +69,7 @@ def wait_ready(url: str, procs: list[subprocess.Popen], logs: list[Path], timeou
         dead = [p for p in procs if p.poll() is not None]
         if dead or time.monotonic() > deadline:
             tails = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs if log.exists())
-            raise RuntimeError(f"{url} not ready (exited: {[p.args[-1][:60] for p in dead]})\n{tails}")
+            raise RuntimeError(f"{url} not ready (exited: {[p.args[-1] for p in dead]})\n{tails}")
         time.sleep(0.25)
 
 
@@ -83,9 +89,9 @@ class EmbeddedStack:
         self.metrics_urls = [f"http://127.0.0.1:{self.port}/metrics"]
         self.scheduler_metrics_url = self.metrics_urls[0]
         self.logs = [tmp / "embedded.log"]
-        self.proc = spawn(f"from sarathi.serve import run_embedded; run_embedded(port={self.port}, "
-                          f"num_blocks={NUM_BLOCKS}, max_model_len={MAX_MODEL_LEN}, log_level='warning', "
-                          f"redis_url={redis_url!r}, queue_prefix={prefix!r})", self.logs[0])
+        options = dict(port=self.port, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
+                       queue_prefix=prefix, **({"redis_url": redis_url} if redis_url else {}))
+        self.proc = spawn("serve", options, self.logs[0])
         wait_ready(f"http://127.0.0.1:{self.port}/ready", [self.proc], self.logs)
 
     def close(self) -> None:
@@ -103,21 +109,16 @@ class DistributedStack:
         self.scheduler_metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.metrics_urls = [self.scheduler_metrics_url, f"http://127.0.0.1:{self.gw_port}/metrics"]
         self.logs = [tmp / "worker.log", tmp / "scheduler.log", tmp / "gateway.log"]
-        self.worker = spawn(f"from worker_svc.service import run_worker; run_worker("
-                            f"address={self.worker_addr!r}, num_blocks={NUM_BLOCKS})", self.logs[0])
+        self.worker = spawn("worker", dict(bind=self.worker_addr, num_blocks=NUM_BLOCKS), self.logs[0])
         self.scheduler = self._start_scheduler()
-        self.gateway = spawn(f"from gateway.server import run_gateway; run_gateway("
-                             f"redis_url={redis_url!r}, port={self.gw_port}, queue_prefix={prefix!r}, "
-                             f"max_model_len={MAX_MODEL_LEN}, log_level='warning')", self.logs[2])
+        self.gateway = spawn("gateway", dict(redis_url=redis_url, port=self.gw_port, queue_prefix=prefix,
+                                             max_model_len=MAX_MODEL_LEN), self.logs[2])
         self.wait()
 
     def _start_scheduler(self) -> subprocess.Popen:
-        return spawn("import logging; logging.basicConfig(level='INFO'); "
-                     "from scheduler_svc.service import run_scheduler; run_scheduler("
-                     f"redis_url={self.redis_url!r}, worker_addr={self.worker_addr!r}, "
-                     f"metrics_port={self.metrics_port}, metrics_host='127.0.0.1', "
-                     f"queue_prefix={self.prefix!r}, consumer='e2e-scheduler', "
-                     f"max_model_len={MAX_MODEL_LEN})", self.logs[1])
+        return spawn("scheduler", dict(redis_url=self.redis_url, worker_addr=self.worker_addr,
+                                       metrics_port=self.metrics_port, queue_prefix=self.prefix,
+                                       consumer="e2e-scheduler", max_model_len=MAX_MODEL_LEN), self.logs[1])
 
     def wait(self) -> None:
         procs = [self.worker, self.scheduler, self.gateway]

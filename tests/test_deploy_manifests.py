@@ -87,11 +87,6 @@ def test_image_files_exist(name):
     assert (ROOT / name).is_file()
 
 
-# read elsewhere than the CLI: SARATHI_CONSUMER by shared.queue (the queue consumer name);
-# SARATHI_DEVICE by the worker's --device option, which the CLI is to offer for GPU pods
-NOT_CLI_OPTIONS = {"SARATHI_CONSUMER", "SARATHI_DEVICE"}
-
-
 def cli_options(command: str) -> set[str]:
     """The SARATHI_<OPTION> names the `sarathi <command>` parser reads."""
     from sarathi.cli import build_parser
@@ -117,6 +112,5 @@ def deployed_env() -> list[tuple[str, str]]:
 
 
 def test_every_sarathi_env_var_in_the_deployments_is_an_option_of_its_command():
-    unknown = [(cmd, var) for cmd, var in deployed_env()
-               if var not in NOT_CLI_OPTIONS and var not in cli_options(cmd)]
+    unknown = [(cmd, var) for cmd, var in deployed_env() if var not in cli_options(cmd)]
     assert not unknown, f"env vars no CLI option reads: {unknown}"
