@@ -113,8 +113,10 @@ def _decode_attention(q, kc, vc, d: DecodeMeta, out, scale) -> None:
     _, bs, hkv, dim = kc.shape
     group = q.shape[1] // hkv
     flat = d.block_tables.view(-1)
-    keys = kc.index_select(0, flat).view(B, nb * bs, hkv, dim).transpose(1, 2)   # [B,Hkv,L,D]
-    vals = vc.index_select(0, flat).view(B, nb * bs, hkv, dim).transpose(1, 2)
+    # gather into reused buffers: a fresh multi-MB tensor per layer costs page faults
+    kbuf, vbuf = _workspace(kc, B * nb)
+    keys = torch.index_select(kc, 0, flat, out=kbuf).view(B, nb * bs, hkv, dim).transpose(1, 2)
+    vals = torch.index_select(vc, 0, flat, out=vbuf).view(B, nb * bs, hkv, dim).transpose(1, 2)
     qd = q[d.contiguous_rows] if d.contiguous_rows is not None else q.index_select(0, d.rows)
     # GQA: the G query heads sharing a kv head become G query "positions" of that head.
     qd = qd.view(B, hkv, group, dim)
@@ -126,6 +128,21 @@ def _decode_attention(q, kc, vc, d: DecodeMeta, out, scale) -> None:
         out[d.contiguous_rows] = o
     else:
         out.index_copy_(0, d.rows, o)
+
+
+_WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(cache: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two [num_blocks, bs, Hkv, D] buffers shaped like `cache`'s blocks, grown on demand and
+    reused by every layer (layers run one after another, so one pair suffices)."""
+    key = (cache.dtype, cache.device, tuple(cache.shape[1:]))
+    have = _WORKSPACE.get(key)
+    if have is None or have[0].shape[0] < num_blocks:
+        have = tuple(torch.empty(num_blocks, *cache.shape[1:], dtype=cache.dtype, device=cache.device)
+                     for _ in range(2))
+        _WORKSPACE[key] = have
+    return have[0][:num_blocks], have[1][:num_blocks]
 
 
 def _chunk_attention(q, kc, vc, c: ChunkMeta, out, scale) -> None:

@@ -1,0 +1,199 @@
+"""Iteration time of the real engine (SmolLM2-135M, CPU) by batch shape: the CPU version of the
+Sarathi-Serve paper's Figures 3, 4, 6 and 9.
+
+Series (all through Executor.execute, so prepare + forward + sampling are included):
+* decode:  B decodes of 1 token each at a 1k-token context (B = 1 .. 128); decode_short: the
+  same at a 128-token context, where the linear layers dominate;
+* prefill: one prompt chunk of N tokens with an empty prefix (N = 1 .. 2048): where the linear
+  layers turn from flat (weight-bandwidth bound) to linear (compute bound) in N;
+* hybrid:  32 decodes at 1k context + one chunk of N tokens: what a chunk adds to a decode batch.
+
+A variant is a dtype and a torch thread count. Each round runs every case once, all variants
+of a case back to back (interleaved A/B), and the median over rounds is reported, so
+background load hits all variants alike. The KV cache holds
+zeros: attention cost depends on lengths, not on values.
+
+    python -m bench.engine_iteration [--rounds 5] [--threads 1,2] [--dtypes float32,bfloat16]
+writes bench/results/engine_iteration.json and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from shared.config import CacheConfig, WorkerConfig
+from shared.messages import Batch, SeqChunk
+from shared.sampling import SamplingParams
+from worker_svc.executor import Executor
+
+CONTEXT = 1024                       # tokens already cached per decode
+SHORT_CONTEXT = 128                  # a second decode series isolates the linear layers' cost
+DECODE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
+PREFILL_SIZES = [1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048]
+HYBRID_SIZES = [16, 32, 64, 128, 256, 512, 1024]
+HYBRID_DECODES = 32
+BLOCK_SIZE = 16
+GREEDY = SamplingParams(temperature=0.0)
+TARGETS = {"decode_b1_s": 0.040, "decode_b32_tok_per_s": 500.0, "prefill_512_s": 0.3}
+
+
+def decode_tables() -> list[list[int]]:
+    per_seq = CONTEXT // BLOCK_SIZE + 1
+    return [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(max(DECODE_SIZES))]
+
+
+def chunk_table() -> list[int]:
+    first = max(DECODE_SIZES) * (CONTEXT // BLOCK_SIZE + 1)
+    return list(range(first, first + max(PREFILL_SIZES) // BLOCK_SIZE))
+
+
+NUM_BLOCKS = max(DECODE_SIZES) * (CONTEXT // BLOCK_SIZE + 1) + max(PREFILL_SIZES) // BLOCK_SIZE
+
+
+def make_batch(series: str, size: int) -> Batch:
+    decodes = [SeqChunk(f"d{i}", [100 + i], CONTEXT, t, True, GREEDY, 1)
+               for i, t in enumerate(decode_tables())]
+    if series == "decode":
+        return Batch(0, decodes[:size])
+    if series == "decode_short":
+        return Batch(0, [SeqChunk(d.req_id, d.token_ids, SHORT_CONTEXT, d.block_table, True, GREEDY, 1)
+                         for d in decodes[:size]])
+    prefill = SeqChunk("p", [200] * size, 0, chunk_table(), True, GREEDY)
+    if series == "prefill":
+        return Batch(0, [prefill])
+    return Batch(0, decodes[:HYBRID_DECODES] + [prefill])
+
+
+def cases() -> list[tuple[str, int]]:
+    return ([("decode", b) for b in DECODE_SIZES] + [("decode_short", b) for b in DECODE_SIZES]
+            + [("prefill", n) for n in PREFILL_SIZES]
+            + [("hybrid", n) for n in HYBRID_SIZES])
+
+
+def measure(executors: dict[str, Executor], threads: list[int], rounds: int) -> tuple[dict, dict]:
+    """(wall, cpu): variant ("float32/2t") -> "series:size" -> seconds per round. cpu is the
+    process CPU time of the iteration: with 1 thread it is what the run costs without being
+    descheduled by other load (spinning OpenMP threads inflate it with 2)."""
+    variants = {f"{d}/{t}t": (ex, t) for d, ex in executors.items() for t in threads}
+    wall = {v: {f"{s}:{n}": [] for s, n in cases()} for v in variants}
+    cpu = {v: {f"{s}:{n}": [] for s, n in cases()} for v in variants}
+    batches = {(s, n): make_batch(s, n) for s, n in cases()}
+    for ex in executors.values():                  # warm-up: first-touch of the cache pages
+        for key in batches:
+            ex.execute(batches[key])
+    for r in range(rounds):
+        for (s, n), batch in batches.items():      # case-major: variants of a case run back to back
+            for v, (ex, t) in variants.items():
+                torch.set_num_threads(t)
+                t0, c0 = time.perf_counter(), time.process_time()
+                ex.execute(batch)
+                wall[v][f"{s}:{n}"].append(time.perf_counter() - t0)
+                cpu[v][f"{s}:{n}"].append(time.process_time() - c0)
+        print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    return wall, cpu
+
+
+def summarize(wall: dict, cpu: dict) -> dict:
+    out = {}
+    for variant, by_case in wall.items():
+        out[variant] = {}
+        for key, ts in by_case.items():
+            series, size = key.split(":")
+            tokens = int(size) + (HYBRID_DECODES if series == "hybrid" else 0)
+            med = statistics.median(ts)
+            out[variant].setdefault(series, []).append(
+                {"size": int(size), "tokens": tokens, "median_s": med, "min_s": min(ts),
+                 "tokens_per_s": tokens / med, "median_cpu_s": statistics.median(cpu[variant][key]),
+                 "samples_s": [round(t, 5) for t in ts]})
+    return out
+
+
+def against_targets(summary: dict) -> dict:
+    def at(variant, series, size):
+        return next(p for p in summary[variant][series] if p["size"] == size)
+    measured = {v: {"decode_b1_s": at(v, "decode", 1)["median_s"],
+                    "decode_b32_tok_per_s": at(v, "decode", 32)["tokens_per_s"],
+                    f"decode_b32_ctx{SHORT_CONTEXT}_tok_per_s": at(v, "decode_short", 32)["tokens_per_s"],
+                    "prefill_512_s": at(v, "prefill", 512)["median_s"]} for v in summary}
+    return {"targets": TARGETS, "measured": measured}
+
+
+def machine() -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next(l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name"))
+    except Exception:
+        model = platform.processor()
+    return f"{model}, {os.cpu_count()} CPUs, {platform.platform()}"
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    titles = {"decode": f"decode-only batch (context {CONTEXT}; x: {SHORT_CONTEXT})", "prefill": "prefill chunk alone",
+              "hybrid": f"{HYBRID_DECODES} decodes + prefill chunk"}
+    xlabels = {"decode": "decodes in batch", "prefill": "chunk tokens", "hybrid": "chunk tokens"}
+    for ax, series in zip(axes, titles):
+        for variant, by_series in summary.items():
+            pts = by_series[series]
+            line, = ax.plot([p["size"] for p in pts], [p["median_s"] * 1e3 for p in pts], "o-",
+                            label=variant)
+            if series == "decode":
+                short = by_series["decode_short"]
+                ax.plot([p["size"] for p in short], [p["median_s"] * 1e3 for p in short], "x--",
+                        color=line.get_color(), label=f"{variant}, context {SHORT_CONTEXT}")
+            if series == "hybrid":
+                base = next(p for p in by_series["decode"] if p["size"] == HYBRID_DECODES)
+                ax.axhline(base["median_s"] * 1e3, ls=":", lw=1, color=line.get_color(),
+                           label=f"{variant}: {HYBRID_DECODES} decodes alone")
+        ax.set(xscale="log", yscale="log", title=titles[series], xlabel=xlabels[series],
+               ylabel="iteration time (ms, median)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", default="1,2", help="torch thread counts to compare, e.g. 1,2")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--out", default="bench/results/engine_iteration")
+    ap.add_argument("--note", default="", help="free text stored with the results (e.g. machine load)")
+    args = ap.parse_args(argv)
+    executors = {d: Executor(WorkerConfig(dtype=d, cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS)))
+                 for d in args.dtypes.split(",")}
+    threads = [int(t) for t in args.threads.split(",")]
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    summary = summarize(*measure(executors, threads, args.rounds))
+    result = {
+        "command": "python -m bench.engine_iteration " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(), "torch": torch.__version__, "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+        "loadavg_before_after": [load_before, Path("/proc/loadavg").read_text().split()[:3]],
+        "note": args.note, "rounds": args.rounds, "context_tokens": CONTEXT,
+        "vs_targets": against_targets(summary), "results": summary,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    plot(summary, out.with_suffix(".png"))
+    print(json.dumps(result["vs_targets"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
