@@ -192,41 +192,46 @@ def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] 
     from shared.config import CacheConfig, SchedulerConfig
     from shared.queue import QueueConfig, make_scheduler_queue
 
-    if executor is None:
-        executor = RemoteExecutor(worker_addr, timeout_s=worker_timeout_s)
-        log.info("waiting for workers at %s", worker_addr)
-    info = _wait_for_model_info(executor, stop)
-    if info is None:
-        return
-    if model is not None and str(model) not in ("", "default", info.name):
-        log.info("--model %s given to the scheduler; the workers serve %s", model, info.name)
-    cfg = SchedulerConfig(policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens,
-                          enable_prefix_caching=prefix_caching,
-                          max_model_len=max_model_len or info.max_model_len)
-    scheduler = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info)
-    queue = queue or make_scheduler_queue(redis_url, consumer=consumer,
-                                          config=QueueConfig(prefix=queue_prefix))
     metrics = SchedulerMetrics(registry if registry is not None else _process_registry())
     metrics.set_config(policy, token_budget)
-    service = SchedulerService(scheduler, executor, queue, metrics)
+    services: list[SchedulerService] = []  # filled once the workers answered
     server = None
-    if metrics_port is not None:
+    if metrics_port is not None:  # up first: /health answers while the workers still load
         server, _ = start_http(metrics_port, metrics_host, metrics.registry,
-                               lambda: service.running, lambda: service.snapshot)
-        service.http_port = server.server_port
+                               lambda: bool(services) and services[0].running,
+                               lambda: services[0].snapshot if services else {})
         log.info("scheduler metrics on http://%s:%d/metrics", metrics_host, server.server_port)
-    log.info("scheduler ready: policy=%s tau=%d model=%s max_model_len=%d kv=%dx%d",
-             policy, token_budget, info.name, scheduler.max_model_len, info.num_blocks, info.block_size)
-    if on_ready is not None:
-        on_ready(service)
     try:
-        service.run(stop or threading.Event())
+        if executor is None:
+            executor = RemoteExecutor(worker_addr, timeout_s=worker_timeout_s)
+            log.info("waiting for workers at %s", worker_addr)
+        info = _wait_for_model_info(executor, stop)
+        if info is None:
+            return
+        if model is not None and str(model) not in ("", "default", info.name):
+            log.info("--model %s given to the scheduler; the workers serve %s", model, info.name)
+        cfg = SchedulerConfig(policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              enable_prefix_caching=prefix_caching,
+                              max_model_len=max_model_len or info.max_model_len)
+        scheduler = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info)
+        queue = queue or make_scheduler_queue(redis_url, consumer=consumer,
+                                              config=QueueConfig(prefix=queue_prefix))
+        service = SchedulerService(scheduler, executor, queue, metrics)
+        service.http_port = server.server_port if server is not None else None
+        services.append(service)
+        log.info("scheduler ready: policy=%s tau=%d model=%s max_model_len=%d kv=%dx%d", policy,
+                 token_budget, info.name, scheduler.max_model_len, info.num_blocks, info.block_size)
+        if on_ready is not None:
+            on_ready(service)
+        try:
+            service.run(stop or threading.Event())
+        finally:
+            queue.close()
     finally:
         if server is not None:
             server.shutdown()
             server.server_close()
-        queue.close()
 
 
 def _wait_for_model_info(executor, stop: threading.Event | None):
@@ -235,7 +240,7 @@ def _wait_for_model_info(executor, stop: threading.Event | None):
     wait = getattr(executor, "wait_ready", None)
     while wait is not None:
         try:
-            return wait(5.0)
+            return wait(1.0)
         except WorkerError:
             if stop is not None and stop.is_set():
                 return None

@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -231,3 +232,32 @@ def test_metrics_health_ready_and_stats_are_served_over_http(stack):
                  "sarathi_scheduler_token_budget 16.0",
                  'sarathi_scheduler_requests_finished_total{reason="length"} 1.0'):
         assert name in text, name
+
+
+def test_health_answers_while_the_workers_load_and_ready_only_once_they_answer(tmp_path):
+    from tests.redis_fixture import free_port
+
+    port, stop = free_port(), threading.Event()
+    _, sq = make_queues(None)
+    t = threading.Thread(target=run_scheduler, daemon=True, kwargs=dict(
+        worker_addr=f"ipc://{tmp_path}/not-yet.sock", queue=sq, metrics_port=port,
+        metrics_host="127.0.0.1", registry=CollectorRegistry(), stop=stop))
+    t.start()
+    url = f"http://127.0.0.1:{port}"
+    assert eventually(lambda: _status(url + "/health") == 200)
+    assert _status(url + "/ready") == 503
+    server = WorkerServer(SimWorker(), f"ipc://{tmp_path}/not-yet.sock")  # the worker comes up
+    threading.Thread(target=server.serve_forever, args=(stop,), daemon=True).start()
+    assert eventually(lambda: _status(url + "/ready") == 200)
+    stop.set()
+    t.join(10)
+    server.close()
+
+
+def _status(url: str) -> int:
+    try:
+        return urllib.request.urlopen(url, timeout=2).status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
