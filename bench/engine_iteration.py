@@ -167,6 +167,28 @@ def plot(summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+PROFILE_CASES = [("decode", 1), ("decode", 32), ("decode_short", 32), ("prefill", 512)]
+
+
+def profile(executors: dict[str, Executor], threads: int, path: Path) -> None:
+    """torch.profiler tables (ops by self CPU time) of the cases the targets are about."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    torch.set_num_threads(threads)
+    parts = [f"# python -m bench.engine_iteration --profile  ({machine()}, {threads} threads, "
+             f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')})\n"]
+    for dtype, ex in executors.items():
+        for series, size in PROFILE_CASES:
+            batch = make_batch(series, size)
+            ex.execute(batch)
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    ex.execute(batch)
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+            parts.append(f"## {dtype} {series} {size} (3 iterations)\n{table}\n")
+    path.write_text("\n".join(parts))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -174,9 +196,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--out", default="bench/results/engine_iteration")
     ap.add_argument("--note", default="", help="free text stored with the results (e.g. machine load)")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of the sweep, write torch.profiler tables to <out>_profile.txt")
     args = ap.parse_args(argv)
     executors = {d: Executor(WorkerConfig(dtype=d, cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS)))
                  for d in args.dtypes.split(",")}
+    if args.profile:
+        profile(executors, int(args.threads.split(",")[-1]), Path(args.out + "_profile.txt"))
+        return
     threads = [int(t) for t in args.threads.split(",")]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     summary = summarize(*measure(executors, threads, args.rounds))
