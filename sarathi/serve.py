@@ -64,7 +64,7 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
         stop = threading.Event()
         sched_thread = None
         try:
-            executor = RemoteExecutor(address, timeout_s=300.0)
+            executor = RemoteExecutor(address, timeout_s=120.0)
             info = _wait_worker(executor, stop_worker)
             max_len = min(max_model_len or info.max_model_len, info.max_model_len)
             gateway_queue, scheduler_queue = make_queues(redis_url, config=QueueConfig(prefix=queue_prefix))
