@@ -17,7 +17,7 @@ import zmq
 
 from shared.config import ModelInfo
 from shared.messages import Batch, BatchOutput
-from worker_svc.wire import BatchEncoder, pack, unpack
+from shared.wire import BatchEncoder, pack, unpack
 
 
 class WorkerError(RuntimeError):

@@ -13,7 +13,7 @@ from shared.config import ModelInfo
 from shared.messages import Batch, BatchOutput, SeqChunk
 from shared.sampling import SamplingParams
 from worker_svc.service import WorkerServer
-from worker_svc.wire import pack, unpack
+from shared.wire import pack, unpack
 
 
 class RecordingExecutor:

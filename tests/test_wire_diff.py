@@ -8,7 +8,7 @@ import pytest
 
 from shared.messages import Batch, BatchOutput, SeqChunk
 from shared.sampling import SamplingParams
-from worker_svc.wire import BatchDecoder, BatchEncoder, UnknownRequestError, pack, unpack
+from shared.wire import BatchDecoder, BatchEncoder, UnknownRequestError, pack, unpack
 
 BLOCK = 4
 

@@ -7,7 +7,7 @@ and its KV cache (the content of every block) is gone.
 
 * {"op": "ping"} -> {"ok": True}
 * {"op": "info"} -> {"ok": True, "model_info": {...ModelInfo fields...}}
-* {"op": "batch", "epoch", "batch_id", "seqs", "freed"} (see worker_svc.wire) ->
+* {"op": "batch", "epoch", "batch_id", "seqs", "freed"} (see shared.wire) ->
   {"ok": True, "batch_id", "sampled": {req_id: token_id}, "timings": {name: seconds}}
 
 Any failure is a reply, never silence: {"ok": False, "error": kind, "message": text}, with kind
@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import zmq
 
 from shared.messages import Batch, BatchOutput
-from worker_svc.wire import BatchDecoder, UnknownRequestError, error_reply, output_reply, pack, unpack
+from shared.wire import BatchDecoder, UnknownRequestError, error_reply, output_reply, pack, unpack
 
 log = logging.getLogger("sarathi.worker")
 
