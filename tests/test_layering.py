@@ -1,0 +1,38 @@
+"""The request's path is the import graph: shared <- scheduler_svc / worker_svc / kvstore <-
+gateway <- sarathi, bench. No package imports a sibling service or a higher layer."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# package -> top-level project packages it may import (besides itself)
+ALLOWED = {
+    "shared": set(),
+    "scheduler_svc": {"shared"},
+    "worker_svc": {"shared"},
+    "kvstore": {"shared"},
+    "gateway": {"shared"},
+    "sarathi": {"shared", "scheduler_svc", "worker_svc", "kvstore", "gateway"},
+}
+PROJECT = set(ALLOWED) | {"bench", "tests"}
+
+
+def imported_packages(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names & PROJECT
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_lower_layers(package):
+    bad = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        extra = imported_packages(path) - ALLOWED[package] - {package}
+        if extra:
+            bad[str(path.relative_to(ROOT))] = sorted(extra)
+    assert not bad, f"imports across layers: {bad}"
