@@ -175,8 +175,10 @@ def profile(executors: dict[str, Executor], threads: int, path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     torch.set_num_threads(threads)
-    parts = [f"# python -m bench.engine_iteration --profile  ({machine()}, {threads} threads, "
-             f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')})\n"]
+    parts = [f"# python -m bench.engine_iteration --profile --threads {threads}  ({machine()}, "
+             f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, "
+             f"loadavg {Path('/proc/loadavg').read_text().split()[:3]})\n"
+             "# self CPU time is wall time of each op on this thread: other load inflates it\n"]
     for dtype, ex in executors.items():
         for series, size in PROFILE_CASES:
             batch = make_batch(series, size)
@@ -202,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     executors = {d: Executor(WorkerConfig(dtype=d, cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS)))
                  for d in args.dtypes.split(",")}
     if args.profile:
-        profile(executors, int(args.threads.split(",")[-1]), Path(args.out + "_profile.txt"))
+        threads = int(args.threads.split(",")[-1])
+        profile(executors, threads, Path(f"{args.out}_profile_{threads}t.txt"))
         return
     threads = [int(t) for t in args.threads.split(",")]
     load_before = Path("/proc/loadavg").read_text().split()[:3]

@@ -91,8 +91,11 @@ def test_shuffled_block_tables_equal_contiguous(tiny):
     assert shuffled == contiguous
 
 
-def test_decodes_of_different_lengths_batch_together(tiny):
-    """Padded decode attention masks each sequence's tail: short and long contexts mix."""
+@pytest.mark.parametrize("group_tokens", [8192, 40])
+def test_decodes_of_different_lengths_batch_together(tiny, group_tokens, monkeypatch):
+    """Padded decode attention masks each sequence's tail: short and long contexts mix, in
+    one group or (small cap) split into several groups, out of batch order."""
+    monkeypatch.setattr("worker_svc.attention.DECODE_GROUP_TOKENS", group_tokens)
     _, _, ex = tiny
     pool = BlockPool(128)
     lens = [5, 33, 64, 17]
