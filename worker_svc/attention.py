@@ -65,6 +65,15 @@ class AttentionMetadata:
     chunks: list[ChunkMeta] = field(default_factory=list)
     decodes: list[DecodeMeta] = field(default_factory=list)
 
+    def to(self, device: torch.device | str) -> "AttentionMetadata":
+        """Built on the CPU; moved once per batch to the cache's device (no-op on CPU)."""
+        self.slot_mapping = self.slot_mapping.to(device)
+        for c in self.chunks:
+            c.blocks = c.blocks.to(device)
+        for d in self.decodes:
+            d.rows, d.block_tables, d.valid = (t.to(device) for t in (d.rows, d.block_tables, d.valid))
+        return self
+
 
 def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int) -> AttentionMetadata:
     """seqs: (start_pos, num_new_tokens, block_table) per sequence, in batch row order.
@@ -140,7 +149,7 @@ def _decode_attention(q, kc, vc, d: DecodeMeta, out, scale) -> None:
     # GQA: the G query heads sharing a kv head become G query "positions" of that head.
     qd = qd.view(B, hkv, group, dim)
     if q.dtype not in d.bias:   # an additive float mask runs faster than a bool one in SDPA on CPU
-        d.bias[q.dtype] = torch.zeros(d.valid.shape, dtype=q.dtype).masked_fill_(~d.valid, float("-inf"))
+        d.bias[q.dtype] = torch.zeros(d.valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~d.valid, float("-inf"))
     o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=d.bias[q.dtype], scale=scale)
     o = o.reshape(B, hkv * group, dim)
     if d.contiguous_rows is not None:
@@ -179,6 +188,7 @@ def _chunk_attention(q, kc, vc, c: ChunkMeta, out, scale) -> None:
         o = F.scaled_dot_product_attention(qc, keys, vals, is_causal=True, scale=scale)
     else:
         # query i sits at position start_pos + i and sees keys 0 .. start_pos + i
-        mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(c.start_pos, ctx).unsqueeze(1)
+        mask = (torch.arange(ctx, device=q.device).unsqueeze(0)
+                <= torch.arange(c.start_pos, ctx, device=q.device).unsqueeze(1))
         o = F.scaled_dot_product_attention(qc, keys, vals, attn_mask=mask, scale=scale)
     out[c.row_start:c.row_end] = o.squeeze(0).transpose(0, 1)

@@ -99,16 +99,18 @@ class Executor:
         ids = torch.tensor([t for s in batch.seqs for t in s.token_ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids))
                                for s in batch.seqs])
+        dev = self.config.device
         meta = build_metadata([(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs],
-                              self.block_size)
+                              self.block_size).to(dev)
         rows, row = [], 0
         for s in batch.seqs:
             row += len(s.token_ids)
             if s.sample:
                 rows.append(row - 1)       # the chunk's last token predicts the next one
         t1 = time.perf_counter()
-        logits = self.model(ids, positions, self.cache, meta, torch.tensor(rows, dtype=torch.int64))
-        return due, logits, t1, time.perf_counter()
+        logits = self.model(ids.to(dev), positions.to(dev), self.cache, meta,
+                            torch.tensor(rows, dtype=torch.int64, device=dev))
+        return due, logits.cpu(), t1, time.perf_counter()    # sampling runs on the CPU
 
     def _check(self, s: SeqChunk) -> None:
         n, end = len(s.token_ids), s.start_pos + len(s.token_ids)
