@@ -1,0 +1,153 @@
+"""Decode attention alone: the native paged kernel (worker_svc/native.py) vs the torch path
+(worker_svc.attention: sort, group, index_select gather, SDPA) on SmolLM2's shapes.
+
+SmolLM2-135M: 9 query heads, 3 kv heads, head_dim 64, block size 16. Each case is B decodes at
+one context length; q/out have the cache's dtype, as in the engine. The timed unit is one
+layer's decode attention; a pass runs it over L distinct layer caches (views of one allocation,
+1 GiB in all, like the engine's 30 layers interleaved with weight reads) so K/V come from
+DRAM, not from the 260 MiB L3 (L is capped at 256, so the smallest cases, B = 1 and 8 at
+context 128, stay partly cache-resident). Block tables are a random permutation of the blocks (a server
+that has run a while); the KV values are random.
+
+Each round times one pass of every variant back to back (torch then native, per thread count),
+so background load on this shared machine hits both alike; medians over rounds are reported
+and the speedup is the ratio of the two medians.
+
+    python -m bench.attention_kernel [--rounds 7] [--threads 1,2] [--out bench/results/attention_kernel.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.engine_iteration import machine
+from worker_svc import attention, native
+
+HQ, HKV, DIM, BS = 9, 3, 64, 16
+SIZES = [1, 8, 32, 128]
+CONTEXTS = [1024, 128]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TARGET_BYTES = 1 << 30          # K+V bytes a pass walks through (> L3)
+MAX_LAYERS = 256
+
+
+def make_case(batch: int, ctx: int, dtype: torch.dtype, seed: int = 0):
+    """(layers [(k, v)], q, tables int32 [B, nb], lens int32 [B], meta for the torch path)."""
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-ctx // BS)
+    blocks = batch * nb
+    layer_bytes = 2 * blocks * BS * HKV * DIM * torch.tensor([], dtype=dtype).element_size()
+    num_layers = max(2, min(MAX_LAYERS, -(-TARGET_BYTES // layer_bytes)))
+    shape = (num_layers, 2, blocks, BS, HKV, DIM)
+    kv = torch.empty(shape, dtype=dtype)
+    for layer in range(num_layers):                     # filled per layer: bounded temp memory
+        kv[layer].copy_(torch.randn(shape[1:], generator=g))
+    layers = [(kv[i, 0], kv[i, 1]) for i in range(num_layers)]
+    tables = torch.randperm(blocks, generator=g).view(batch, nb).to(torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    q = torch.randn(batch, HQ, DIM, generator=g).to(dtype)
+    # the engine's metadata: every decode has start_pos ctx - 1 and one new token
+    meta = attention.build_metadata([(ctx - 1, 1, t.tolist()) for t in tables], BS)
+    return layers, q, tables, lens, meta
+
+
+def torch_pass(layers, q, meta, out, scale) -> None:
+    for kc, vc in layers:
+        for group in meta.decodes:
+            attention._decode_attention(q, kc, vc, group, out, scale)
+
+
+def native_pass(layers, q, tables, lens, out, scale) -> None:
+    for kc, vc in layers:
+        native.paged_decode_attention(q, kc, vc, tables, lens, scale, out)
+
+
+def native_threads(threads: int, kv_bytes: int) -> int:
+    """The kernel's own cap (MIN_BYTES_PER_THREAD in paged_decode.c): one thread per 4 MiB of K/V."""
+    return min(threads, 1 + kv_bytes // (4 << 20))
+
+
+def run_case(batch: int, ctx: int, dtype_name: str, threads: list[int], rounds: int) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    layers, q, tables, lens, meta = make_case(batch, ctx, dtype)
+    scale = 1 / math.sqrt(DIM)
+    out_t, out_n = torch.empty_like(q), torch.empty_like(q)
+    for t in threads:                                   # warm-up, and a sanity check of the result
+        torch.set_num_threads(t)
+        torch_pass(layers, q, meta, out_t, scale)
+        native_pass(layers, q, tables, lens, out_n, scale)
+    diff = (out_t.float() - out_n.float()).abs().max().item()
+    times = {(t, v): [] for t in threads for v in ("torch", "native")}
+    for _ in range(rounds):
+        for t in threads:
+            torch.set_num_threads(t)
+            t0 = time.perf_counter()
+            torch_pass(layers, q, meta, out_t, scale)
+            t1 = time.perf_counter()
+            native_pass(layers, q, tables, lens, out_n, scale)
+            t2 = time.perf_counter()
+            times[(t, "torch")].append((t1 - t0) / len(layers))
+            times[(t, "native")].append((t2 - t1) / len(layers))
+    kv_bytes = 2 * batch * ctx * HKV * DIM * q.element_size()
+    rows = []
+    for t in threads:
+        tt, tn = statistics.median(times[(t, "torch")]), statistics.median(times[(t, "native")])
+        rows.append({"dtype": dtype_name, "context": ctx, "batch": batch, "threads": t,
+                     "native_threads_used": native_threads(t, kv_bytes),
+                     "layers_per_pass": len(layers), "torch_ms_per_layer": round(tt * 1e3, 4),
+                     "native_ms_per_layer": round(tn * 1e3, 4), "speedup": round(tt / tn, 2),
+                     "native_kv_gb_per_s": round(kv_bytes / tn / 1e9, 2),
+                     "max_abs_diff_vs_torch": diff,
+                     "torch_samples_ms": [round(x * 1e3, 4) for x in times[(t, "torch")]],
+                     "native_samples_ms": [round(x * 1e3, 4) for x in times[(t, "native")]]})
+        print(f"{dtype_name:8s} ctx {ctx:5d} B {batch:4d} {t}t: torch {tt * 1e3:8.3f} ms  "
+              f"native {tn * 1e3:7.3f} ms  x{tt / tn:5.2f}  ({kv_bytes / tn / 1e9:5.1f} GB/s, "
+              f"diff {diff:.1e})", file=sys.stderr, flush=True)
+    del layers
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    ap.add_argument("--out", default="bench/results/attention_kernel.json")
+    ap.add_argument("--note", default="")
+    args = ap.parse_args(argv)
+    if not native.available():
+        sys.exit(f"native kernel unavailable: {native.unavailable_reason()}")
+    threads = [int(t) for t in args.threads.split(",")]
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    results = [row for d in args.dtypes.split(",") for ctx in map(int, args.contexts.split(","))
+               for b in map(int, args.sizes.split(","))
+               for row in run_case(b, ctx, d, threads, args.rounds)]
+    report = {
+        "command": "python -m bench.attention_kernel " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine(), "date_utc": started,
+        "loadavg_before": load_before, "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
+        "torch": torch.__version__, "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": DIM,
+                                                "block_size": BS},
+        "method": "median over rounds of ms per layer call; each round runs torch then native "
+                  "back to back per thread count; speedup = torch median / native median; "
+                  "native_threads_used: the kernel runs 1 thread per 4 MiB of K/V, at most the "
+                  "torch thread count",
+        "note": args.note, "results": results}
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""The native paged decode-attention kernel (worker_svc/csrc/paged_decode.c), built on first use.
+
+Build: `$SARATHI_CC` (default gcc) -O3 -march=native -fopenmp -shared -fPIC, into
+`$SARATHI_CACHE_DIR` (default `$XDG_CACHE_HOME/sarathi` or `~/.cache/sarathi`) under a name
+keyed by a hash of the source, compiler, flags and this CPU's flags, so a changed kernel or
+another machine never reuses a stale library. The library is written to a temporary name and
+renamed into place, so concurrent processes (parallel tests, several workers) may race to
+build it safely: the loser's rename replaces an identical file.
+
+OpenMP: the library needs libgomp.so.1; torch's wheel bundles one with the same soname and is
+imported first, so the dynamic loader reuses torch's runtime: one thread pool, no two runtimes
+spinning against each other on the 2 cores.
+
+Fallback: with no compiler, a failed build or load, or SARATHI_NATIVE_ATTENTION=0,
+available() returns False (the reason is logged once, and kept in unavailable_reason()) and
+callers stay on the pure-torch attention path. Nothing here raises at import time.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+MAX_D, MAX_G = 256, 64                      # MAX_D and MAX_ROWS of the kernel
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+KV_DTYPES = tuple(_DTYPE_CODE)              # cache dtypes the kernel reads
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None                  # why the kernel is unavailable; None = not tried yet
+_tried = False
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("SARATHI_CACHE_DIR"):
+        return Path(os.environ["SARATHI_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sarathi"
+
+
+def _cpu_flags() -> str:
+    """-march=native code only runs on a CPU with the same features: they are part of the key."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() + platform.machine()
+
+
+def _compiler() -> str:
+    return os.environ.get("SARATHI_CC", "gcc")
+
+
+def library_path() -> Path:
+    """Where the library for the current source/compiler/flags/CPU lives (built or not)."""
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), _compiler().encode(), " ".join(FLAGS).encode(),
+                 _cpu_flags().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return _cache_dir() / f"paged_decode-{h.hexdigest()[:16]}.so"
+
+
+def _build(target: Path) -> None:
+    """Compile SOURCE to target atomically; raises with the compiler's message on failure."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [_compiler(), *FLAGS, "-o", tmp, str(SOURCE)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> ctypes.CDLL:
+    path = library_path()
+    if not path.exists():
+        _build(path)
+    lib = ctypes.CDLL(str(path))    # CDLL releases the GIL during calls
+    fn = lib.paged_decode_attention
+    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn.argtypes = [P, I, L, P, P, I, P, I, P, P, I, I, I, I, I, ctypes.c_float, P, I, L, I]
+    fn.restype = I
+    return lib
+
+
+def available() -> bool:
+    """True when the kernel is built and loaded (first call builds; later calls are free)."""
+    global _lib, _reason, _tried
+    if _tried:
+        return _lib is not None
+    with _lock:
+        if not _tried:
+            if os.environ.get("SARATHI_NATIVE_ATTENTION", "1") == "0":
+                _reason = "disabled by SARATHI_NATIVE_ATTENTION=0"
+            else:
+                try:
+                    _lib = _load()
+                except Exception as e:    # any build/load problem means: use the torch path
+                    _reason = f"native attention kernel unavailable, using torch: {e}"
+                    log.warning(_reason)
+            _tried = True
+    return _lib is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why available() is False (None when it is True or was not called yet)."""
+    return _reason
+
+
+def _reset() -> None:
+    """Forget the load result so the next available() tries again (tests only)."""
+    global _lib, _reason, _tried
+    with _lock:
+        _lib, _reason, _tried = None, None, False
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether paged_decode_attention accepts these dtypes/shapes/devices (no build attempted)."""
+    num_heads, dim = q.shape[-2], q.shape[-1]
+    hkv = k_cache.shape[2]
+    return (q.device.type == "cpu" and k_cache.device.type == "cpu"
+            and q.dtype in _DTYPE_CODE and k_cache.dtype in _DTYPE_CODE
+            and k_cache.dim() == 4 and k_cache.shape[3] == dim and 1 <= dim <= MAX_D
+            and num_heads % hkv == 0 and num_heads // hkv <= MAX_G)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor, rows: torch.Tensor | None = None,
+                           num_threads: int | None = None) -> torch.Tensor:
+    """out[rows[b]] = softmax(scale * q[rows[b]] . K_b^T) V_b for every sequence b.
+
+    q, out: [T, Hq, D] fp32 or bf16, heads/dims contiguous (any row stride); without rows,
+    T == B and row b is sequence b. k_cache, v_cache: [num_blocks, bs, Hkv, D] contiguous, fp32
+    or bf16 (same dtype). block_tables [B, nb] int32: sequence b's keys are positions
+    0 .. context_lens[b] - 1 in blocks block_tables[b, :ceil(len / bs)] (the rest is ignored).
+    context_lens [B] int32. rows [B] int32 or None. scale: softmax scale (1/sqrt(D) usually).
+    Accumulation is fp32. Threads: torch.get_num_threads() unless given. Call available()
+    first: this raises RuntimeError when the kernel is not loaded. Returns out.
+    """
+    if not available():
+        raise RuntimeError(f"native attention unavailable: {_reason}")
+    B = block_tables.shape[0]
+    _, bs, hkv, dim = k_cache.shape
+    num_heads = q.shape[1]
+    if not supports(q, k_cache) or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"unsupported shapes/dtypes: q {tuple(q.shape)} {q.dtype}, "
+                         f"k {tuple(k_cache.shape)} {k_cache.dtype}, v {tuple(v_cache.shape)} {v_cache.dtype}")
+    if out.dtype not in _DTYPE_CODE or out.shape[1:] != q.shape[1:]:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not match q {tuple(q.shape)}")
+    for name, t in (("q", q), ("out", out)):
+        if t.stride(2) != 1 or t.stride(1) != dim:
+            raise ValueError(f"{name} must have contiguous heads and dims, strides {t.stride()}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    for name, t in (("block_tables", block_tables), ("context_lens", context_lens), ("rows", rows)):
+        if t is not None and (t.dtype != torch.int32 or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous int32 tensor")
+    if context_lens.shape != (B,) or (rows is not None and rows.shape != (B,)):
+        raise ValueError("context_lens and rows must be [B]")
+    if rows is None and q.shape[0] != B:
+        raise ValueError(f"q has {q.shape[0]} rows for {B} sequences and no rows index")
+    rc = _lib.paged_decode_attention(
+        q.data_ptr(), _DTYPE_CODE[q.dtype], q.stride(0),
+        k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODE[k_cache.dtype],
+        block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
+        rows.data_ptr() if rows is not None else None,
+        B, num_heads, hkv, dim, bs, float(scale),
+        out.data_ptr(), _DTYPE_CODE[out.dtype], out.stride(0),
+        num_threads if num_threads is not None else torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"kernel rejected the shapes (rc={rc})")
+    return out
