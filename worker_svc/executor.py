@@ -29,9 +29,12 @@ class BatchError(ValueError):
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """'auto' -> float32 on CPU: see bench/results/engine_iteration.json (small decode batches,
-    the common case in serving, are weight-bandwidth bound, and torch's bf16 linear reads
-    weights slowly at 1-16 rows) -> bfloat16 on CUDA."""
+    """'auto' -> float32 on CPU, bfloat16 on CUDA.
+
+    Why float32 on CPU (bench/results/engine_iteration.md): this machine's CPUs have
+    avx512_bf16 but no AMX, so torch's bf16 matmuls run at about half the fp32 rate; prefill
+    chunks and hybrid batches are 1.4-1.8x slower in bf16, single decodes are no faster, and bf16
+    wins only on long-context decode-only batches (half the KV bytes to read)."""
     if name == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     if name not in DTYPES:
