@@ -198,9 +198,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--out", default="bench/results/engine_iteration")
     ap.add_argument("--note", default="", help="free text stored with the results (e.g. machine load)")
+    ap.add_argument("--targets-only", action="store_true",
+                    help="only the cases the issue's targets name (quick run in a quiet moment)")
     ap.add_argument("--profile", action="store_true",
                     help="instead of the sweep, write torch.profiler tables to <out>_profile.txt")
     args = ap.parse_args(argv)
+    if args.targets_only:
+        global DECODE_SIZES, PREFILL_SIZES, HYBRID_SIZES
+        DECODE_SIZES, PREFILL_SIZES, HYBRID_SIZES = [1, 32], [512], [512]
     executors = {d: Executor(WorkerConfig(dtype=d, cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS)))
                  for d in args.dtypes.split(",")}
     if args.profile:
