@@ -41,6 +41,16 @@ def default_gguf_path() -> Path:
     raise ModelNotFoundError(f"no .gguf file inside the installed package {DEFAULT_MODEL_PACKAGE}")
 
 
+def _gguf_name(p: Path) -> str:
+    """The served name of a GGUF: the default model keeps its name however it was given."""
+    try:
+        if p.resolve() == default_gguf_path().resolve():
+            return DEFAULT_MODEL_NAME
+    except ModelNotFoundError:
+        pass
+    return p.stem
+
+
 def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     """Resolve a user's --model value. None or "" or the default name -> the shipped GGUF."""
     if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
@@ -52,7 +62,7 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     if p.is_file():
         if p.suffix != ".gguf":
             raise ModelNotFoundError(f"model file {str(p)!r} is not a .gguf file")
-        return ModelSource("gguf", p, p.stem)
+        return ModelSource("gguf", p, _gguf_name(p))
     if not (p / "config.json").is_file():
         raise ModelNotFoundError(f"model directory {str(p)!r} has no config.json")
     if not list(p.glob("*.safetensors")):
