@@ -19,6 +19,7 @@ replay after a crash regenerates the very same tokens.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -62,6 +63,9 @@ class SchedulerService:
     def run(self, stop: threading.Event) -> None:
         """Replay this consumer's pending requests, then loop until `stop` is set. Requests still
         unfinished at the stop are not acked: the next start replays them."""
+        # Start-up objects live forever: move them out of the GC's sight, so cyclic collections
+        # stay short (bench/results/scheduler_overhead.md: p99 at 1024 running 52 -> 8 ms).
+        gc.freeze()
         self._admit(self.queue.replay_pending())
         self._last_replay = time.monotonic()
         self.running = True
