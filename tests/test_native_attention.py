@@ -160,3 +160,31 @@ def test_build_into_fresh_cache_dir(fresh_native, tmp_path):
     assert native.available()
     assert native.library_path().parent == tmp_path
     assert [p.name for p in tmp_path.iterdir()] == [native.library_path().name]   # no temp left
+
+
+def test_paged_attention_native_matches_torch_path(monkeypatch):
+    """worker_svc.attention uses the kernel for a hybrid batch's decode rows (here split by a
+    chunk, so the rows are not contiguous); the result equals its torch path's."""
+    from worker_svc import attention
+    from worker_svc.kv_cache import PagedKVCache
+
+    g = torch.Generator().manual_seed(6)
+    bs, hq, hkv, dim = 16, 9, 3, 64
+    cache = PagedKVCache(1, 64, bs, hkv, dim, torch.float32)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
+    perm = torch.randperm(64, generator=g).tolist()
+    seqs = [(40, 1, perm[0:3]), (0, 20, perm[3:5]), (15, 1, perm[5:6]), (100, 1, perm[6:13])]
+    meta = attention.build_metadata(seqs, bs)
+    T = 23
+    q = torch.randn(T, hq, dim, generator=g)
+    k, v = torch.randn(T, hkv, dim, generator=g), torch.randn(T, hkv, dim, generator=g)
+    calls = []
+    real = native.paged_decode_attention
+    monkeypatch.setattr(native, "paged_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out_native = attention.paged_attention(q, k, v, cache, 0, meta, dim ** -0.5)
+    assert calls == [1]
+    monkeypatch.setattr(native, "_lib", None)          # available() -> False: the torch path
+    out_torch = attention.paged_attention(q, k, v, cache, 0, meta, dim ** -0.5)
+    assert len(calls) == 1
+    assert (out_native - out_torch).abs().max().item() <= 1e-5

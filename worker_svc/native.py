@@ -136,13 +136,17 @@ def _reset() -> None:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_decode_attention accepts these dtypes/shapes/devices (no build attempted)."""
-    num_heads, dim = q.shape[-2], q.shape[-1]
+    """Whether paged_decode_attention accepts this q [T, Hq, D] (and an out shaped like it) and
+    cache: dtypes, devices, head counts, layout. No build is attempted."""
+    if q.dim() != 3 or k_cache.dim() != 4:
+        return False
+    num_heads, dim = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
     return (q.device.type == "cpu" and k_cache.device.type == "cpu"
             and q.dtype in _DTYPE_CODE and k_cache.dtype in _DTYPE_CODE
-            and k_cache.dim() == 4 and k_cache.shape[3] == dim and 1 <= dim <= MAX_D
-            and num_heads % hkv == 0 and num_heads // hkv <= MAX_G)
+            and k_cache.shape[3] == dim and 1 <= dim <= MAX_D and k_cache.is_contiguous()
+            and num_heads % hkv == 0 and num_heads // hkv <= MAX_G
+            and q.stride(2) == 1 and q.stride(1) == dim)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
