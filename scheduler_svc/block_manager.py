@@ -109,6 +109,12 @@ class BlockManager:
             self.cache.insert(req.block_hashes[i], req.block_table[i])
         req.num_cached_blocks = max(req.num_cached_blocks, num_full)
 
+    def forget_cached_contents(self) -> None:
+        """The worker lost its KV tensors (it restarted): no block may be found by its key
+        again. Blocks still held are freed later as uncached (to the front of the free list)."""
+        if self.cache is not None:
+            self.cache = PrefixCache()
+
     def _cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks of req's longest keyed prefix. At least the last token is left out,
         so there is always something to compute and a token to sample."""

@@ -102,6 +102,7 @@ class SchedulerService:
             return self.loop.step()
         except WorkerRestartedError as e:  # the KV of every running request is gone
             log.error("%s; failing every request that holds KV blocks", e)
+            self.scheduler.block_manager.forget_cached_contents()  # cached prefixes are gone too
             self._recover(str(e), [r.req_id for r in self.scheduler.running])
         except WorkerError as e:
             log.error("iteration failed: %s", e)

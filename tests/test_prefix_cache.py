@@ -130,3 +130,22 @@ def test_a_request_arriving_mid_prefill_of_its_twin_shares_only_the_computed_blo
     assert loop.scheduler.stats()["prefix_cache_hit_tokens"] == 8
     loop.run_until_done()                 # the SimExecutor checks every KV read
     assert y.output_token_ids
+
+
+def test_after_the_worker_lost_its_kv_no_prefix_is_found_again():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a, held = _req("a", range(1, 10)), _req("held", range(20, 29))
+    bm.allocate(a), bm.allocate(held)
+    _computed(bm, a), _computed(bm, held)
+    bm.free(a)                                    # a's blocks stay findable while free...
+    assert bm.allocate(_req("probe", range(1, 10))) == 8
+    bm2 = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a2, held2 = _req("a", range(1, 10)), _req("held", range(20, 29))
+    bm2.allocate(a2), bm2.allocate(held2)
+    _computed(bm2, a2), _computed(bm2, held2)
+    bm2.free(a2)
+    bm2.forget_cached_contents()                  # ...until the worker restarts
+    bm2.free(held2)                               # freed after the restart: not findable either
+    assert bm2.allocate(_req("b", range(1, 10))) == 0
+    assert bm2.allocate(_req("c", range(20, 29))) == 0
+    assert bm2.num_free_blocks + bm2.num_used_blocks == 8

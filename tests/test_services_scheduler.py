@@ -261,3 +261,36 @@ def _status(url: str) -> int:
         return e.code
     except OSError:
         return 0
+
+
+def test_a_restarted_worker_fails_the_running_requests_and_forgets_cached_prefixes():
+    """Plumbing only (simulated executor): the service's reaction to WorkerRestartedError."""
+    from prometheus_client import CollectorRegistry
+
+    from scheduler_svc.metrics import SchedulerMetrics
+    from scheduler_svc.remote_executor import WorkerRestartedError
+    from scheduler_svc.service import SchedulerService
+    from scheduler_svc.sim_executor import sim_engine
+
+    loop = sim_engine("sarathi", block_size=4, num_blocks=32, enable_prefix_caching=True)
+    prompt = list(range(1, 18))
+    loop.add_request("done", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    loop.run_until_done()                         # its full prompt blocks are now cached
+    running = loop.add_request("running", list(range(40, 50)), SamplingParams(temperature=0.0, max_tokens=5))
+    loop.step()
+
+    class Restarted:
+        def execute(self, batch):
+            raise WorkerRestartedError("worker restarted")
+
+    service = SchedulerService(loop.scheduler, Restarted(), make_queues(None)[1],
+                               SchedulerMetrics(CollectorRegistry()))
+    events = service._step() + loop.scheduler.take_events()
+    loop.scheduler.schedule()                     # the next step boundary applies the aborts
+    events += loop.scheduler.take_events()
+    assert [(e.req_id, e.finish_reason) for e in events if e.finish_reason] == [("running", "error")]
+    assert running.finish_reason == "error"
+    hits_before = loop.scheduler.stats()["prefix_cache_hit_tokens"]
+    loop.add_request("again", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    loop.run_until_done()                         # same prompt as "done": recomputed, not reused
+    assert loop.scheduler.stats()["prefix_cache_hit_tokens"] == hits_before
