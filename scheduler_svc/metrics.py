@@ -67,7 +67,7 @@ class SchedulerMetrics:
         self._preemptions_seen = stats["num_preemptions"]
 
     def observe_batch(self, batch: Batch, seconds: float) -> None:
-        decode = sum(1 for s in batch.seqs if len(s.token_ids) == 1 and s.output_index > 0)
+        decode = sum(1 for s in batch.seqs if s.is_decode)
         prefill = batch.num_tokens - decode
         self.iteration.observe(seconds)
         for kind, n in (("prefill", prefill), ("decode", decode)):

@@ -278,7 +278,7 @@ class Scheduler:
         return self.requests.get(req_id)
 
     def _count_batch(self, seqs: list[SeqChunk]) -> None:
-        decode = sum(1 for s in seqs if len(s.token_ids) == 1 and s.output_index > 0 and s.sample)
+        decode = sum(1 for s in seqs if s.is_decode)
         total = sum(len(s.token_ids) for s in seqs)
         self._counters.update(last_prefill_tokens=total - decode, last_decode_tokens=decode,
                               last_batch_size=len(seqs))

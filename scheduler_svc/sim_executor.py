@@ -37,8 +37,7 @@ def linear_cost_model(base_s: float = 0.010, per_prefill_token_s: float = 5e-5,
     def cost(batch: Batch) -> float:
         t = base_s
         for s in batch.seqs:
-            decode = len(s.token_ids) == 1 and s.output_index > 0
-            t += per_decode_token_s if decode else per_prefill_token_s * len(s.token_ids)
+            t += per_decode_token_s if s.is_decode else per_prefill_token_s * len(s.token_ids)
         return t
     return cost
 

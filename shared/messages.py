@@ -49,6 +49,12 @@ class SeqChunk:
     sampling: SamplingParams
     output_index: int = 0
 
+    @property
+    def is_decode(self) -> bool:
+        """One sampled token after the request's first output: a decode step (metrics and cost
+        models count these apart from prefill and recompute tokens)."""
+        return self.sample and self.output_index > 0 and len(self.token_ids) == 1
+
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
         d["sampling"] = self.sampling.to_dict()
