@@ -47,7 +47,6 @@ class RemoteExecutor:
         self.socks = [self._connect(a) for a in self.addresses]
         self.encoders = [BatchEncoder() for _ in self.addresses]
         self._seq = itertools.count()
-        self._pending_free: list[str] = []
         self._model_info: ModelInfo | None = None
         self._instances: list[str | None] = [None] * len(self.addresses)
 
@@ -78,17 +77,9 @@ class RemoteExecutor:
         except WorkerError:
             return False
 
-    def free(self, req_ids: list[str]) -> None:
-        """Forget these requests on the workers; sent with the next batch's freed ids."""
-        self._pending_free.extend(req_ids)
-
     def execute(self, batch: Batch) -> BatchOutput:
         """Run one iteration. Raises WorkerError; after an error every encoder starts a new
         epoch, so the next batch re-sends all requests in full."""
-        if self._pending_free:
-            extra = [r for r in self._pending_free if r not in batch.freed_req_ids]
-            batch = Batch(batch.batch_id, batch.seqs, list(batch.freed_req_ids) + extra)
-            self._pending_free = []
         t0 = time.perf_counter()
         try:
             replies = self._execute_once(batch)

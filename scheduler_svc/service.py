@@ -85,9 +85,8 @@ class SchedulerService:
         self.metrics.observe_stats(self.snapshot)
 
     def _pull(self) -> None:
-        stats = self.scheduler.stats()
-        room = min(self.max_waiting - stats["waiting"],
-                   self.scheduler.config.max_num_seqs - stats["running"] - stats["waiting"])
+        waiting, running = len(self.scheduler.waiting), len(self.scheduler.running)
+        room = min(self.max_waiting - waiting, self.scheduler.config.max_num_seqs - running - waiting)
         idle = not self.scheduler.has_unfinished()
         if room > 0:
             self._admit(self.queue.fetch(room, block_ms=self.idle_block_ms if idle else 0))
@@ -118,10 +117,11 @@ class SchedulerService:
         stay marked in flight (aborts wait for that mark to clear). The requests of the lost
         batch, and `also_fail`, end with an "error" event at the next step boundary."""
         batch, self.executor.in_flight = self.executor.in_flight, None
-        lost = [s.req_id for s in batch.seqs] if batch else []
+        if batch is not None:
+            self.scheduler.fail_batch(batch, message)
         for req in self.scheduler.requests.values():
             req.in_flight = False
-        for req_id in dict.fromkeys(lost + also_fail):
+        for req_id in also_fail:
             self.scheduler.abort(req_id, error=message)
 
     # -- requests in and events out -----------------------------------------------------------------
