@@ -6,6 +6,7 @@ merges are fed to `tokenizers.models.BPE`), chat templates are rendered with jin
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +78,9 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
 
 
 # --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
+    """Compiled once per template: every chat request renders it."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
     def raise_exception(message: str) -> None:
