@@ -32,9 +32,6 @@ class PagedKVCache:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] of this step's tokens at `slots` [T] (int64)."""
         self.k[layer].view(self.num_slots, *k.shape[1:]).index_copy_(0, slots, k)

@@ -35,7 +35,6 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 MAX_D, MAX_G = 256, 64                      # MAX_D and MAX_ROWS of the kernel
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
-KV_DTYPES = tuple(_DTYPE_CODE)              # cache dtypes the kernel reads
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
