@@ -81,17 +81,35 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor
     chunks: list[ChunkMeta] = field(default_factory=list)
-    decodes: list[DecodeMeta] = field(default_factory=list)
-    native_decode: NativeDecode | None = None    # the same decodes, for the native kernel
+    native_decode: NativeDecode | None = None    # all decodes, for the native kernel
+    block_size: int = 16
+    device: torch.device | str = "cpu"
+    _decode_tables: list[torch.Tensor] = field(default_factory=list)   # int64, per decode
+    _decode_groups: list[DecodeMeta] | None = None
+
+    @property
+    def decodes(self) -> list[DecodeMeta]:
+        """The decodes grouped for the torch path; built on first use, so a batch served by the
+        native kernel never pays for them (padded tables, masks)."""
+        if self._decode_groups is None:
+            nd = self.native_decode
+            self._decode_groups = [] if nd is None else [
+                _moved(g, self.device) for g in
+                _decode_groups(nd.rows.tolist(), self._decode_tables, nd.lens.tolist(), self.block_size)]
+        return self._decode_groups
 
     def to(self, device: torch.device | str) -> "AttentionMetadata":
         """Built on the CPU; moved once per batch to the cache's device (no-op on CPU)."""
+        self.device = device
         self.slot_mapping = self.slot_mapping.to(device)
         for c in self.chunks:
             c.blocks = c.blocks.to(device)
-        for d in self.decodes:
-            d.rows, d.block_tables, d.valid = (t.to(device) for t in (d.rows, d.block_tables, d.valid))
         return self
+
+
+def _moved(d: DecodeMeta, device: torch.device | str) -> DecodeMeta:
+    d.rows, d.block_tables, d.valid = (t.to(device) for t in (d.rows, d.block_tables, d.valid))
+    return d
 
 
 def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int) -> AttentionMetadata:
@@ -112,15 +130,21 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int) -> A
         else:
             chunks.append(ChunkMeta(row, row + n, start, bt))
         row += n
-    meta = AttentionMetadata(torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64), chunks)
+    meta = AttentionMetadata(torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64), chunks,
+                             block_size=block_size, _decode_tables=dec_tables)
     if dec_rows:
-        meta.decodes = _decode_groups(dec_rows, dec_tables, dec_lens, block_size)
-        tables = torch.zeros(len(dec_tables), max(len(t) for t in dec_tables), dtype=torch.int32)
-        for i, t in enumerate(dec_tables):
-            tables[i, :len(t)] = t
-        meta.native_decode = NativeDecode(torch.tensor(dec_rows, dtype=torch.int32), tables,
+        meta.native_decode = NativeDecode(torch.tensor(dec_rows, dtype=torch.int32),
+                                          _pad_tables(dec_tables, torch.int32),
                                           torch.tensor(dec_lens, dtype=torch.int32))
     return meta
+
+
+def _pad_tables(tables: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """[B, max nb] block tables, padded with block 0 (never read past a sequence's length)."""
+    padded = torch.zeros(len(tables), max(len(t) for t in tables), dtype=dtype)
+    for i, t in enumerate(tables):
+        padded[i, :len(t)] = t
+    return padded
 
 
 def _decode_groups(rows: list[int], tables: list[torch.Tensor], lens: list[int],
@@ -137,10 +161,8 @@ def _decode_groups(rows: list[int], tables: list[torch.Tensor], lens: list[int],
 
 
 def _decode_meta(rows: list[int], tables: list[torch.Tensor], lens: list[int], bs: int) -> DecodeMeta:
-    nb = max(len(t) for t in tables)
-    padded = torch.zeros(len(tables), nb, dtype=torch.int64)
-    for i, t in enumerate(tables):
-        padded[i, :len(t)] = t
+    padded = _pad_tables(tables, torch.int64)
+    nb = padded.shape[1]
     valid = torch.arange(nb * bs).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     return DecodeMeta(torch.tensor(rows), padded, valid[:, None, None, :],
@@ -154,7 +176,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     out = torch.empty_like(q)
     kc, vc = cache.k[layer], cache.v[layer]
     nd = meta.native_decode
-    if nd is not None and native.available() and native.supports(q, kc) and native.supports(out, kc):
+    # out is empty_like(q): what supports() accepts for q holds for out
+    if nd is not None and native.available() and native.supports(q, kc):
         native.paged_decode_attention(q, kc, vc, nd.tables, nd.lens, scale, out, rows=nd.rows)
     else:
         for group in meta.decodes:
