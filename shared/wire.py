@@ -170,9 +170,16 @@ class BatchDecoder(_Mirror):
         """Switch to `epoch` if it is new; returns the request ids forgotten by the switch."""
         if epoch == self.epoch:
             return []
+        dropped = self.reset()
         self.epoch = epoch
+        return dropped
+
+    def reset(self) -> list[str]:
+        """Forget every request and the epoch (the next batch must start a new one); returns
+        the request ids forgotten."""
         dropped = list(self.states)
         self.states.clear()
+        self.epoch = None
         return dropped
 
     def decode(self, msg: dict[str, Any]) -> Batch:

@@ -114,9 +114,7 @@ class WorkerServer:
     def _forget_all(self) -> None:
         """After a failed execute the executor's per-request state is unknown: drop it all and
         make the client start a new epoch (its next batch sends every request in full)."""
-        ids = list(self.decoder.states)
-        self.decoder.states.clear()
-        self.decoder.epoch = None
+        ids = self.decoder.reset()
         try:
             self.executor.free(ids)
         except Exception:
