@@ -1,7 +1,8 @@
 """`sarathi`: one console command for every role.
 
-Every option also reads an environment variable SARATHI_<OPTION> (dashes -> underscores,
-upper case), so containers are configured without flags. Flags win over the environment.
+Every option but `generate --prompt` also reads an environment variable SARATHI_<OPTION>
+(dashes -> underscores, upper case), so containers are configured without flags. Flags win
+over the environment.
 """
 from __future__ import annotations
 
@@ -66,11 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _sched_args(p)
     p.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for several)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
+    _add(p, "max-tokens", 64, "tokens to generate at most")
+    _add(p, "temperature", 0.0, "0 = greedy")
+    _add(p, "top-p", 1.0, "nucleus sampling mass (1 = off)")
+    _add(p, "top-k", -1, "keep the k most likely tokens (-1 = off)")
+    _add(p, "seed", None, "makes sampling reproducible", type=int)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the model's chat template (default: on)")
 
