@@ -7,6 +7,7 @@ corruption of another request's KV.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -14,12 +15,14 @@ import torch
 from shared.config import ModelInfo, WorkerConfig
 from shared.messages import Batch, BatchOutput, SeqChunk
 from shared.model_source import resolve_model
-from worker_svc.attention import build_metadata
+from worker_svc.backends import select_backend
 from worker_svc.kv_cache import PagedKVCache
 from worker_svc.loader import load_weights
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.linear import TensorParallel
 from worker_svc.sampler import Sampler
+
+log = logging.getLogger("sarathi.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -55,21 +58,23 @@ class Executor:
         self.dtype = resolve_dtype(config.dtype, config.device)
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
+        self.backend = select_backend(config.device, self.dtype)
         source = resolve_model(config.model)
         cfg, weights = load_weights(source)
-        self.model = LlamaForCausalLM(cfg, weights, self.dtype, tp).to(config.device)
+        self.model = LlamaForCausalLM(cfg, weights, self.dtype, self.backend, tp).to(config.device)
         del weights
         self.model_cfg = cfg
         self.block_size = config.cache.block_size
         self.cache = PagedKVCache(cfg.num_layers, config.cache.num_blocks, self.block_size,
-                                  cfg.num_kv_heads // tp.world_size, cfg.head_dim, self.dtype,
-                                  config.device)
+                                  cfg.num_kv_heads // tp.world_size, cfg.head_dim,
+                                  self.backend.kv_cache_dtype, config.device)
         self.sampler = Sampler(sampler_seed)
         self.model_info = ModelInfo(
             name=source.name, max_model_len=cfg.max_position_embeddings,
             vocab_size=cfg.vocab_size, eos_token_ids=list(cfg.eos_token_ids),
             num_layers=cfg.num_layers, block_size=self.block_size,
             num_blocks=config.cache.num_blocks)
+        log.info("worker backend: %s", self.backend.describe())
 
     def free(self, req_ids: list[str]) -> None:
         """Drop per-request state. The executor keeps none (blocks are the scheduler's), so
@@ -103,8 +108,8 @@ class Executor:
         positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids))
                                for s in batch.seqs])
         dev = self.config.device
-        meta = build_metadata([(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs],
-                              self.block_size).to(dev)
+        meta = self.backend.attention.build_metadata(
+            [(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs], self.block_size, dev)
         rows, row = [], 0
         for s in batch.seqs:
             row += len(s.token_ids)
