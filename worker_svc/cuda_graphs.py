@@ -14,8 +14,10 @@ decode wrappers (worker_svc/backends/cuda.py).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -74,26 +76,33 @@ class CudaGraphRunner:
         biggest = self.sizes[-1]
         self.inputs = torch.zeros(3, biggest, dtype=torch.int64, device=device)
         self.rows = torch.arange(biggest, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.replays: dict[int, Callable[[], None]] = {}
         self.wrappers: dict[int, object] = {}
+        self._graphs: list = []
+        self._pool = None
         t0 = time.perf_counter()
-        pool = None
         for b in reversed(self.sizes):          # largest first: the smaller ones reuse its pool
             wrapper = attention.decode_wrapper(b)
             meta = attention.metadata(wrapper, self.inputs[2, :b])
             attention.plan(wrapper, pad_decode_batch(build_paged_batch([], self.page_size), b, scratch_block))
-            args = (self.inputs[0, :b], self.inputs[1, :b], cache, meta, self.rows[:b])
-            model(*args)                         # warm-up: lazy inits happen outside the graph
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = model(*args)
-            pool = graph.pool()
-            self.graphs[b], self.wrappers[b] = graph, wrapper
-        torch.cuda.synchronize(device)
+            step = functools.partial(model, self.inputs[0, :b], self.inputs[1, :b], cache, meta, self.rows[:b])
+            step()                               # warm-up: lazy inits happen outside the graph
+            self.outputs[b], self.replays[b] = self._capture(step, device)
+            self.wrappers[b] = wrapper
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes,
                  time.perf_counter() - t0)
+
+    def _capture(self, step: Callable[[], torch.Tensor], device: torch.device):
+        """(static output, replay) of one graph of `step`; all graphs share one memory pool."""
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = step()
+        torch.cuda.synchronize(device)
+        self._pool = graph.pool()
+        self._graphs.append(graph)
+        return out, graph.replay
 
     def run(self, pb: PagedBatch, token_ids: list[int], positions: list[int]) -> torch.Tensor | None:
         """Logits [pb.num_seqs, V] (float32, on the device) of a decode-only batch, or None when
@@ -104,5 +113,5 @@ class CudaGraphRunner:
         padded = pad_decode_batch(pb, b, self.scratch_block)
         self.inputs[:, :b].copy_(pad_decode_inputs(token_ids, positions, padded.slot_mapping, b))
         self.attention.plan(self.wrappers[b], padded)
-        self.graphs[b].replay()
+        self.replays[b]()
         return self.outputs[b][:pb.num_seqs]

@@ -50,6 +50,7 @@ class FlashInferAttention:
     executor does, through DeviceBackend.bind)."""
 
     name = "flashinfer"
+    workspace_bytes = WORKSPACE_BYTES
 
     def __init__(self, device: torch.device, kv_cache_dtype: torch.dtype):
         import flashinfer   # the optional [gpu] extra; only ever imported on a CUDA worker
@@ -57,7 +58,7 @@ class FlashInferAttention:
         self.flashinfer = flashinfer
         self.device = device
         self.kv_cache_dtype = kv_cache_dtype
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                     use_tensor_cores=True)
