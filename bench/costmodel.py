@@ -35,13 +35,21 @@ def batch_shapes(batch: Batch) -> list[Shape]:
     return [(s.start_pos, len(s.token_ids), s.is_decode) for s in batch.seqs]
 
 
-def features(shapes: Iterable[Shape], knee: int) -> list[float]:
+def aggregates(shapes: Iterable[Shape]) -> tuple[int, int, float, int]:
+    """(tokens, decode KV tokens read, prefill query x key pairs, sequences) of a batch."""
     shapes = list(shapes)
     tokens = sum(n for _, n, _ in shapes)
     kv = sum(start + 1 for start, _, dec in shapes if dec)
     pairs = sum(n * (start + (n + 1) / 2) for start, n, dec in shapes if not dec)
-    return [1.0, float(tokens), float(max(0, tokens - knee)), kv / 1e3, pairs / 1e6,
-            float(len(shapes))]
+    return tokens, kv, pairs, len(shapes)
+
+
+def features_of(tokens: int, kv: int, pairs: float, seqs: int, knee: int) -> list[float]:
+    return [1.0, float(tokens), float(max(0, tokens - knee)), kv / 1e3, pairs / 1e6, float(seqs)]
+
+
+def features(shapes: Iterable[Shape], knee: int) -> list[float]:
+    return features_of(*aggregates(shapes), knee)
 
 
 @dataclass
@@ -54,6 +62,10 @@ class CostModel:
 
     def predict_shapes(self, shapes: Iterable[Shape]) -> float:
         return max(0.0, float(np.dot(self.coefs, features(shapes, self.knee))))
+
+    def predict(self, tokens: int, kv: int, pairs: float, seqs: int) -> float:
+        """From a batch's aggregates (e.g. a logged iteration, bench.metrics.IterationRecord)."""
+        return max(0.0, float(np.dot(self.coefs, features_of(tokens, kv, pairs, seqs, self.knee))))
 
     def __call__(self, batch: Batch) -> float:
         """SimExecutor's cost_model interface."""
@@ -72,12 +84,20 @@ class CostModel:
 
 def fit(points: list[tuple[list[Shape], float]]) -> CostModel:
     """Fit to (shapes, measured seconds) points; needs >= len(FEATURES) points."""
-    if len(points) < len(FEATURES):
-        raise ValueError(f"need at least {len(FEATURES)} profile points to fit, got {len(points)}")
-    y = np.array([t for _, t in points])
+    return fit_aggregates([(*aggregates(shapes), t) for shapes, t in points])
+
+
+def fit_aggregates(rows: list[tuple[int, int, float, int, float]]) -> CostModel:
+    """Fit to (tokens, decode KV tokens, prefill pairs, sequences, measured seconds) rows: the
+    profile's cases, or iterations logged by a real run (bench.metrics.IterationRecord)."""
+    if len(rows) < len(FEATURES):
+        raise ValueError(f"need at least {len(FEATURES)} profile points to fit, got {len(rows)}")
+    y = np.array([r[4] for r in rows])
+    if not (y > 0).all():
+        raise ValueError("measured iteration times must be > 0")
     best = None
     for knee in KNEES:
-        X = np.array([features(s, knee) for s, _ in points])
+        X = np.array([features_of(*r[:4], knee) for r in rows])
         w = 1.0 / y                                  # relative error
         coefs, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
         rel = np.abs(X @ coefs - y) / y
@@ -85,4 +105,5 @@ def fit(points: list[tuple[list[Shape], float]]) -> CostModel:
             best = (rel.mean(), knee, coefs, rel)
     _, knee, coefs, rel = best
     return CostModel([float(c) for c in coefs], knee,
-                     {"mean_rel": float(rel.mean()), "max_rel": float(rel.max())})
+                     {"mean_rel": float(rel.mean()), "max_rel": float(rel.max()),
+                      "points": len(rows)})

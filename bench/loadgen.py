@@ -28,6 +28,7 @@ from typing import Callable
 
 import numpy as np
 
+from bench.costmodel import aggregates, batch_shapes
 from bench.metrics import IterationRecord, RequestRecord
 from bench.trace import Trace
 from scheduler_svc.engine_loop import EngineLoop, StalledError
@@ -142,10 +143,10 @@ def run_inprocess(engine: EngineLoop, workload: list[RequestSpec], *, drain_s: f
         output = executor.execute(batch)
         duration = clock() - started
         events = sched.update(batch, output)
+        tokens, kv, pairs, seqs = aggregates(batch_shapes(batch))
         decodes = sum(1 for s in batch.seqs if s.is_decode)
-        iterations.append(IterationRecord(started - t0, duration,
-                                          sum(len(s.token_ids) for s in batch.seqs) - decodes,
-                                          decodes, len(batch.seqs)))
+        iterations.append(IterationRecord(started - t0, duration, tokens - decodes, decodes,
+                                          seqs, kv, pairs))
         done = sum(1 for e in events if e.finish_reason is not None)
         if done and on_progress:
             on_progress(done)

@@ -66,13 +66,17 @@ class RequestRecord:
 @dataclass
 class IterationRecord:
     """One engine iteration: start time (s, run clock), duration (s), prefill tokens
-    (prompt and recompute tokens), decodes (1-token sampled steps), sequences in the batch."""
+    (prompt and recompute tokens), decodes (1-token sampled steps), sequences in the batch,
+    decode_kv (KV tokens the decodes read), prefill_pairs (query x key pairs of the prefill
+    chunks): enough to evaluate a cost model (bench.costmodel) on the real batch."""
 
     start: float
     duration: float
     prefill_tokens: int
     decodes: int
     num_seqs: int
+    decode_kv: int = 0
+    prefill_pairs: float = 0.0
 
 
 def percentile(samples: list[float], p: float) -> float:

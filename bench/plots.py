@@ -30,7 +30,7 @@ def plot_run(result: dict, path: Path) -> None:
         fig.colorbar(sc, ax=ax, label="prefill tokens in the iteration")
         ax.set(xlabel="time since start (s)", ylabel="iteration time (ms)",
                title=f"iterations at {runs[0]['qps']:g} QPS")
-    else:
+    elif runs[0].get("requests"):
         gaps = sorted(g for r in runs[0]["requests"] for g in _gaps(r["token_times"]))
         if gaps:
             ax.plot([g * 1e3 for g in gaps], [(i + 1) / len(gaps) for i in range(len(gaps))])

@@ -55,6 +55,33 @@ class Workload:
         return max(1, math.ceil(qps * self.duration_s)) if self.duration_s > 0 else self.num_requests
 
 
+SYNTHETIC_INFO = {"name": "sim", "max_model_len": 8192, "vocab_size": 32000, "eos_token_ids": [0]}
+
+
+def sim_target(profile: dict | None, *, block_size: int = 16, num_blocks: int = 2048,
+               max_num_seqs: int = 128, max_num_batched_tokens: int = 4096,
+               enable_prefix_caching: bool = False) -> Target:
+    """A simulated worker: the real scheduler, iteration times from the profile's cost model
+    (bench.costmodel), the model's limits from the profile; without a profile, the synthetic
+    linear_cost_model() (quick mode). The scheduler settings default to `sarathi serve`'s."""
+    from bench.profile import load_cost_model
+    from scheduler_svc.sim_executor import linear_cost_model, sim_engine
+
+    cost, info = linear_cost_model(), SYNTHETIC_INFO
+    if profile is not None:
+        cost, info = load_cost_model(profile), profile.get("model_info", SYNTHETIC_INFO)
+
+    def make(policy: str, tau: int) -> EngineLoop:
+        return sim_engine(policy, token_budget=tau, block_size=block_size, num_blocks=num_blocks,
+                          max_num_seqs=max_num_seqs, max_model_len=info["max_model_len"],
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          enable_prefix_caching=enable_prefix_caching, watermark=0.01,
+                          eos_token_ids=tuple(info["eos_token_ids"]),
+                          vocab_size=info["vocab_size"], verify_kv=False, cost_model=cost)
+    return Target("sim", make_engine=make, max_model_len=info["max_model_len"],
+                  vocab_size=info["vocab_size"])
+
+
 def _bar(total: int, desc: str, progress: bool):
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=not progress,
@@ -63,7 +90,8 @@ def _bar(total: int, desc: str, progress: bool):
 
 def run_once(target: Target, w: Workload, qps: float, *, policy: str = "sarathi",
              token_budget: int = 512, progress: bool = True, keep_requests: bool = True) -> dict:
-    """One open-loop run at qps: {"qps", "policy", "summary", "iterations", "requests"}."""
+    """One open-loop run at qps: {"qps", "policy", "summary", "iterations", "requests"};
+    keep_requests=False leaves out the per-request and per-iteration logs (summary only)."""
     engine = target.make_engine(policy, token_budget) if target.kind != "http" else None
     vocab = engine.scheduler.model_info.vocab_size if engine else target.vocab_size
     n = w.requests_at(qps)
@@ -78,9 +106,9 @@ def run_once(target: Target, w: Workload, qps: float, *, policy: str = "sarathi"
             rr = run_inprocess(engine, workload, drain_s=w.drain_s, on_progress=bar.update)
     out = {"qps": qps, "policy": policy if engine else None,
            "token_budget": token_budget if engine else None,
-           "summary": summarize(rr.records, rr.iterations, rr.end_time),
-           "iterations": [asdict(i) for i in rr.iterations]}
+           "summary": summarize(rr.records, rr.iterations, rr.end_time)}
     if keep_requests:
+        out["iterations"] = [asdict(i) for i in rr.iterations]
         out["requests"] = [r.to_dict() for r in rr.records]
     return out
 

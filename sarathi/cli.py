@@ -143,6 +143,7 @@ def _measure_parsers(sub) -> None:
     _executor_args(p)
     _workload_args(p)
     _add(p, "qps", "1.0", "mean request rate(s), comma-separated for a latency-throughput curve")
+    _add(p, "details", True, "keep the per-request token times and per-iteration log in the JSON")
     _slo_args(p)
 
     p = sub.add_parser("capacity", help="binary search for the highest QPS within the TBT SLO")

@@ -105,26 +105,13 @@ def _target(a: argparse.Namespace):
         return Target("http", url=a.url, api_key=a.api_key, served_model=a.served_model,
                       vocab_size=a.vocab_size)
     if a.executor == "sim":
-        from scheduler_svc.sim_executor import linear_cost_model, sim_engine
+        from bench.tools import sim_target
 
-        info = {"max_model_len": 8192, "vocab_size": 32000, "eos_token_ids": [0]}
-        cost = linear_cost_model()
-        if a.profile:
-            from bench.profile import load_cost_model
-
-            prof = _read_profile(a.profile)
-            cost, info = load_cost_model(prof), prof.get("model_info", info)
-
-        def make(policy: str, tau: int):
-            return sim_engine(policy, token_budget=tau, block_size=a.block_size,
-                              num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
-                              max_model_len=info["max_model_len"],
-                              max_num_batched_tokens=a.max_num_batched_tokens,
-                              enable_prefix_caching=a.prefix_caching, watermark=0.01,
-                              eos_token_ids=tuple(info["eos_token_ids"]),
-                              vocab_size=info["vocab_size"], verify_kv=False, cost_model=cost)
-        return Target("sim", make_engine=make, max_model_len=info["max_model_len"],
-                      vocab_size=info["vocab_size"])
+        return sim_target(_read_profile(a.profile) if a.profile else None,
+                          block_size=a.block_size, num_blocks=a.num_blocks,
+                          max_num_seqs=a.max_num_seqs,
+                          max_num_batched_tokens=a.max_num_batched_tokens,
+                          enable_prefix_caching=a.prefix_caching)
     from sarathi.llm import LLM
     from scheduler_svc.engine_loop import EngineLoop
     from scheduler_svc.scheduler import Scheduler
@@ -211,7 +198,8 @@ def bench(a: argparse.Namespace) -> int:
     result = _header(a, target, w)
     result.update(tbt_slo_s=slo, runs=[])
     for q in qps:
-        run = run_once(target, w, q, policy=a.policy, token_budget=tau, progress=a.progress)
+        run = run_once(target, w, q, policy=a.policy, token_budget=tau, progress=a.progress,
+                       keep_requests=a.details)
         result["runs"].append(run)
         s = run["summary"]
         print(f"{q:g} QPS: TTFT P50 {s['ttft_p50_s']:.3f} s, P99 {s['ttft_p99_s']:.3f} s | "
