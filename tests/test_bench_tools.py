@@ -237,3 +237,25 @@ def test_http_target_rejects_a_server_without_models(tmp_path):
             run_once(Target("http", url=f"http://127.0.0.1:{srv.server_port}"), w, 1.0, progress=False)
     finally:
         srv.shutdown()
+
+
+# -- HTTP target against the real gateway (fake scheduler behind it) ---------------------------------
+from tests.gateway_fakes import Plan, make_stack, tokenizer  # noqa: E402,F401 (fixtures)
+
+
+@pytest.mark.slow
+def test_http_target_times_sse_chunks_of_a_real_gateway(make_stack, tokenizer):
+    """run_http against the real FastAPI gateway on uvicorn: token times are SSE chunk arrival
+    times, gaps follow the scheduler's pace, and every request finishes."""
+    text = "one two three four five six"
+    n = len(tokenizer.encode(text, add_special_tokens=False))
+    stack = make_stack(plan=lambda req: Plan(text, interval_s=0.05))
+    w = Workload(Trace([8], [n], "synthetic"), 4, arrival="burst", burst_size=2, drain_s=10.0)
+    target = Target("http", url=stack.url, vocab_size=tokenizer.vocab_size)
+    run = run_once(target, w, qps=4.0, progress=False)
+    s = run["summary"]
+    assert (s["requests"], s["finished"], s["errors"]) == (4, 4, 0)
+    assert all(len(r["token_times"]) == n for r in run["requests"])
+    assert 0.04 <= s["tbt_p50_s"] <= 0.5 and s["tbt_samples"] == 4 * (n - 1)
+    assert s["sched_delay_p50_s"] is None          # not observable over HTTP
+    assert len(stack.fake.received) == 4 and all(r.sampling.ignore_eos for r in stack.fake.received)
