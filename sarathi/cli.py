@@ -48,7 +48,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _sched_args(p: argparse.ArgumentParser) -> None:
     _add(p, "policy", "sarathi", "batching policy", choices=list(POLICIES))
-    _add(p, "token-budget", 512, "tau: tokens per iteration (sarathi, chunked_only)")
+    _add(p, "token-budget", "512", "tau: tokens per iteration (sarathi, chunked_only): a number, "
+         "a plan file written by `sarathi plan`, or auto (= ./sarathi-plan.json)")
     _add(p, "max-num-seqs", 128, "cap on running requests")
     _add(p, "max-num-batched-tokens", 4096, "tokens per iteration for whole-prefill policies")
     _add(p, "prefix-caching", False, "reuse KV blocks of shared prompt prefixes")
@@ -103,7 +104,88 @@ def build_parser() -> argparse.ArgumentParser:
     _add(p, "bind", "tcp://0.0.0.0:5555", "ZeroMQ address to bind")
     _add(p, "max-num-seqs", 128, "CUDA: largest decode batch (graphs are captured up to it)")
     _add(p, "max-num-batched-tokens", 4096, "CUDA: tokens of the profiling pass that sizes the KV cache")
+
+    _measure_parsers(sub)
     return parser
+
+
+def _executor_args(p: argparse.ArgumentParser) -> None:
+    _add(p, "executor", "real", "real: the torch engine in this process; sim: a simulated worker "
+         "whose iteration time comes from --profile's cost model (a synthetic one without it)",
+         choices=["real", "sim"])
+    _add(p, "profile", None, "profile JSON from `sarathi profile` (cost model, SLOs, model limits)")
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    _add(p, "trace", None, "CSV of request lengths (default: the ShareGPT-4 length trace shipped in bench/data)")
+    _add(p, "prompt-column", "num_prefill_tokens", "trace column of prompt lengths (tokens)")
+    _add(p, "output-column", "num_decode_tokens", "trace column of output lengths (tokens)")
+    _add(p, "length-scale", 1.0, "multiply every trace length by this (e.g. 0.125 on a CPU)")
+    _add(p, "num-requests", 100, "requests per run (per probe for capacity)")
+    _add(p, "duration", 0.0, "> 0: a run is this many seconds of arrivals (qps x duration requests; overrides --num-requests)")
+    _add(p, "arrival", "poisson", "arrival process", choices=["poisson", "gamma", "burst"])
+    _add(p, "cv", 1.0, "coefficient of variation of gamma inter-arrival times")
+    _add(p, "burst-size", 8, "requests per burst (--arrival burst)")
+    _add(p, "seed", 0, "workload seed (lengths, arrivals, prompt ids)")
+    _add(p, "drain", 60.0, "seconds to wait after the last arrival; unfinished requests are misses")
+    _add(p, "url", None, "an OpenAI-compatible server to load over streamed HTTP instead of in-process")
+    _add(p, "api-key", None, "bearer key for --url")
+    _add(p, "served-model", None, "model name to request at --url (default: the first /v1/models lists)")
+    _add(p, "vocab-size", 32000, "prompt token ids are drawn below this (--url; in-process: the model's)")
+    _add(p, "out", None, "output prefix: writes <out>.json and <out>.png")
+    _add(p, "progress", True, "show a progress bar")
+
+
+def _slo_args(p: argparse.ArgumentParser) -> None:
+    _add(p, "tbt-slo", 0.0, "P99 TBT SLO in seconds (or take --slo from --profile)")
+    _add(p, "slo", None, "strict or relaxed: the SLO from --profile (5x / 25x a batch-32 decode)",
+         choices=["strict", "relaxed"])
+
+
+def _measure_parsers(sub) -> None:
+    p = sub.add_parser("bench", help="open-loop load generator: latency metrics at one or more QPS")
+    _model_args(p)
+    _sched_args(p)
+    _executor_args(p)
+    _workload_args(p)
+    _add(p, "qps", "1.0", "mean request rate(s), comma-separated for a latency-throughput curve")
+    _add(p, "details", True, "keep the per-request token times and per-iteration log in the JSON")
+    _slo_args(p)
+
+    p = sub.add_parser("capacity", help="binary search for the highest QPS within the TBT SLO")
+    _model_args(p)
+    _sched_args(p)
+    _executor_args(p)
+    _workload_args(p)
+    _slo_args(p)
+    _add(p, "qps-start", 1.0, "first QPS probed")
+    _add(p, "resolution", 0.05, "stop when (hi - lo) / hi <= this")
+    _add(p, "max-sched-delay", 2.0, "P50 scheduling delay bound (s), the paper's 2 s")
+    _add(p, "max-ttft-p50", 0.0, "optional P50 TTFT bound in seconds (0 = none)")
+
+    p = sub.add_parser("profile", help="iteration-time table, SLOs and cost model of this machine")
+    _model_args(p)
+    _add(p, "executor", "real", "real: time the torch engine; sim: the synthetic cost model (quick test)",
+         choices=["real", "sim"])
+    _add(p, "length-scale", 1.0, "the trace scale the SLO context follows: 4096 x this")
+    _add(p, "slo-context", 0, "context (tokens) of the SLO's batch-32 decode (0 = 4096 x --length-scale)")
+    _add(p, "rounds", 3, "timed rounds per case (median kept)")
+    _add(p, "quick", False, "fewer cases")
+    _add(p, "out", "sarathi-profile", "output prefix: writes <out>.json and <out>.png")
+    _add(p, "progress", True, "show a progress bar")
+
+    p = sub.add_parser("plan", help="token budget tau for a TBT SLO, from a profile")
+    _add(p, "profile", "sarathi-profile.json", "profile JSON from `sarathi profile`")
+    _slo_args(p)
+    _add(p, "decode-batch", 32, "decodes expected in an iteration (ignored with --qps)")
+    _add(p, "qps", 0.0, "expected load: derive the decode batch from it and the trace (0 = use --decode-batch)")
+    _add(p, "trace", None, "trace for the mean output length with --qps (default: ShareGPT)")
+    _add(p, "output-column", "num_decode_tokens", "trace column of output lengths")
+    _add(p, "length-scale", 1.0, "trace length scale with --qps")
+    _add(p, "context", 0, "decode context in tokens (0 = the profile's SLO context)")
+    _add(p, "tile", 32, "tau is a multiple of this many tokens")
+    _add(p, "max-num-seqs", 128, "cap on running requests")
+    _add(p, "out", "sarathi-plan.json", "plan file (JSON; a PNG is written next to it)")
 
 
 def main(argv: list[str] | None = None) -> int:

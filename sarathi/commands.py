@@ -7,9 +7,15 @@ import sys
 from shared.sampling import SamplingParams
 
 
+def _tau(a: argparse.Namespace) -> int:
+    from bench.plan import resolve_token_budget
+
+    return resolve_token_budget(a.token_budget)
+
+
 def _llm_kwargs(a: argparse.Namespace) -> dict:
     return dict(dtype=a.dtype, threads=a.threads, num_blocks=a.num_blocks, block_size=a.block_size,
-                **_device_kwargs(a), policy=a.policy, token_budget=a.token_budget, max_num_seqs=a.max_num_seqs,
+                **_device_kwargs(a), policy=a.policy, token_budget=_tau(a), max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.prefix_caching)
 
 
@@ -37,7 +43,7 @@ def generate(a: argparse.Namespace) -> int:
 
 
 def _sched_kwargs(a: argparse.Namespace) -> dict:
-    return dict(policy=a.policy, token_budget=a.token_budget, max_num_seqs=a.max_num_seqs,
+    return dict(policy=a.policy, token_budget=_tau(a), max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, prefix_caching=a.prefix_caching,
                 max_model_len=a.max_model_len or None, queue_prefix=a.queue_prefix)
 
@@ -79,4 +85,221 @@ def worker(a: argparse.Namespace) -> int:
     run_worker(address=a.bind, model=a.model, dtype=a.dtype, threads=a.threads,
                num_blocks=a.num_blocks, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                max_num_batched_tokens=a.max_num_batched_tokens, **_device_kwargs(a))
+    return 0
+
+
+# -- measurement ------------------------------------------------------------------------------
+def _read_profile(path: str) -> dict:
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"profile file not found: {p} (write one with `sarathi profile`)")
+    try:
+        return json.loads(p.read_text())
+    except ValueError:
+        raise ValueError(f"{p} is not a profile JSON") from None
+
+
+def _target(a: argparse.Namespace):
+    """Where bench / capacity runs go: --url, a simulated worker, or the real engine here."""
+    from bench.tools import Target
+
+    if a.url:
+        return Target("http", url=a.url, api_key=a.api_key, served_model=a.served_model,
+                      vocab_size=a.vocab_size)
+    if a.executor == "sim":
+        from bench.tools import sim_target
+
+        return sim_target(_read_profile(a.profile) if a.profile else None,
+                          block_size=a.block_size, num_blocks=a.num_blocks,
+                          max_num_seqs=a.max_num_seqs,
+                          max_num_batched_tokens=a.max_num_batched_tokens,
+                          enable_prefix_caching=a.prefix_caching)
+    from sarathi.llm import LLM
+    from scheduler_svc.engine_loop import EngineLoop
+    from scheduler_svc.scheduler import Scheduler
+    from shared.config import CacheConfig, SchedulerConfig
+
+    llm = LLM(a.model, **_llm_kwargs(a))
+    info = llm.model_info
+
+    def make_real(policy: str, tau: int):
+        cfg = SchedulerConfig(policy=policy, token_budget=tau, max_num_seqs=a.max_num_seqs,
+                              max_num_batched_tokens=a.max_num_batched_tokens,
+                              max_model_len=info.max_model_len,
+                              enable_prefix_caching=a.prefix_caching)
+        return EngineLoop(Scheduler(cfg, CacheConfig(a.block_size, a.num_blocks), info), llm.executor)
+    return Target("real", make_engine=make_real, max_model_len=info.max_model_len,
+                  vocab_size=info.vocab_size)
+
+
+def _workload(a: argparse.Namespace, max_total_len: int):
+    from bench.tools import Workload
+    from bench.trace import load_trace
+
+    trace = load_trace(a.trace, prompt_column=a.prompt_column, output_column=a.output_column,
+                       length_scale=a.length_scale, max_total_len=max_total_len)
+    if a.num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {a.num_requests}")
+    if a.duration < 0:
+        raise ValueError(f"--duration must be >= 0 seconds, got {a.duration}")
+    return Workload(trace, a.num_requests, a.arrival, a.cv, a.burst_size, a.seed, a.drain, a.duration)
+
+
+def _slo(a: argparse.Namespace) -> float | None:
+    if a.tbt_slo > 0:
+        return a.tbt_slo
+    if a.tbt_slo < 0:
+        raise ValueError(f"--tbt-slo must be > 0 seconds, got {a.tbt_slo}")
+    if a.slo:
+        if not a.profile:
+            raise ValueError("--slo strict|relaxed needs --profile (the SLOs come from it)")
+        return _read_profile(a.profile)["slo"][f"{a.slo}_s"]
+    return None
+
+
+def _qps_list(raw: str) -> list[float]:
+    try:
+        qps = [float(x) for x in str(raw).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--qps must be numbers separated by commas, got {raw!r}") from None
+    if not qps or any(not q > 0 for q in qps):
+        raise ValueError(f"--qps must be > 0, got {raw!r}")
+    return qps
+
+
+def _report(kind: str, result: dict, out: str | None, default: str) -> None:
+    from bench.tools import PLOTS, write_result
+
+    paths = write_result(out or default, result, PLOTS[kind])
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+
+
+def _header(a: argparse.Namespace, target, w=None) -> dict:
+    from bench.env import command_line, machine
+
+    h = {"command": command_line(), "machine": machine(), "target": target.kind}
+    if target.kind == "http":
+        h["url"] = target.url
+    if w is not None:
+        h["workload"] = {"trace": w.trace.source, "num_requests": w.num_requests,
+                         "arrival": w.arrival, "cv": w.cv, "burst_size": w.burst_size,
+                         "seed": w.seed, "drain_s": w.drain_s, "duration_s": w.duration_s}
+    if target.kind == "sim":
+        h["cost_model"] = a.profile or "synthetic linear_cost_model()"
+    return h
+
+
+def bench(a: argparse.Namespace) -> int:
+    from bench.tools import run_once
+
+    qps = _qps_list(a.qps)
+    slo = _slo(a)
+    tau = _tau(a)
+    target = _target(a)
+    w = _workload(a, target.max_model_len)
+    result = _header(a, target, w)
+    result.update(tbt_slo_s=slo, runs=[])
+    for q in qps:
+        run = run_once(target, w, q, policy=a.policy, token_budget=tau, progress=a.progress,
+                       keep_requests=a.details)
+        result["runs"].append(run)
+        s = run["summary"]
+        print(f"{q:g} QPS: TTFT P50 {s['ttft_p50_s']:.3f} s, P99 {s['ttft_p99_s']:.3f} s | "
+              f"TBT P50 {s['tbt_p50_s']:.3f} s, P99 {s['tbt_p99_s']:.3f} s | "
+              f"{s['output_tok_per_s']:.1f} out tok/s | {s['finished']}/{s['requests']} finished")
+    _report("bench", result, a.out, f"sarathi-bench-{a.policy if target.kind != 'http' else 'http'}")
+    return 0
+
+
+def capacity(a: argparse.Namespace) -> int:
+    from bench.tools import capacity as search
+
+    slo = _slo(a)
+    if slo is None:
+        raise ValueError("capacity needs a TBT SLO: --tbt-slo SECONDS, or --slo strict|relaxed with --profile")
+    tau = _tau(a)
+    target = _target(a)
+    w = _workload(a, target.max_model_len)
+    result = _header(a, target, w)
+    result.update(search(target, w, slo, policy=a.policy, token_budget=tau, qps_start=a.qps_start,
+                         resolution=a.resolution, max_sched_delay_s=a.max_sched_delay,
+                         max_ttft_p50_s=a.max_ttft_p50 or None, progress=a.progress))
+    print(f"capacity: {result['capacity_qps']:.4g} QPS (P99 TBT <= {slo:.3g} s, P50 scheduling "
+          f"delay <= {a.max_sched_delay:g} s; resolution {a.resolution:.0%}, "
+          f"{result['run_length']}, {len(result['probes'])} probes)")
+    _report("capacity", result, a.out, f"sarathi-capacity-{a.policy if target.kind != 'http' else 'http'}")
+    return 0
+
+
+def profile(a: argparse.Namespace) -> int:
+    import time
+
+    from bench.env import command_line, machine
+    from bench.profile import blocks_needed, cases, run_profile
+
+    if not a.length_scale > 0:
+        raise ValueError(f"--length-scale must be > 0, got {a.length_scale}")
+    ctx = a.slo_context or max(4, round(4096 * a.length_scale))
+    need = blocks_needed(cases(ctx, a.quick), a.block_size)
+    if a.executor == "sim":
+        from scheduler_svc.sim_executor import SimClock, SimExecutor, linear_cost_model
+
+        clock = SimClock()
+        ex = SimExecutor(a.block_size, verify_kv=False, cost_model=linear_cost_model(), clock=clock)
+        info = {"name": "sim", "max_model_len": 8192, "vocab_size": 32000, "eos_token_ids": [0]}
+    else:
+        from shared.config import CacheConfig, WorkerConfig
+        from worker_svc.executor import Executor
+
+        ex = Executor(WorkerConfig(model=a.model, dtype=a.dtype, num_threads=a.threads,
+                                   cache=CacheConfig(a.block_size, need)))
+        clock = time.perf_counter
+        mi = ex.model_info
+        info = {"name": mi.name, "max_model_len": mi.max_model_len, "vocab_size": mi.vocab_size,
+                "eos_token_ids": list(mi.eos_token_ids)}
+    from tqdm import tqdm
+
+    total = len(cases(ctx, a.quick)) * (a.rounds + 1)
+    with tqdm(total=total, desc="profile", unit="case", file=sys.stderr, disable=not a.progress,
+              leave=False) as bar:
+        res = run_profile(ex.execute, clock, block_size=a.block_size, slo_context=ctx,
+                          rounds=a.rounds, quick=a.quick, on_case=bar.update)
+    result = {"command": command_line(), "machine": machine(), "executor": a.executor,
+              "dtype": a.dtype, "threads": a.threads, "model_info": info, **res}
+    slo = res["slo"]
+    print(f"decode-only batch 32 at {ctx}-token contexts: {slo['decode_b32_s'] * 1e3:.1f} ms -> "
+          f"strict SLO {slo['strict_s']:.3f} s, relaxed {slo['relaxed_s']:.3f} s; cost model "
+          f"mean error {res['cost_model']['fit_error']['mean_rel']:.1%}")
+    _report("profile", result, a.out, "sarathi-profile")
+    return 0
+
+
+def plan(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from bench.env import command_line, machine
+    from bench.plan import plan_token_budget
+    from bench.profile import load_cost_model
+
+    prof = _read_profile(a.profile)
+    slo = _slo(a)
+    if slo is None:
+        raise ValueError("plan needs a TBT SLO: --tbt-slo SECONDS or --slo strict|relaxed")
+    mean_out = None
+    if a.qps:
+        from bench.trace import load_trace
+
+        t = load_trace(a.trace, output_column=a.output_column, length_scale=a.length_scale)
+        mean_out = sum(t.output_lens) / len(t)
+    res = plan_token_budget(load_cost_model(prof), slo, context=a.context or prof["slo"]["context"],
+                            tile=a.tile, decode_batch=a.decode_batch, qps=a.qps or None,
+                            mean_output_tokens=mean_out, max_num_seqs=a.max_num_seqs)
+    result = {"command": command_line(), "machine": machine(), "profile": a.profile, **res}
+    out = Path(a.out if a.out.endswith(".json") else a.out + ".json")
+    _report("plan", result, str(out), str(out))
+    print(f"token budget {res['token_budget']} (predicted iteration {res['iteration_s']:.3f} s "
+          f"with {res['decode_batch']} decodes at {res['context']} tokens; SLO {slo:.3f} s) -> {out}")
     return 0
