@@ -111,9 +111,10 @@ def _target(a: argparse.Namespace):
                       vocab_size=a.vocab_size)
     if a.executor == "sim":
         from bench.tools import sim_target
+        from shared.config import DEFAULT_CPU_BLOCKS
 
         return sim_target(_read_profile(a.profile) if a.profile else None,
-                          block_size=a.block_size, num_blocks=a.num_blocks,
+                          block_size=a.block_size, num_blocks=a.num_blocks or DEFAULT_CPU_BLOCKS,
                           max_num_seqs=a.max_num_seqs,
                           max_num_batched_tokens=a.max_num_batched_tokens,
                           enable_prefix_caching=a.prefix_caching)
@@ -130,7 +131,8 @@ def _target(a: argparse.Namespace):
                               max_num_batched_tokens=a.max_num_batched_tokens,
                               max_model_len=info.max_model_len,
                               enable_prefix_caching=a.prefix_caching)
-        return EngineLoop(Scheduler(cfg, CacheConfig(a.block_size, a.num_blocks), info), llm.executor)
+        # the worker's block count: --num-blocks 0 means sized by the worker
+        return EngineLoop(Scheduler(cfg, CacheConfig(a.block_size, info.num_blocks), info), llm.executor)
     return Target("real", make_engine=make_real, max_model_len=info.max_model_len,
                   vocab_size=info.vocab_size)
 
