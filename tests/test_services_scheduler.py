@@ -263,12 +263,14 @@ def _status(url: str) -> int:
         return 0
 
 
-def test_a_restarted_worker_fails_the_running_requests_and_forgets_cached_prefixes():
-    """Plumbing only (simulated executor): the service's reaction to WorkerRestartedError."""
+def test_a_restarted_worker_replays_the_running_requests_and_forgets_cached_prefixes():
+    """Plumbing only (simulated executor): the service's reaction to WorkerRestartedError: the
+    running request is preempted with its tokens, recomputed, and ends as if never interrupted."""
     from prometheus_client import CollectorRegistry
 
     from scheduler_svc.metrics import SchedulerMetrics
     from scheduler_svc.remote_executor import WorkerRestartedError
+    from scheduler_svc.request import RequestStatus
     from scheduler_svc.service import SchedulerService
     from scheduler_svc.sim_executor import sim_engine
 
@@ -278,6 +280,8 @@ def test_a_restarted_worker_fails_the_running_requests_and_forgets_cached_prefix
     loop.run_until_done()                         # its full prompt blocks are now cached
     running = loop.add_request("running", list(range(40, 50)), SamplingParams(temperature=0.0, max_tokens=5))
     loop.step()
+    loop.step()
+    assert running.num_output_tokens == 2
 
     class Restarted:
         def execute(self, batch):
@@ -285,11 +289,14 @@ def test_a_restarted_worker_fails_the_running_requests_and_forgets_cached_prefix
 
     service = SchedulerService(loop.scheduler, Restarted(), make_queues(None)[1],
                                SchedulerMetrics(CollectorRegistry()))
-    events = service._step() + loop.scheduler.take_events()
-    loop.scheduler.schedule()                     # the next step boundary applies the aborts
-    events += loop.scheduler.take_events()
-    assert [(e.req_id, e.finish_reason) for e in events if e.finish_reason] == [("running", "error")]
-    assert running.finish_reason == "error"
+    events = service._step()
+    assert [e for e in events if e.finish_reason] == []
+    assert running.status is RequestStatus.PREEMPTED and running.num_computed_tokens == 0
+    assert running.num_output_tokens == 2 and not running.in_flight
+    loop.run_until_done()                         # the real executor again: recomputed, resumed
+    ref = sim_engine("sarathi", block_size=4, num_blocks=32).generate(
+        [list(range(40, 50))], SamplingParams(temperature=0.0, max_tokens=5))[0]
+    assert running.finish_reason == "length" and running.output_token_ids == ref.output_token_ids
     hits_before = loop.scheduler.stats()["prefix_cache_hit_tokens"]
     loop.add_request("again", prompt, SamplingParams(temperature=0.0, max_tokens=1))
     loop.run_until_done()                         # same prompt as "done": recomputed, not reused

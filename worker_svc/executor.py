@@ -64,7 +64,7 @@ class Executor:
         self.cache = PagedKVCache(cfg.num_layers, config.cache.num_blocks, self.block_size,
                                   cfg.num_kv_heads // tp.world_size, cfg.head_dim, self.dtype,
                                   config.device)
-        self.sampler = Sampler(sampler_seed)
+        self.sampler = Sampler(sampler_seed, eos_token_ids=cfg.eos_token_ids)
         self.model_info = ModelInfo(
             name=source.name, max_model_len=cfg.max_position_embeddings,
             vocab_size=cfg.vocab_size, eos_token_ids=list(cfg.eos_token_ids),
@@ -72,19 +72,23 @@ class Executor:
             num_blocks=config.cache.num_blocks)
 
     def free(self, req_ids: list[str]) -> None:
-        """Drop per-request state. The executor keeps none (blocks are the scheduler's), so
-        this is a no-op that accepts unknown ids."""
+        """Drop per-request state: the sampler's token histories (blocks are the scheduler's).
+        Unknown ids are fine."""
+        self.sampler.free(req_ids)
 
     def execute(self, batch: Batch) -> BatchOutput:
-        """Run one iteration; sampled holds a token exactly for the seqs with sample=True."""
+        """Run one iteration; sampled holds a token exactly for the seqs with sample=True (and
+        logprobs for those that asked)."""
         t0 = time.perf_counter()
         self.free(batch.freed_req_ids)
+        self.sampler.observe(batch.seqs)
         due, logits, t1, t2 = self._forward(batch)
-        tokens = self.sampler.sample(logits, [s.sampling for s in due], [s.output_index for s in due])
+        out = self.sampler.sample_chunks(logits, due)
         t3 = time.perf_counter()
-        return BatchOutput(batch.batch_id, {s.req_id: tok for s, tok in zip(due, tokens)},
+        return BatchOutput(batch.batch_id, {s.req_id: tok for s, tok in zip(due, out.tokens)},
                            {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2,
-                            "total_s": t3 - t0})
+                            "total_s": t3 - t0},
+                           {due[i].req_id: lp for i, lp in out.logprobs.items()})
 
     def compute_logits(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Like execute (K/V are written) but return the float32 logits [V] of each seq with
