@@ -119,6 +119,8 @@ class Generation:
             except TimeoutError:  # a lost scheduler must not leave the client hanging forever
                 yield self._finish("error", "", f"no token for {self._timeout:.0f} s")
                 return
+            if ev is None:  # closed meanwhile (the client left): nobody reads on
+                return
             delta = self._on_event(ev)
             if delta is not None:
                 yield delta
@@ -181,6 +183,7 @@ class Generation:
             return
         self._closed = True
         self.dispatcher.close(self.req.req_id)
+        self._events.put_nowait(None)  # ends a deltas() still waiting (e.g. another choice's pump)
         if not self._started:
             return
         if not self._scheduler_done:
