@@ -85,6 +85,7 @@ class EmbeddedStack:
 
     def __init__(self, tmp: Path, redis_url: str | None = None, prefix: str = "sarathi:", **options):
         self.mode = "embedded" if redis_url is None else "embedded-redis"
+        self.prefix = prefix
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.metrics_urls = [f"http://127.0.0.1:{self.port}/metrics"]
