@@ -171,6 +171,10 @@ class Generation:
         self.finish_reason, self.error = reason, error
         return Delta(text, self.num_tokens, reason, error)
 
+    def fail(self, message: str) -> None:
+        """End this request with an error event of the gateway's own (nothing else will)."""
+        self._events.put_nowait(TokenEvent(self.req.req_id, self._next_index, None, "error", message))
+
     @property
     def closed(self) -> bool:
         return self._closed

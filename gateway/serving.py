@@ -248,18 +248,28 @@ class Serving:
         self._closers.add(task)
         task.add_done_callback(self._closers.discard)
 
-    async def resubmit_unfinished(self) -> int:
+    async def resubmit_unfinished(self, attempts: int = 10, backoff_s: float = 0.2) -> int:
         """The queue lost its contents (Redis restarted without them): submit every started,
         unfinished request again under its id. The scheduler skips a request it already runs;
-        the gateway drops events it has already seen (by index). Returns how many were sent."""
+        the gateway drops events it has already seen (by index). A request that cannot be
+        resubmitted (Redis went away again) ends with an explicit error. Returns how many were
+        sent."""
         sent = 0
         for gen in list(self.active):
-            if gen.finish_reason is None and not gen.closed:
+            if gen.finish_reason is not None or gen.closed:
+                continue
+            for attempt in range(attempts):
                 try:
                     await self.queue.submit(gen.req)
                     sent += 1
-                except Exception:  # noqa: BLE001 - the event timeout still ends it
-                    log.warning("could not resubmit %s", gen.req.req_id, exc_info=True)
+                    break
+                except Exception as exc:  # noqa: BLE001 - e.g. a pooled connection Redis closed
+                    if attempt == attempts - 1:
+                        log.error("could not resubmit %s after a queue reset: %s", gen.req.req_id, exc)
+                        gen.fail(f"the request was lost in a queue restart and could not be resubmitted: {exc}")
+                    else:
+                        await asyncio.sleep(backoff_s * (attempt + 1))
+        log.info("resubmitted %d unfinished requests", sent)
         return sent
 
 

@@ -104,6 +104,9 @@ class SchedulerService:
             self._set_queue_down(False)
         except QueueUnavailableError as e:
             self._set_queue_down(True, e)
+        except Exception as e:  # noqa: BLE001 - a queue bug must not stop the loop: log, retry
+            log.exception("queue operation failed")
+            self._set_queue_down(True, e)
         self._check_worker()
         if not self.worker_up:
             self._wait_for_worker()
@@ -240,6 +243,9 @@ class SchedulerService:
         try:
             self._flush()
         except QueueUnavailableError as e:
+            self._set_queue_down(True, e)
+        except Exception as e:  # noqa: BLE001 - as in run_once: keep the events, retry later
+            log.exception("publishing failed")
             self._set_queue_down(True, e)
 
     def _flush(self) -> None:

@@ -301,3 +301,48 @@ def test_a_restarted_worker_replays_the_running_requests_and_forgets_cached_pref
     loop.add_request("again", prompt, SamplingParams(temperature=0.0, max_tokens=1))
     loop.run_until_done()                         # same prompt as "done": recomputed, not reused
     assert loop.scheduler.stats()["prefix_cache_hit_tokens"] == hits_before
+
+
+def test_events_wait_in_order_while_the_queue_is_down_and_nothing_is_lost():
+    """Plumbing (simulated executor, in-process queue that refuses while `down`): the loop keeps
+    running, the events go out in order once the queue answers, each request is acked once."""
+    from scheduler_svc.metrics import SchedulerMetrics
+    from scheduler_svc.service import SchedulerService
+    from scheduler_svc.sim_executor import sim_engine
+    from shared.queue import QueueUnavailableError
+
+    gq, sq = make_queues(None)
+    published, acked = [], []
+
+    class Flaky:
+        down = False
+
+        def __getattr__(self, name):
+            attr = getattr(sq, name)
+            if name in ("publish", "ack", "poll_aborts", "fetch") and callable(attr):
+                def call(*a, **kw):
+                    if self.down:
+                        raise QueueUnavailableError("Redis unavailable: test")
+                    if name == "publish":
+                        published.extend((e.req_id, e.index, e.finish_reason) for e in a[0])
+                    if name == "ack":
+                        acked.append(a[0])
+                    return attr(*a, **kw)
+                return call
+            return attr
+
+    loop = sim_engine("sarathi", block_size=4, num_blocks=64)
+    flaky = Flaky()
+    service = SchedulerService(loop.scheduler, loop.executor, flaky, SchedulerMetrics(CollectorRegistry()))
+    asyncio.run(gq.submit(RequestMsg("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6), gq.gateway_id,
+                                     time.time())))
+    service.run_once()
+    service.run_once()
+    flaky.down = True
+    for _ in range(10):               # it finishes while nobody can be told
+        service.run_once()
+    assert not loop.scheduler.has_unfinished() and acked == []
+    flaky.down = False
+    service.run_once()
+    assert [i for r, i, _ in published if r == "r"] == list(range(6))
+    assert published[-1][2] == "length" and acked == ["r"]

@@ -25,7 +25,7 @@ def _unavailable_as_queue_error(method):
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
             raise QueueUnavailableError(f"Redis unavailable: {exc}") from exc
         except redis.ResponseError as exc:
-            if not str(exc).startswith("NOGROUP"):
+            if "NOGROUP" not in str(exc):  # also inside a pipeline's "Command # n (...) caused error"
                 raise
             self._ensure_group()
             return method(self, *args, **kwargs)
