@@ -10,7 +10,7 @@ import redis
 from shared.messages import RequestMsg, TokenEvent
 from shared.queue import QueueConfig, QueueUnavailableError, SchedulerQueue
 from shared.queue.common import RecentIds, decode_request, encode_events, now, stamp_scheduled
-from shared.queue.redis_streams import PAGE, entries_of, is_busygroup
+from shared.queue.redis_streams import PAGE, client_options, entries_of, is_busygroup
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class RedisSchedulerQueue(SchedulerQueue):
     """One scheduler replica's view of the queue. Not thread-safe: one loop thread uses it."""
 
     def __init__(self, url: str, config: QueueConfig, consumer: str):
-        self.r = redis.Redis.from_url(url, decode_responses=True)
+        self.r = redis.Redis.from_url(url, **client_options(asyncio=False))
         self.cfg, self.consumer = config, consumer
         # req_id -> its stream entry ids, while pending here (more than one when a gateway
         # resubmitted it after a Redis restart: all are acked together at its end)

@@ -27,6 +27,23 @@ from shared.queue.common import decode_events, encode_request
 
 PAGE = 256  # entries per Redis round trip when draining a backlog
 
+# Connections outlive a Redis restart in the pool: ping one idle this long before using it
+# (a dead one is replaced instead of failing the command), and retry a command that loses its
+# connection a few times with a short backoff (seconds).
+HEALTH_CHECK_INTERVAL_S = 1
+
+
+def client_options(asyncio: bool) -> dict:
+    """Keyword arguments for redis.Redis.from_url / redis.asyncio.Redis.from_url."""
+    from redis.backoff import ExponentialBackoff
+    if asyncio:
+        from redis.asyncio.retry import Retry
+    else:
+        from redis.retry import Retry
+    return dict(decode_responses=True, health_check_interval=HEALTH_CHECK_INTERVAL_S,
+                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+                retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+
 
 def is_busygroup(exc: redis.ResponseError) -> bool:
     return str(exc).startswith("BUSYGROUP")
@@ -41,7 +58,7 @@ class RedisGatewayQueue(GatewayQueue):
     """One gateway's view of the queue. Use it from one asyncio loop."""
 
     def __init__(self, url: str, config: QueueConfig, gateway_id: str):
-        self.r = aioredis.Redis.from_url(url, decode_responses=True)
+        self.r = aioredis.Redis.from_url(url, **client_options(asyncio=True))
         self.cfg, self.gateway_id = config, gateway_id
         self._group_ready = False
         self._cursor = "0-0"  # id of the last reply entry read: the stream is ours alone
