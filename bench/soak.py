@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--qps", type=float, default=1.0, help="Poisson arrival rate (about 80%% of capacity)")
-    ap.add_argument("--prompt-words", type=int, nargs=2, default=[20, 200])
-    ap.add_argument("--max-tokens", type=int, nargs=2, default=[16, 96])
+    ap.add_argument("--prompt-words", type=int, nargs=2, default=[10, 100])
+    ap.add_argument("--max-tokens", type=int, nargs=2, default=[16, 64])
     ap.add_argument("--disconnect-frac", type=float, default=0.1, help="clients that leave mid-stream")
     ap.add_argument("--abort-frac", type=float, default=0.05, help="clients that give up before the answer")
     ap.add_argument("--sample-s", type=float, default=5.0)
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "soak" + (f"_{args.label}" if args.label else "")
-    log_path = out_dir / f"{stem}.server.log"
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"sarathi-{stem}-{prefix.split(':')[1]}.server.log"
     server_cmd = [sys.executable, "-m", "sarathi.cli", "serve"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(server_cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -323,8 +323,11 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-        for k in r.scan_iter(match=prefix + "*"):
-            r.delete(k)
+        try:
+            for k in r.scan_iter(match=prefix + "*"):
+                r.delete(k)
+        except redis.RedisError as e:
+            print(f"could not clean up the Redis keys under {prefix}: {e}", file=sys.stderr)
         if redis_proc is not None:
             redis_proc.kill()
 
@@ -346,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         "server_command": "sarathi serve (env: " + ", ".join(f"{k}={env[k]}" for k in sorted(env)
                                                           if k.startswith("SARATHI_")) + ")",
         "date_utc": started.isoformat(timespec="seconds"), "machine": machine(),
-        "loadavg_end": os.getloadavg(), "minutes": args.minutes, "qps": args.qps,
+        "loadavg_end": os.getloadavg(), "server_log": str(log_path), "minutes": args.minutes, "qps": args.qps,
         "args": vars(args), "counts": load.counts, "error_samples": load.errors,
         "completion_tokens_completed": load.tokens,
         "kv_total_blocks": final["kv_total_blocks"], "kv_free_blocks_after": final["kv_free_blocks"],
