@@ -163,9 +163,10 @@ def test_build_into_fresh_cache_dir(fresh_native, tmp_path):
 
 
 def test_paged_attention_native_matches_torch_path(monkeypatch):
-    """worker_svc.attention uses the kernel for a hybrid batch's decode rows (here split by a
-    chunk, so the rows are not contiguous); the result equals its torch path's."""
-    from worker_svc import attention
+    """The CPU backend's native attention runs the kernel for a hybrid batch's decode rows (here
+    split by a chunk, so the rows are not contiguous); the result equals the torch backend's."""
+    from worker_svc.attention import TorchAttention
+    from worker_svc.backends.cpu import NativeCpuAttention
     from worker_svc.kv_cache import PagedKVCache
 
     g = torch.Generator().manual_seed(6)
@@ -175,16 +176,30 @@ def test_paged_attention_native_matches_torch_path(monkeypatch):
     cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
     perm = torch.randperm(64, generator=g).tolist()
     seqs = [(40, 1, perm[0:3]), (0, 20, perm[3:5]), (15, 1, perm[5:6]), (100, 1, perm[6:13])]
-    meta = attention.build_metadata(seqs, bs)
     T = 23
     q = torch.randn(T, hq, dim, generator=g)
     k, v = torch.randn(T, hkv, dim, generator=g), torch.randn(T, hkv, dim, generator=g)
     calls = []
     real = native.paged_decode_attention
     monkeypatch.setattr(native, "paged_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    out_native = attention.paged_attention(q, k, v, cache, 0, meta, dim ** -0.5)
+    nat, tor = NativeCpuAttention(), TorchAttention()
+    out_native = nat.forward(q, k, v, cache, 0, nat.build_metadata(seqs, bs), dim ** -0.5)
     assert calls == [1]
-    monkeypatch.setattr(native, "_lib", None)          # available() -> False: the torch path
-    out_torch = attention.paged_attention(q, k, v, cache, 0, meta, dim ** -0.5)
+    out_torch = tor.forward(q, k, v, cache, 0, tor.build_metadata(seqs, bs), dim ** -0.5)
     assert len(calls) == 1
     assert (out_native - out_torch).abs().max().item() <= 1e-5
+
+
+def test_cpu_backend_picks_native_when_built_and_torch_otherwise(monkeypatch):
+    from worker_svc.backends import select_backend
+
+    b = select_backend("cpu", torch.float32)
+    assert b.attention.name == ("native" if native.available() else "torch")
+    assert "attention " + b.attention.name in b.describe()
+    assert select_backend("cpu", torch.float32, attention="torch").attention.name == "torch"
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert select_backend("cpu", torch.float32).attention.name == "torch"
+    with pytest.raises(ValueError, match="native"):
+        select_backend("cpu", torch.float32, attention="native")
+    with pytest.raises(ValueError, match="no backend"):
+        select_backend("meta", torch.float32)

@@ -14,11 +14,9 @@ decode are the same computation; they differ only in how they are batched for sp
 * chunks of more than one token run one SDPA call each, with a causal mask offset by the
   cached prefix.
 
-On the CPU, when the native kernel (worker_svc/native.py) is built and supports the dtypes, all
-decodes of a batch instead run in one call that reads K/V in place from the paged cache, once,
-with an online softmax: no gather, no padding (bench/results/attention_kernel.json: ~2x faster
-than the grouped torch path at 1 thread). The torch path above stays the fallback (no
-compiler, other devices, SARATHI_NATIVE_ATTENTION=0).
+This is TorchAttention, the attention backend any device can run. The CPU backend
+(worker_svc/backends/cpu.py) subclasses it to run all decodes of a batch in one native kernel
+call that reads K/V in place from the paged cache (bench/results/attention_kernel.json).
 """
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from worker_svc import native
 from worker_svc.kv_cache import PagedKVCache
 
 
@@ -169,22 +166,31 @@ def _decode_meta(rows: list[int], tables: list[torch.Tensor], lens: list[int], b
                       slice(rows[0], rows[0] + len(rows)) if contiguous else None)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
-                    layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens (already rotated) -> out [T, Hq, D]."""
-    cache.write(layer, meta.slot_mapping, k, v)
-    out = torch.empty_like(q)
-    kc, vc = cache.k[layer], cache.v[layer]
-    nd = meta.native_decode
-    # out is empty_like(q): what supports() accepts for q holds for out
-    if nd is not None and native.available() and native.supports(q, kc):
-        native.paged_decode_attention(q, kc, vc, nd.tables, nd.lens, scale, out, rows=nd.rows)
-    else:
+class TorchAttention:
+    """The pure-torch attention backend (any device): decodes in padded groups through SDPA,
+    each multi-token chunk one SDPA call with a causal mask offset by its cached prefix."""
+
+    name = "torch"
+
+    def build_metadata(self, seqs: list[tuple[int, int, list[int]]], block_size: int,
+                       device: torch.device | str = "cpu") -> AttentionMetadata:
+        return build_metadata(seqs, block_size).to(device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
+                layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens (already rotated) -> out [T, Hq, D]."""
+        cache.write(layer, meta.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        kc, vc = cache.k[layer], cache.v[layer]
+        if meta.native_decode is not None:
+            self._decodes(q, kc, vc, meta, out, scale)
+        for c in meta.chunks:
+            _chunk_attention(q, kc, vc, c, out, scale)
+        return out
+
+    def _decodes(self, q, kc, vc, meta: AttentionMetadata, out, scale) -> None:
         for group in meta.decodes:
             _decode_attention(q, kc, vc, group, out, scale)
-    for c in meta.chunks:
-        _chunk_attention(q, kc, vc, c, out, scale)
-    return out
 
 
 def _decode_attention(q, kc, vc, d: DecodeMeta, out, scale) -> None:

@@ -7,19 +7,23 @@ corruption of another request's KV.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
-from shared.config import ModelInfo, WorkerConfig
+from shared.config import DEFAULT_CPU_BLOCKS, ModelInfo, WorkerConfig
 from shared.messages import Batch, BatchOutput, SeqChunk
 from shared.model_source import resolve_model
-from worker_svc.attention import build_metadata
+from worker_svc.backends import select_backend
+from worker_svc.device_sampler import DeviceSampler
 from worker_svc.kv_cache import PagedKVCache
 from worker_svc.loader import load_weights
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.linear import TensorParallel
-from worker_svc.sampler import Sampler
+from worker_svc.sampler import Sampler, SamplerOutput
+
+log = logging.getLogger("sarathi.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -43,33 +47,80 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 class Executor:
-    """Loads config.model, then allocates config.cache.num_blocks KV blocks per layer.
+    """Loads config.model, then allocates config.cache.num_blocks KV blocks per layer (0: auto,
+    see WorkerConfig), then captures the backend's CUDA graphs if it has them.
 
-    Weights are loaded (and checked) before the cache is allocated, so a bad model path or a
-    corrupt file raises without having allocated anything.
+    Weights are checked before anything is allocated, then go tensor by tensor to the device in
+    the compute dtype (worker_svc.loader.LazyWeights), so a bad model path or file raises first.
     """
 
     def __init__(self, config: WorkerConfig, tp: TensorParallel = TensorParallel(),
-                 sampler_seed: int | None = None):
+                 sampler_seed: int | None = None, weights: tuple | None = None):
+        """weights: (ModelConfig, name -> tensor mapping) to use instead of loading config.model
+        (the GPU benchmark's random-init Llama-3-8B shapes, bench/gpu_engine_iteration.py)."""
         self.config = config
         self.dtype = resolve_dtype(config.dtype, config.device)
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
-        source = resolve_model(config.model)
-        cfg, weights = load_weights(source)
-        self.model = LlamaForCausalLM(cfg, weights, self.dtype, tp).to(config.device)
+        self.backend = select_backend(config.device, self.dtype, attention=config.attention)
+        dev = self.backend.device
+        if weights is None:
+            source = resolve_model(config.model)
+            name = source.name
+            cfg, weights = load_weights(source, self.dtype, dev)
+        else:
+            (cfg, weights), name = weights, "random-init"
+        self.model = LlamaForCausalLM(cfg, weights, self.dtype, self.backend, tp).to(dev)
         del weights
         self.model_cfg = cfg
         self.block_size = config.cache.block_size
-        self.cache = PagedKVCache(cfg.num_layers, config.cache.num_blocks, self.block_size,
-                                  cfg.num_kv_heads // tp.world_size, cfg.head_dim, self.dtype,
-                                  config.device)
+        kv_heads = cfg.num_kv_heads // tp.world_size
+        blocks_per_seq = -(-cfg.max_position_embeddings // self.block_size)
+        self.backend.bind(cfg.num_heads // tp.world_size, kv_heads, cfg.head_dim, self.dtype,
+                          cfg.head_dim ** -0.5, config.max_num_seqs * blocks_per_seq)
+        num_blocks = config.cache.num_blocks or self._auto_num_blocks(cfg, kv_heads)
+        # scratch blocks (ids num_blocks ..) are the backend's; the scheduler never sees them
+        self.cache = PagedKVCache(cfg.num_layers, num_blocks + self.backend.scratch_blocks,
+                                  self.block_size, kv_heads, cfg.head_dim,
+                                  self.backend.kv_cache_dtype, dev)
         self.sampler = Sampler(sampler_seed, eos_token_ids=cfg.eos_token_ids)
+        self.device_sampler = DeviceSampler(sampler_seed) if self.backend.sample_on_device else None
         self.model_info = ModelInfo(
-            name=source.name, max_model_len=cfg.max_position_embeddings,
+            name=name, max_model_len=cfg.max_position_embeddings,
             vocab_size=cfg.vocab_size, eos_token_ids=list(cfg.eos_token_ids),
             num_layers=cfg.num_layers, block_size=self.block_size,
-            num_blocks=config.cache.num_blocks)
+            num_blocks=num_blocks)
+        self.graphs = None
+        if config.cuda_graphs and self.backend.make_graph_runner is not None:
+            from worker_svc.cuda_graphs import capture_sizes
+            self.graphs = self.backend.make_graph_runner(
+                self.model, self.cache, self.backend.attention, capture_sizes(config.max_num_seqs),
+                num_blocks, dev)
+        log.info("worker backend: %s; %d KV blocks of %d tokens; CUDA graphs %s",
+                 self.backend.describe(), num_blocks, self.block_size,
+                 "on" if self.graphs is not None else "off")
+
+    def _auto_num_blocks(self, cfg, kv_heads: int) -> int:
+        """cache.num_blocks == 0: DEFAULT_CPU_BLOCKS on a CPU; on CUDA sized from free memory
+        after a profiling pass at the largest batch (worker_svc.kv_sizing)."""
+        if self.backend.device.type != "cuda":
+            return DEFAULT_CPU_BLOCKS
+        from worker_svc import kv_sizing
+        c = self.config
+        tokens = max(1, c.max_num_batched_tokens)
+        peak, other = kv_sizing.profile_peak_bytes(
+            self.model, self.backend, cfg.num_layers, kv_heads, cfg.head_dim, self.block_size,
+            tokens, cfg.max_position_embeddings, self.backend.device)
+        per_block = kv_sizing.block_bytes(cfg.num_layers, self.block_size, kv_heads, cfg.head_dim,
+                                          self.backend.kv_cache_dtype)
+        total = torch.cuda.get_device_properties(self.backend.device).total_memory
+        blocks = kv_sizing.blocks_that_fit(total, peak, other, c.gpu_memory_utilization, per_block)
+        blocks -= self.backend.scratch_blocks
+        log.info("KV cache sized from device memory: %d blocks (%.1f GiB; profile peak %.1f GiB "
+                 "at %d tokens, other use %.1f GiB, utilization %.2f)", blocks,
+                 blocks * per_block / 2**30, peak / 2**30, tokens, other / 2**30,
+                 c.gpu_memory_utilization)
+        return max(blocks, 1)
 
     def free(self, req_ids: list[str]) -> None:
         """Drop per-request state: the sampler's token histories (blocks are the scheduler's).
@@ -83,7 +134,11 @@ class Executor:
         self.free(batch.freed_req_ids)
         self.sampler.observe(batch.seqs)
         due, logits, t1, t2 = self._forward(batch)
-        out = self.sampler.sample_chunks(logits, due)
+        ds = self.device_sampler
+        if ds is not None and all(ds.supports(s.sampling) for s in due):   # only ids cross to the host
+            out = SamplerOutput(ds.sample(logits, [s.sampling for s in due], [s.output_index for s in due]))
+        else:  # penalties, min_tokens, logprobs: the host sampler (it keeps the token histories)
+            out = self.sampler.sample_chunks(logits.cpu(), due)
         t3 = time.perf_counter()
         return BatchOutput(batch.batch_id, {s.req_id: tok for s, tok in zip(due, out.tokens)},
                            {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2,
@@ -94,6 +149,7 @@ class Executor:
         """Like execute (K/V are written) but return the float32 logits [V] of each seq with
         sample=True instead of sampling (tests, scoring)."""
         due, logits, _, _ = self._forward(batch)
+        logits = logits.cpu()
         return {s.req_id: logits[i] for i, s in enumerate(due)}
 
     def _forward(self, batch: Batch):
@@ -106,9 +162,13 @@ class Executor:
         ids = torch.tensor([t for s in batch.seqs for t in s.token_ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids))
                                for s in batch.seqs])
-        dev = self.config.device
-        meta = build_metadata([(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs],
-                              self.block_size).to(dev)
+        dev = self.backend.device
+        specs = [(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs]
+        if self.graphs is not None:
+            logits = self._graph_forward(batch, specs, ids, positions, due)
+            if logits is not None:
+                return due, logits, t0, time.perf_counter()
+        meta = self.backend.attention.build_metadata(specs, self.block_size, dev)
         rows, row = [], 0
         for s in batch.seqs:
             row += len(s.token_ids)
@@ -117,7 +177,19 @@ class Executor:
         t1 = time.perf_counter()
         logits = self.model(ids.to(dev), positions.to(dev), self.cache, meta,
                             torch.tensor(rows, dtype=torch.int64, device=dev))
-        return due, logits.cpu(), t1, time.perf_counter()    # sampling runs on the CPU
+        return due, logits, t1, time.perf_counter()    # logits stay on the device
+
+    def _graph_forward(self, batch: Batch, specs, ids, positions, due) -> torch.Tensor | None:
+        """Logits of the due rows through a captured CUDA graph, or None (run eagerly) when the
+        batch is not decode-only or is larger than the largest graph."""
+        if len(ids) != len(specs) or len(specs) > self.graphs.sizes[-1]:
+            return None
+        from worker_svc.flashinfer_meta import build_paged_batch
+        logits = self.graphs.run(build_paged_batch(specs, self.block_size), ids.tolist(), positions.tolist())
+        if logits is None or len(due) == len(specs):
+            return logits
+        keep = [i for i, s in enumerate(batch.seqs) if s.sample]
+        return logits.index_select(0, torch.tensor(keep, device=logits.device))
 
     def _check(self, s: SeqChunk) -> None:
         n, end = len(s.token_ids), s.start_pos + len(s.token_ids)
@@ -132,10 +204,10 @@ class Executor:
         if len(s.block_table) < need:
             raise BatchError(f"request {s.req_id}: block table has {len(s.block_table)} blocks, "
                              f"{need} needed for {end} tokens of block_size {self.block_size}")
-        bad = [b for b in s.block_table[:need] if not 0 <= b < self.cache.num_blocks]
+        bad = [b for b in s.block_table[:need] if not 0 <= b < self.model_info.num_blocks]
         if bad:
             raise BatchError(f"request {s.req_id}: block ids {bad[:5]} outside the cache's "
-                             f"{self.cache.num_blocks} blocks")
+                             f"{self.model_info.num_blocks} blocks")
         vocab = self.model_info.vocab_size
         if any(not 0 <= t < vocab for t in s.token_ids):
             raise BatchError(f"request {s.req_id}: token id outside the vocabulary [0, {vocab})")

@@ -5,8 +5,9 @@
 * RowParallelLinear splits the input features (o_proj, down_proj): each rank holds the
   matching column slice, and the partial outputs are summed with one all-reduce.
 
-With world_size 1 (the only setting used today) both are a plain F.linear. Fused layers
-(qkv, gate_up) are sharded part by part, so each rank keeps whole heads of q, k and v.
+How the (sharded) weight is stored and multiplied is the device backend's LinearMethod
+(worker_svc/backends/base.py): dense F.linear by default. Fused layers (qkv, gate_up) are
+sharded part by part, so each rank keeps whole heads of q, k and v.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from worker_svc.backends.base import LinearMethod
 
 
 @dataclass(frozen=True)
@@ -43,27 +45,31 @@ class ColumnParallelLinear(torch.nn.Module):
     """y = x @ W.T (+ b); W is the concatenation of `parts` (e.g. q, k, v), each sharded by rows."""
 
     def __init__(self, parts: list[torch.Tensor], biases: list[torch.Tensor] | None,
-                 tp: TensorParallel, dtype: torch.dtype):
+                 tp: TensorParallel, dtype: torch.dtype, method: LinearMethod = LinearMethod()):
         super().__init__()
         self.weight = torch.nn.Parameter(
             torch.cat([tp.shard(w, 0) for w in parts]).to(dtype).contiguous(), requires_grad=False)
         self.bias = None if biases is None else torch.nn.Parameter(
             torch.cat([tp.shard(b, 0) for b in biases]).to(dtype), requires_grad=False)
+        self.method = method
+        method.process(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
 
 
 class RowParallelLinear(torch.nn.Module):
     """y = all_reduce(x_shard @ W_shard.T): x arrives already split by columns (heads)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, method: LinearMethod = LinearMethod()):
         super().__init__()
         self.tp = tp
         self.weight = torch.nn.Parameter(tp.shard(weight, 1).to(dtype).contiguous(), requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.method = method
+        method.process(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.method.apply(self, x, None))
         return y if self.bias is None else y + self.bias   # the bias is added once, after the sum

@@ -5,14 +5,15 @@ over all rows (decodes piggyback on the prefill chunk); only attention looks at 
 boundaries (worker_svc.attention). The LM head runs only on `logit_rows`.
 
 Weights come from worker_svc.loader as a dict of Hugging Face names -> tensors, already in
-HF layout (GGUF q/k rows un-permuted), and are cast to `dtype` here.
+HF layout (GGUF q/k rows un-permuted), and are cast to `dtype` here. Attention and the linear
+layers' arithmetic come from the worker's DeviceBackend; nothing here depends on the device.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from worker_svc.attention import AttentionMetadata, paged_attention
+from worker_svc.backends import DeviceBackend
 from worker_svc.kv_cache import PagedKVCache
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel
@@ -35,15 +36,17 @@ class RMSNorm(torch.nn.Module):
 
 class DecoderLayer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str,
-                 index: int, tp: TensorParallel, dtype: torch.dtype):
+                 index: int, tp: TensorParallel, dtype: torch.dtype, backend: DeviceBackend):
         super().__init__()
         a, m = prefix + "self_attn.", prefix + "mlp."
+        lin = backend.linear
         bias = [w[a + f"{p}_proj.bias"] for p in "qkv"] if cfg.attention_bias else None
-        self.qkv = ColumnParallelLinear([w[a + f"{p}_proj.weight"] for p in "qkv"], bias, tp, dtype)
-        self.o_proj = RowParallelLinear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"), tp, dtype)
+        self.qkv = ColumnParallelLinear([w[a + f"{p}_proj.weight"] for p in "qkv"], bias, tp, dtype, lin)
+        self.o_proj = RowParallelLinear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"), tp, dtype, lin)
         self.gate_up = ColumnParallelLinear([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]],
-                                            None, tp, dtype)
-        self.down = RowParallelLinear(w[m + "down_proj.weight"], None, tp, dtype)
+                                            None, tp, dtype, lin)
+        self.down = RowParallelLinear(w[m + "down_proj.weight"], None, tp, dtype, lin)
+        self.attention = backend.attention
         self.input_norm = RMSNorm(w[prefix + "input_layernorm.weight"], cfg.rms_norm_eps, dtype)
         self.post_norm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps, dtype)
         self.index = index
@@ -53,12 +56,12 @@ class DecoderLayer(torch.nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+                cache: PagedKVCache, meta) -> torch.Tensor:
         T, hd = x.shape[0], self.head_dim
         q, k, v = self.qkv(self.input_norm(x)).split(
             [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], dim=-1)
         q, k = RotaryEmbedding.apply(cos_sin, q.view(T, -1, hd), k.view(T, -1, hd))
-        attn = paged_attention(q, k, v.reshape(T, -1, hd), cache, self.index, meta, self.scale)
+        attn = self.attention.forward(q, k, v.reshape(T, -1, hd), cache, self.index, meta, self.scale)
         x = x + self.o_proj(attn.view(T, -1))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -70,13 +73,13 @@ class LlamaForCausalLM(torch.nn.Module):
     The vocabulary is not sharded (every rank keeps the whole embedding and LM head)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 tp: TensorParallel = TensorParallel()):
+                 backend: DeviceBackend, tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         self.embed = torch.nn.Parameter(weights["model.embed_tokens.weight"].to(dtype), requires_grad=False)
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(cfg, weights, f"model.layers.{i}.", i, tp, dtype) for i in range(cfg.num_layers))
+            DecoderLayer(cfg, weights, f"model.layers.{i}.", i, tp, dtype, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed
@@ -86,8 +89,9 @@ class LlamaForCausalLM(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                meta: AttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] int64; logit_rows: [S] row indices -> logits [S, V] float32."""
+                meta, logit_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] int64; meta: the backend's attention metadata of the batch;
+        logit_rows: [S] row indices -> logits [S, V] float32."""
         x = F.embedding(input_ids, self.embed)
         cos_sin = self.rope.tables(positions, self.dtype)    # once per batch, not per layer
         for layer in self.layers:
