@@ -162,7 +162,7 @@ class Load:
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
             if tasks:
-                await asyncio.wait(tasks, timeout=600)
+                await asyncio.wait(tasks, timeout=self.args.drain_timeout)
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disconnect-frac", type=float, default=0.1, help="clients that leave mid-stream")
     ap.add_argument("--abort-frac", type=float, default=0.05, help="clients that give up before the answer")
     ap.add_argument("--sample-s", type=float, default=5.0)
+    ap.add_argument("--drain-timeout", type=float, default=300.0, help="seconds to wait for the last requests")
     ap.add_argument("--rss-tolerance", type=float, default=0.10, help="allowed RSS growth, fraction")
     ap.add_argument("--redis-url", default=None, help="default: a private redis-server on a free port")
     ap.add_argument("--num-blocks", type=int, default=1024)
@@ -302,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             stop = asyncio.Event()
             s = asyncio.create_task(sampler(stop))
             await load.run(seconds)
-            # drained: nothing running or waiting (at most 120 s)
-            deadline = time.monotonic() + 120
+            # drained: nothing running or waiting (at most --drain-timeout seconds)
+            deadline = time.monotonic() + args.drain_timeout
             while time.monotonic() < deadline:
                 m = await asyncio.to_thread(scrape, base + "/metrics")
                 if m["running_requests"] == 0 and m["waiting_requests"] == 0 and \

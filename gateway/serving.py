@@ -222,6 +222,7 @@ class Serving:
             await asyncio.wait({collecting, disconnect}, return_when=asyncio.FIRST_COMPLETED)
             if not collecting.done():  # the client left: nobody will read the answer
                 collecting.cancel()
+                collecting.add_done_callback(lambda f: f.cancelled() or f.exception())  # no "never retrieved"
                 return Response(status_code=499)
             results = collecting.result()
         finally:
