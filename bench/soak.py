@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     import redis
 
     started = datetime.datetime.now(datetime.timezone.utc)
+    machine_info = machine()  # loadavg at the start
     redis_proc = None
     redis_url = args.redis_url
     if redis_url is None:
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                                                           + (argv if argv is not None else sys.argv[1:])),
         "server_command": "sarathi serve (env: " + ", ".join(f"{k}={env[k]}" for k in sorted(env)
                                                           if k.startswith("SARATHI_")) + ")",
-        "date_utc": started.isoformat(timespec="seconds"), "machine": machine(),
+        "date_utc": started.isoformat(timespec="seconds"), "machine": machine_info,
         "loadavg_end": os.getloadavg(), "server_log": str(log_path), "minutes": args.minutes, "qps": args.qps,
         "args": vars(args), "counts": load.counts, "error_samples": load.errors,
         "completion_tokens_completed": load.tokens,
