@@ -1,8 +1,13 @@
 """The OpenAI-compatible gateway: a FastAPI app over a tokenizer and a GatewayQueue.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (all behind the
-optional bearer API key); GET /health (the process is alive), GET /ready (model loaded, event
-stream running, a scheduler reachable), GET /metrics (Prometheus). Torch-free.
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET
+/v1/models/{model} (all behind the optional bearer API key); GET /health (the process is alive),
+GET /ready (model loaded, event stream running, a scheduler reachable, not draining), GET
+/metrics (Prometheus). Torch-free.
+
+Request bodies above max_body_bytes get 413 (before any parsing). While draining (SIGTERM, see
+gateway.server) new generation requests get 503 and /ready answers 503; requests already
+started run to their end.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Awaitable, Callable
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.errors import APIError, install_error_handlers
+from gateway.errors import APIError, BodySizeLimit, install_error_handlers
 from gateway.generation import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -29,12 +34,14 @@ ReadyCheck = Callable[[], Awaitable[bool]]
 def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key: str | None = None,
                max_queue_depth: int = 1024, model_name: str | None = None, default_max_tokens: int = 256,
                ready_check: ReadyCheck | None = None, event_timeout_s: float | None = 600.0,
-               metrics: GatewayMetrics | None = None) -> FastAPI:
+               metrics: GatewayMetrics | None = None, max_body_bytes: int = 4 << 20) -> FastAPI:
     """The gateway app. It owns `queue` from here on (closes it at shutdown).
 
     api_key: if set, /v1/* need `Authorization: Bearer <api_key>` (else 401).
     max_queue_depth: requests queued and not yet taken; at or above it: 429 + Retry-After.
-    model_name: the name served (default model_info.name); requests may name any model.
+    model_name: the name served (default model_info.name); requests naming another model (other
+        than model_info.name) get 404 model_not_found.
+    max_body_bytes: larger request bodies get 413.
     ready_check: async () -> bool, the "scheduler reachable" half of /ready (default: a fresh
         scheduler heartbeat in the queue, queue.scheduler_alive).
     event_timeout_s: seconds without a token event before a request fails (None: never).
@@ -42,8 +49,10 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
     metrics = metrics or GatewayMetrics()
     dispatcher = Dispatcher(queue)
     cfg = ServingConfig(model_name=model_name or model_info.name, max_queue_depth=max_queue_depth,
-                        default_max_tokens=default_max_tokens, event_timeout_s=event_timeout_s)
+                        default_max_tokens=default_max_tokens, event_timeout_s=event_timeout_s,
+                        aliases=(model_info.name,))
     serving = Serving(tokenizer, model_info, queue, dispatcher, metrics, cfg)
+    dispatcher.on_queue_reset = serving.resubmit_unfinished
     ready_check = ready_check or queue.scheduler_alive
     started = int(time.time())
 
@@ -66,6 +75,7 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
             metrics.rejected.labels(status=str(err.status)).inc()
 
     install_error_handlers(app, on_error=count_rejection)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     auth = [Depends(_bearer_check(api_key))] if api_key else []
 
     @app.post("/v1/completions", dependencies=auth)
@@ -76,11 +86,18 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
+    def model_card() -> dict:
+        return {"id": cfg.model_name, "object": "model", "created": started, "owned_by": "sarathi",
+                "max_model_len": model_info.max_model_len}
+
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": cfg.model_name, "object": "model", "created": started, "owned_by": "sarathi",
-            "max_model_len": model_info.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=auth)
+    async def model(model: str) -> dict:
+        serving.check_model(model)
+        return model_card()
 
     @app.get("/health")
     async def health() -> dict:
@@ -89,7 +106,9 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
     @app.get("/ready")
     async def ready() -> Response:
         reason = None
-        if not dispatcher.running:
+        if serving.draining:
+            reason = "draining: the server is shutting down"
+        elif not dispatcher.running:
             reason = "the token event stream is not running"
         else:
             try:

@@ -16,8 +16,9 @@ from typing import AsyncIterator
 
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.metrics import GatewayMetrics
+from gateway.responses import TokenLogprob
 from shared.messages import RequestMsg, TokenEvent
-from shared.queue import GatewayQueue
+from shared.queue import GatewayQueue, QueueResetError
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ class Dispatcher:
         self.queue = queue
         self._routes: dict[str, asyncio.Queue[TokenEvent]] = {}
         self.running = False
+        self.on_queue_reset = None  # async () -> int: called when the queue lost its contents
+        self._reset_tasks: set[asyncio.Task] = set()
 
     def open(self, req_id: str) -> asyncio.Queue[TokenEvent]:
         q = self._routes[req_id] = asyncio.Queue()
@@ -49,6 +52,12 @@ class Dispatcher:
                         q.put_nowait(ev)
             except asyncio.CancelledError:
                 raise
+            except QueueResetError as e:  # e.g. Redis restarted empty: queued requests are gone
+                log.warning("%s; resubmitting the unfinished requests", e)
+                if self.on_queue_reset is not None:
+                    task = asyncio.ensure_future(self.on_queue_reset())
+                    self._reset_tasks.add(task)
+                    task.add_done_callback(self._reset_tasks.discard)
             except Exception:  # noqa: BLE001 - keep serving; the stream resumes where it was
                 self.running = False
                 log.exception("event stream failed; retrying")
@@ -58,12 +67,15 @@ class Dispatcher:
 @dataclass
 class Delta:
     """New text of a request. finish_reason is set on the last delta only; error with it when
-    finish_reason == "error". num_tokens: completion tokens so far."""
+    finish_reason == "error". num_tokens: completion tokens so far. logprobs: the tokens whose
+    text this delta releases (when the request asked for logprobs; an ending EOS is left out,
+    as its text is)."""
 
     text: str
     num_tokens: int
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Generation:
@@ -86,6 +98,7 @@ class Generation:
         self.num_tokens = 0
         self._started = self._closed = False
         self._scheduler_done = False  # the scheduler sent this request's end: no abort needed
+        self._logprobs: list[TokenLogprob] | None = [] if req.sampling.logprobs is not None else None
 
     async def start(self) -> None:
         """Queue the request (durable on return)."""
@@ -106,11 +119,19 @@ class Generation:
             except TimeoutError:  # a lost scheduler must not leave the client hanging forever
                 yield self._finish("error", "", f"no token for {self._timeout:.0f} s")
                 return
+            if ev is None:  # closed meanwhile (the client left): nobody reads on
+                return
             delta = self._on_event(ev)
             if delta is not None:
                 yield delta
 
     def _on_event(self, ev: TokenEvent) -> Delta | None:
+        delta = self._text_delta(ev)
+        if delta is not None and self._logprobs is not None:
+            delta.logprobs, self._logprobs = self._logprobs, []
+        return delta
+
+    def _text_delta(self, ev: TokenEvent) -> Delta | None:
         text = ""
         self._scheduler_done |= ev.finish_reason is not None
         if ev.token_id is not None:
@@ -121,6 +142,8 @@ class Generation:
             self._observe_token(ev)
             if not (ev.finish_reason == "stop" and ev.token_id in self._end_ids):
                 text = self._detok.add(ev.token_id)
+                if self._logprobs is not None and ev.logprob is not None:
+                    self._logprobs.append(TokenLogprob(ev.token_id, ev.logprob, ev.top_logprobs or []))
         if ev.finish_reason == "error":
             return self._finish("error", "", ev.error or "generation failed")
         if ev.finish_reason is not None:
@@ -148,6 +171,14 @@ class Generation:
         self.finish_reason, self.error = reason, error
         return Delta(text, self.num_tokens, reason, error)
 
+    def fail(self, message: str) -> None:
+        """End this request with an error event of the gateway's own (nothing else will)."""
+        self._events.put_nowait(TokenEvent(self.req.req_id, self._next_index, None, "error", message))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def close(self, reason_if_unfinished: str = "cancelled") -> None:
         """End the request's life here: stop routing its events, abort it unless the scheduler
         already ended it (a stop string matched, or the client left), record the metrics.
@@ -156,6 +187,7 @@ class Generation:
             return
         self._closed = True
         self.dispatcher.close(self.req.req_id)
+        self._events.put_nowait(None)  # ends a deltas() still waiting (e.g. another choice's pump)
         if not self._started:
             return
         if not self._scheduler_done:

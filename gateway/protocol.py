@@ -1,7 +1,7 @@
 """The OpenAI request bodies we accept (pydantic), and their translation to SamplingParams.
 
 Unknown fields are ignored (clients send many); known fields we cannot honour with a
-non-default value (n > 1, logprobs, echo, penalties, tools) are rejected with a 400 naming the
+non-default value (best_of > 1, echo, suffix, tools) are rejected with a 400 naming the
 parameter, never silently dropped.
 """
 from __future__ import annotations
@@ -10,7 +10,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.sampling import InvalidRequestError, SamplingParams
+from shared.sampling import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+
+MAX_N = 16           # choices per prompt (each is one request to the scheduler)
+MAX_CHOICES = 64     # prompts x n of one /v1/completions call
 
 
 class StreamOptions(BaseModel):
@@ -34,8 +37,10 @@ class _GenerationFields(BaseModel):
     stop_token_ids: list[int] | None = None     # extension (vLLM's)
     seed: int | None = None
     ignore_eos: bool = False               # extension: generate past EOS (benchmarks)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None  # None = 0
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (vLLM's): None = 1.0 (off)
+    min_tokens: int | None = None            # extension (vLLM's): None = 0
     user: str | None = None
 
     @property
@@ -55,13 +60,14 @@ class _GenerationFields(BaseModel):
 
     def check_supported(self) -> None:
         """Reject what we would otherwise silently ignore."""
-        if self.n != 1:
-            raise InvalidRequestError("only n=1 is supported", "n")
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise InvalidRequestError(f"{param} is not supported", param)
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if isinstance(self.stop, list) and len(self.stop_strings()) > 16:
             raise InvalidRequestError("at most 16 stop strings are supported", "stop")
+
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None, or the number of top alternatives per token."""
+        return None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         """Validated sampling parameters (raises InvalidRequestError naming the field)."""
@@ -69,7 +75,11 @@ class _GenerationFields(BaseModel):
                               top_p=1.0 if self.top_p is None else self.top_p,
                               top_k=-1 if self.top_k is None else self.top_k,
                               max_tokens=max_tokens, seed=self.seed,
-                              stop_token_ids=self.all_stop_token_ids(), ignore_eos=self.ignore_eos)
+                              stop_token_ids=self.all_stop_token_ids(), ignore_eos=self.ignore_eos,
+                              presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                              min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs())
 
 
 class CompletionRequest(_GenerationFields):
@@ -81,21 +91,29 @@ class CompletionRequest(_GenerationFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        for param, unsupported in (("logprobs", self.logprobs is not None), ("echo", self.echo),
-                                   ("suffix", bool(self.suffix)), ("best_of", (self.best_of or 1) > 1)):
+        for param, unsupported in (("echo", self.echo), ("suffix", bool(self.suffix)),
+                                   ("best_of", (self.best_of or 1) > 1)):
             if unsupported:
                 raise InvalidRequestError(f"{param} is not supported", param)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request: text, or token ids."""
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, in order (choice i * n + j is choice j of prompt i):
+        a text, a list of texts, a list of token ids, or a list of token-id lists."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise InvalidRequestError("only one prompt per request is supported", "prompt")
-            p = p[0]
-        if not p:
+        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+            prompts = [p]
+        else:
+            prompts = list(p)
+        if not prompts or any(not q for q in prompts):
             raise InvalidRequestError("prompt must not be empty", "prompt")
-        return p
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise InvalidRequestError(f"at most {MAX_CHOICES} choices (prompts x n) per request", "prompt")
+        return prompts
 
 
 class ContentPart(BaseModel):
@@ -121,6 +139,7 @@ class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -128,10 +147,17 @@ class ChatCompletionRequest(_GenerationFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise InvalidRequestError("logprobs is not supported", "logprobs")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                                          "top_logprobs")
         if self.tools:
             raise InvalidRequestError("tools are not supported", "tools")
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, str]]:
         # "developer" is the newer name of "system"; chat templates only know the latter.

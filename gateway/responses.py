@@ -1,9 +1,11 @@
-"""OpenAI response bodies: whole responses, SSE chunks, usage. Plain dicts (no validation cost
-per streamed token)."""
+"""OpenAI response bodies: whole responses, SSE chunks, usage, logprobs. Plain dicts (no
+validation cost per streamed token)."""
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -20,6 +22,49 @@ def sse(obj: dict | str) -> str:
 SSE_DONE = sse("[DONE]")
 
 
+@dataclass
+class TokenLogprob:
+    """One generated token's logprob and its top alternatives [[token id, logprob], ...]."""
+
+    token_id: int
+    logprob: float
+    top: list[list]
+
+
+class LogprobFormat:
+    """Token ids -> OpenAI's two logprobs shapes. token_str(id) is the token's text."""
+
+    def __init__(self, token_str: Callable[[int], str]):
+        self.token_str = token_str
+
+    def chat(self, entries: list[TokenLogprob]) -> dict:
+        """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]} (chat)."""
+        def one(tid: int, lp: float) -> dict:
+            s = self.token_str(tid)
+            return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode())}
+
+        return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+
+    def completion(self, entries: list[TokenLogprob], text_offset: int) -> dict:
+        """{"tokens", "token_logprobs", "top_logprobs", "text_offset"} (completions);
+        text_offset: characters of the choice's text before the first entry."""
+        tokens, offsets = [], []
+        for e in entries:
+            s = self.token_str(e.token_id)
+            tokens.append(s)
+            offsets.append(text_offset)
+            text_offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
+                "top_logprobs": [{self.token_str(t): _finite(lp) for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+
+def _finite(lp: float) -> float:
+    """JSON has no -inf: a token with probability 0 (masked) gets the lowest float instead."""
+    return lp if lp > -1e30 else -9999.0
+
+
 class ResponseShape:
     """Builds the bodies of one request. chat: chat.completion(.chunk) vs text_completion."""
 
@@ -30,26 +75,28 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict:
-        """The non-streamed response."""
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+        """One choice of the non-streamed response."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("text_completion", [choice])
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+        """The non-streamed response (choices from choice())."""
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage(prompt_tokens, completion_tokens)
         return body
 
-    def chunk(self, text: str, finish_reason: str | None = None, *, first: bool = False) -> dict:
-        """One streamed chunk. A chat stream's first chunk carries the assistant role."""
+    def chunk(self, text: str, finish_reason: str | None = None, *, first: bool = False, index: int = 0,
+              logprobs: dict | None = None) -> dict:
+        """One streamed chunk of choice `index`. A chat stream's first chunk carries the role."""
         if self.chat:
             delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             body = self._envelope("chat.completion.chunk", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             body = self._envelope("text_completion", [choice])
         if self.include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the final usage chunk

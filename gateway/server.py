@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
+import time
 from pathlib import Path
 
 import uvicorn
@@ -48,11 +51,50 @@ def build_gateway(model: str | None, redis_url: str, *, max_model_len: int | Non
     return create_app(tokenizer, info, queue, **app_kwargs)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with Kubernetes' shutdown: the first SIGTERM starts draining (new generation
+    requests get 503, /ready answers 503, the port stays open so clients get that answer), the
+    requests already started run to their end for up to drain_timeout_s seconds, then the server
+    exits normally. A second SIGTERM, or SIGINT (Ctrl-C), exits at once, as plain uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, drain_timeout_s: float = 30.0):
+        super().__init__(config)
+        self.drain_timeout_s = drain_timeout_s
+        self.draining = False
+
+    def handle_exit(self, sig, frame) -> None:
+        serving = getattr(getattr(self.config.app, "state", None), "serving", None)
+        if sig == signal.SIGTERM and not self.draining and serving is not None:
+            self.draining = serving.draining = True
+            threading.Thread(target=self._drain, args=(serving,), name="drain", daemon=True).start()
+            return
+        super().handle_exit(sig, frame)
+
+    def _drain(self, serving) -> None:
+        t0 = time.monotonic()
+        log.info("SIGTERM: draining %d requests (up to %.0f s)", len(serving.active), self.drain_timeout_s)
+        while serving.active and time.monotonic() - t0 < self.drain_timeout_s:
+            time.sleep(0.05)
+        if serving.active:
+            log.warning("drain timeout: %d requests still running are cut off", len(serving.active))
+        else:
+            log.info("drained in %.1f s; exiting", time.monotonic() - t0)
+        self.should_exit = True
+
+
+def serve_app(app, *, host: str, port: int, log_level: str = "info", drain_timeout_s: float = 30.0) -> None:
+    """Run `app` (from create_app) with uvicorn until SIGTERM (drained) or SIGINT."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    DrainingServer(config, drain_timeout_s).run()
+
+
 def run_gateway(model: str | None = None, *, redis_url: str = "redis://127.0.0.1:6379/0",
                 host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                 max_queue_depth: int = 1024, max_model_len: int | None = None,
-                queue_prefix: str = "sarathi:", log_level: str = "info") -> None:
-    """Serve until interrupted. model: as for resolve_model (None = the default SmolLM2)."""
+                queue_prefix: str = "sarathi:", log_level: str = "info",
+                drain_timeout_s: float = 30.0) -> None:
+    """Serve until interrupted. model: as for resolve_model (None = the default SmolLM2).
+    drain_timeout_s: on SIGTERM, seconds to let started requests finish (see DrainingServer)."""
     app = build_gateway(model, redis_url, max_model_len=max_model_len, queue_prefix=queue_prefix,
                         api_key=api_key, max_queue_depth=max_queue_depth)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    serve_app(app, host=host, port=port, log_level=log_level, drain_timeout_s=drain_timeout_s)

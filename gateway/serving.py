@@ -1,8 +1,17 @@
 """The two generation endpoints: validate, tokenize, admit (or reject: nothing is queued for a
-rejected request), then answer as SSE or as one JSON body."""
+rejected request), then answer as SSE or as one JSON body.
+
+One API call may ask for several choices (`n`, and a list of prompts on /v1/completions):
+choice i * n + j is choice j of prompt i, each its own request to the scheduler (`<id>`, then
+`<id>-<k>`), each with its own seed stream (seed + j when the client gave a seed; else the
+scheduler derives one from the request id). Choices 1..n-1 of a prompt name choice 0 in
+`share_prompt_with`, so a scheduler that holds both computes the prompt's KV once."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,11 +24,13 @@ from gateway.errors import APIError
 from gateway.generation import Dispatcher, Generation
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, _GenerationFields
-from gateway.responses import SSE_DONE, ResponseShape, sse
+from gateway.responses import SSE_DONE, LogprobFormat, ResponseShape, TokenLogprob, sse
 from shared.config import ModelInfo
 from shared.messages import RequestMsg
 from shared.queue import GatewayQueue
 from shared.sampling import InvalidRequestError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,9 +41,12 @@ class ServingConfig:
     default_max_tokens: tokens generated when the request names no max_tokens (capped by what
         is left of the context).
     event_timeout_s: seconds without any event before a request ends with an error (None:
-        wait forever)."""
+        wait forever).
+    aliases: other model names accepted in requests (besides model_name); any other name
+        gets 404 model_not_found. A request without a model gets model_name."""
 
     model_name: str
+    aliases: tuple[str, ...] = ()
     max_queue_depth: int = 1024
     default_max_tokens: int = 256
     retry_after_s: int = 1
@@ -46,19 +60,42 @@ class Serving:
         self.dispatcher, self.metrics, self.cfg = dispatcher, metrics, cfg
         self._end_ids = set(model_info.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", []))
         self._closers: set[asyncio.Task] = set()  # keeps background close() tasks referenced
+        self.active: set[Generation] = set()       # started and not yet closed (drain waits on it)
+        self.draining = False                      # SIGTERM: new requests get 503
+        self.logprob_format = LogprobFormat(functools.lru_cache(maxsize=65536)(self._token_str))
+
+    def _token_str(self, token_id: int) -> str:
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def check_model(self, name: str | None) -> None:
+        """404 model_not_found (OpenAI's shape) for a model this server does not serve."""
+        if name is not None and name != self.cfg.model_name and name not in self.cfg.aliases:
+            raise APIError(404, f"The model `{name}` does not exist (this server serves "
+                           f"`{self.cfg.model_name}`).", param="model", code="model_not_found",
+                           type="invalid_request_error")
+
+    def _check_accepting(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica",
+                           code="server_shutting_down", headers={"Retry-After": str(self.cfg.retry_after_s)})
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.time()
+        self._check_accepting()
+        self.check_model(body.model)
         body.check_supported()
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            prompt_ids = await asyncio.to_thread(self.tok.encode, prompt)
-        else:
-            prompt_ids = self._checked_ids(prompt)
-        return await self._serve(body, prompt_ids, "prompt", False, arrival, request)
+        prompts = []
+        for p in body.prompts():
+            if isinstance(p, str):
+                prompts.append(await asyncio.to_thread(self.tok.encode, p))
+            else:
+                prompts.append(self._checked_ids(p))
+        return await self._serve(body, prompts, "prompt", False, arrival, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.time()
+        self._check_accepting()
+        self.check_model(body.model)
         body.check_supported()
         try:
             prompt_ids = await asyncio.to_thread(self._encode_chat, body.template_messages())
@@ -66,7 +103,7 @@ class Serving:
             raise
         except Exception as exc:  # the template's own raise_exception (e.g. roles out of order)
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-        return await self._serve(body, prompt_ids, "messages", True, arrival, request)
+        return await self._serve(body, [prompt_ids], "messages", True, arrival, request)
 
     def _encode_chat(self, messages: list[dict]) -> list[int]:
         if hasattr(self.tok, "encode_chat"):  # shared.tokenizer: no second BOS after the template's
@@ -102,73 +139,168 @@ class Serving:
             raise APIError(429, f"the server is busy ({depth} requests queued); retry later",
                            code="queue_full", headers={"Retry-After": str(self.cfg.retry_after_s)})
 
-    async def _serve(self, body: _GenerationFields, prompt_ids: list[int], prompt_param: str, chat: bool,
+    async def _serve(self, body: _GenerationFields, prompts: list[list[int]], prompt_param: str, chat: bool,
                      arrival: float, request: Request) -> Response:
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", prompt_param)
-        sampling = body.sampling(self._max_tokens(body, len(prompt_ids), prompt_param))
+        for ids in prompts:
+            if not ids:
+                raise InvalidRequestError("the prompt is empty", prompt_param)
+        samplings = [body.sampling(self._max_tokens(body, len(ids), prompt_param)) for ids in prompts]
         await self._admit()
-        req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        req = RequestMsg(req_id, prompt_ids, sampling, self.queue.gateway_id, arrival)
-        gen = Generation(req, tokenizer=self.tok, queue=self.queue, dispatcher=self.dispatcher,
-                         metrics=self.metrics, stop=body.stop_strings(),
-                         end_token_ids=self._end_ids | set(sampling.stop_token_ids),
-                         event_timeout_s=self.cfg.event_timeout_s)
+        base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        gens: list[Generation] = []
+        for ids, sampling in zip(prompts, samplings):
+            first = None
+            for j in range(body.n):
+                k = len(gens)
+                sp = sampling if j == 0 or sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + j)
+                req = RequestMsg(base_id if k == 0 else f"{base_id}-{k}", ids, sp, self.queue.gateway_id,
+                                 arrival, share_prompt_with=first)
+                first = first or req.req_id
+                gens.append(Generation(req, tokenizer=self.tok, queue=self.queue, dispatcher=self.dispatcher,
+                                       metrics=self.metrics, stop=body.stop_strings(),
+                                       end_token_ids=self._end_ids | set(sp.stop_token_ids),
+                                       event_timeout_s=self.cfg.event_timeout_s))
         try:
-            await gen.start()
+            for gen in gens:
+                await gen.start()
+                self.active.add(gen)
         except Exception as exc:  # noqa: BLE001
+            await self._close_all(gens)
             raise APIError(503, f"could not queue the request: {exc}", code="queue_unavailable") from exc
-        shape = ResponseShape(req_id, self.cfg.model_name, chat, body.include_usage)
+        shape = ResponseShape(base_id, self.cfg.model_name, chat, body.include_usage)
+        num_prompt = sum(len(ids) for ids in prompts)
         if body.stream:
-            return StreamingResponse(self._stream(gen, shape), media_type="text/event-stream",
+            return StreamingResponse(self._stream(gens, shape, num_prompt), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(gen.close))
-        return await self._whole(gen, shape, request)
+                                     background=BackgroundTask(self._close_all, gens))
+        return await self._whole(gens, shape, num_prompt, request)
 
-    async def _stream(self, gen: Generation, shape: ResponseShape):
+    def _logprobs(self, shape: ResponseShape, entries: list[TokenLogprob] | None, text_offset: int) -> dict | None:
+        if entries is None:
+            return None
+        fmt = self.logprob_format
+        return fmt.chat(entries) if shape.chat else fmt.completion(entries, text_offset)
+
+    async def _stream(self, gens: list[Generation], shape: ResponseShape, num_prompt: int):
         """SSE body. On a client disconnect Starlette cancels this generator and then runs the
-        response's background task, gen.close(), which sends the abort."""
+        response's background task, which closes the generations (that sends the aborts)."""
+        offsets = [0] * len(gens)  # characters sent per choice (completions' text_offset)
         try:
             if shape.chat:
-                yield sse(shape.chunk("", first=True))
-            async for d in gen.deltas():
+                for i in range(len(gens)):
+                    yield sse(shape.chunk("", first=True, index=i))
+            async for i, d in _merged(gens):
                 if d.finish_reason == "error":
                     err = APIError(500, d.error or "generation failed", type="server_error", code="generation_error")
                     yield sse(err.body())
                     yield SSE_DONE
                     return
-                if d.text or d.finish_reason:
-                    yield sse(shape.chunk(d.text, d.finish_reason))
+                if d.text or d.finish_reason or d.logprobs:
+                    yield sse(shape.chunk(d.text, d.finish_reason, index=i,
+                                          logprobs=self._logprobs(shape, d.logprobs, offsets[i])))
+                    offsets[i] += len(d.text)
             if shape.include_usage:
-                yield sse(shape.usage_chunk(len(gen.req.prompt_token_ids), gen.num_tokens))
+                yield sse(shape.usage_chunk(num_prompt, sum(g.num_tokens for g in gens)))
             yield SSE_DONE
         finally:
-            self._spawn_close(gen)  # also covers a generator closed without the background task
+            for gen in gens:  # also covers a generator closed without the background task
+                self._spawn_close(gen)
 
-    async def _whole(self, gen: Generation, shape: ResponseShape, request: Request) -> Response:
-        async def collect() -> list[str]:
-            return [d.text async for d in gen.deltas()]
+    async def _whole(self, gens: list[Generation], shape: ResponseShape, num_prompt: int,
+                     request: Request) -> Response:
+        async def collect(gen: Generation) -> tuple[str, list[TokenLogprob] | None]:
+            texts, lps = [], ([] if gen.req.sampling.logprobs is not None else None)
+            async for d in gen.deltas():
+                texts.append(d.text)
+                if lps is not None and d.logprobs:
+                    lps.extend(d.logprobs)
+            return "".join(texts), lps
 
-        collecting = asyncio.ensure_future(collect())
+        collecting = asyncio.ensure_future(asyncio.gather(*(collect(g) for g in gens)))
         disconnect = asyncio.ensure_future(_client_gone(request))
         try:
             await asyncio.wait({collecting, disconnect}, return_when=asyncio.FIRST_COMPLETED)
             if not collecting.done():  # the client left: nobody will read the answer
                 collecting.cancel()
+                collecting.add_done_callback(lambda f: f.cancelled() or f.exception())  # no "never retrieved"
                 return Response(status_code=499)
-            parts = collecting.result()
+            results = collecting.result()
         finally:
             disconnect.cancel()
+            await self._close_all(gens)
+        failed = next((g for g in gens if g.finish_reason == "error"), None)
+        if failed is not None:
+            raise APIError(500, failed.error or "generation failed", type="server_error", code="generation_error")
+        choices = [shape.choice(i, text, g.finish_reason, self._logprobs(shape, lps, 0))
+                   for i, (g, (text, lps)) in enumerate(zip(gens, results))]
+        return JSONResponse(shape.full(choices, num_prompt, sum(g.num_tokens for g in gens)))
+
+    async def _close(self, gen: Generation) -> None:
+        try:
             await gen.close()
-        if gen.finish_reason == "error":
-            raise APIError(500, gen.error or "generation failed", type="server_error", code="generation_error")
-        return JSONResponse(shape.full("".join(parts), gen.finish_reason,
-                                       len(gen.req.prompt_token_ids), gen.num_tokens))
+        finally:
+            self.active.discard(gen)
+
+    async def _close_all(self, gens: list[Generation]) -> None:
+        await asyncio.gather(*(self._close(g) for g in gens))
 
     def _spawn_close(self, gen: Generation) -> None:
-        task = asyncio.ensure_future(gen.close())
+        task = asyncio.ensure_future(self._close(gen))
         self._closers.add(task)
         task.add_done_callback(self._closers.discard)
+
+    async def resubmit_unfinished(self, attempts: int = 10, backoff_s: float = 0.2) -> int:
+        """The queue lost its contents (Redis restarted without them): submit every started,
+        unfinished request again under its id. The scheduler skips a request it already runs;
+        the gateway drops events it has already seen (by index). A request that cannot be
+        resubmitted (Redis went away again) ends with an explicit error. Returns how many were
+        sent."""
+        sent = 0
+        for gen in list(self.active):
+            if gen.finish_reason is not None or gen.closed:
+                continue
+            for attempt in range(attempts):
+                try:
+                    await self.queue.submit(gen.req)
+                    sent += 1
+                    break
+                except Exception as exc:  # noqa: BLE001 - e.g. a pooled connection Redis closed
+                    if attempt == attempts - 1:
+                        log.error("could not resubmit %s after a queue reset: %s", gen.req.req_id, exc)
+                        gen.fail(f"the request was lost in a queue restart and could not be resubmitted: {exc}")
+                    else:
+                        await asyncio.sleep(backoff_s * (attempt + 1))
+        log.info("resubmitted %d unfinished requests", sent)
+        return sent
+
+
+async def _merged(gens: list[Generation]):
+    """(choice index, delta) from all generations, as they come."""
+    if len(gens) == 1:
+        async for d in gens[0].deltas():
+            yield 0, d
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for d in gen.deltas():
+                await q.put((i, d))
+        finally:
+            await q.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, d = await q.get()
+            if d is None:
+                left -= 1
+            else:
+                yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def _client_gone(request: Request) -> None:

@@ -63,6 +63,12 @@ def _net_args(p: argparse.ArgumentParser, gateway: bool) -> None:
         _add(p, "host", "127.0.0.1", "HTTP bind address")
         _add(p, "port", 8000, "HTTP port")
         _add(p, "api-key", None, "require 'Authorization: Bearer <key>'")
+        _add(p, "drain-timeout", 30.0, "on SIGTERM: seconds for started requests to finish (new ones get 503)")
+
+
+def _liveness_args(p: argparse.ArgumentParser) -> None:
+    _add(p, "worker-restart-timeout", 30.0,
+         "seconds to hold a lost worker's requests for a worker to answer again (then they fail)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _sched_args(p)
     _net_args(p, gateway=True)
+    _liveness_args(p)
 
     p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway (needs --redis-url)")
     _add(p, "model", None, "model whose tokenizer and chat template to use")
@@ -98,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(p, "worker-addr", "tcp://127.0.0.1:5555", "ZeroMQ address of the worker")
     _add(p, "metrics-port", 9100, "Prometheus port of the scheduler")
     _add(p, "consumer", None, "queue consumer name (default: stable per host; a restart replays its pending)")
+    _liveness_args(p)
 
     p = sub.add_parser("worker", help="a worker service: holds the model, runs batches from ZeroMQ")
     _model_args(p)

@@ -53,7 +53,8 @@ def serve(a: argparse.Namespace) -> int:
 
     run_embedded(model=a.model, host=a.host, port=a.port, redis_url=a.redis_url, dtype=a.dtype,
                  threads=a.threads, num_blocks=a.num_blocks, block_size=a.block_size,
-                 api_key=a.api_key, **_device_kwargs(a), **_sched_kwargs(a))
+                 api_key=a.api_key, drain_timeout_s=a.drain_timeout,
+                 worker_restart_timeout_s=a.worker_restart_timeout, **_device_kwargs(a), **_sched_kwargs(a))
     return 0
 
 
@@ -65,7 +66,7 @@ def gateway(a: argparse.Namespace) -> int:
                          "for one process use `sarathi serve`")
     run_gateway(a.model, redis_url=a.redis_url, host=a.host, port=a.port, api_key=a.api_key,
                 max_queue_depth=a.max_queue_depth, max_model_len=a.max_model_len or None,
-                queue_prefix=a.queue_prefix)
+                queue_prefix=a.queue_prefix, drain_timeout_s=a.drain_timeout)
     return 0
 
 
@@ -75,7 +76,8 @@ def scheduler(a: argparse.Namespace) -> int:
     if not a.redis_url:
         raise ValueError("the scheduler service needs --redis-url (or SARATHI_REDIS_URL)")
     run_scheduler(redis_url=a.redis_url, worker_addr=a.worker_addr.split(","), model=a.model,
-                  metrics_port=a.metrics_port, consumer=a.consumer, **_sched_kwargs(a))
+                  metrics_port=a.metrics_port, consumer=a.consumer,
+                  worker_restart_timeout_s=a.worker_restart_timeout, **_sched_kwargs(a))
     return 0
 
 

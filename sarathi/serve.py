@@ -10,7 +10,11 @@ The same components as the distributed mode, wired in one place:
 * one Prometheus registry holds the gateway's and the scheduler's metrics: GET /metrics shows
   both (e.g. sarathi_scheduler_kv_free_blocks next to the gateway's TTFT histogram).
 
-Stopping (Ctrl-C, SIGTERM) stops uvicorn, then the scheduler thread, then the worker.
+A worker process that dies is started again (same address); the scheduler notices the lost
+link within ~2 s, holds its requests and replays them on the new worker (see
+scheduler_svc.service). SIGTERM drains (gateway.server.DrainingServer): new requests get 503,
+started ones finish (up to drain_timeout_s); then uvicorn stops, then the scheduler thread, then
+the worker. Ctrl-C stops at once.
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
                  max_num_batched_tokens: int = 4096, prefix_caching: bool = False,
                  max_model_len: int | None = None, api_key: str | None = None,
                  worker: str = "process", queue_prefix: str = "sarathi:",
-                 log_level: str = "info") -> None:
+                 log_level: str = "info", drain_timeout_s: float = 30.0,
+                 worker_restart_timeout_s: float = 30.0) -> None:
     """Serve `model` (None: the default SmolLM2) on http://host:port until interrupted.
 
     redis_url: None = in-process queue; a URL = the Redis queue (same semantics, durable).
@@ -43,13 +48,15 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
     gpu_memory_utilization, cuda_graphs: the worker. policy, token_budget (tau, tokens), max_num_seqs, max_num_batched_tokens,
     prefix_caching: the scheduler. max_model_len: tokens; None = the model's context length.
     api_key: require `Authorization: Bearer <key>` on /v1/*. worker: "process" | "thread".
-    queue_prefix: the Redis key prefix (with redis_url).
+    queue_prefix: the Redis key prefix (with redis_url). drain_timeout_s: on SIGTERM, seconds for
+    started requests to finish. worker_restart_timeout_s: seconds the scheduler holds a lost
+    worker's requests for it to come back (then they end with an error).
     """
-    import uvicorn
     from prometheus_client import CollectorRegistry
 
     from gateway.app import create_app
     from gateway.metrics import GatewayMetrics
+    from gateway.server import serve_app
     from scheduler_svc.remote_executor import RemoteExecutor
     from scheduler_svc.service import run_scheduler
     from shared.model_source import resolve_model
@@ -72,6 +79,9 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
         try:
             executor = RemoteExecutor(address, timeout_s=120.0)
             info = _wait_worker(executor, stop_worker)
+            if worker == "process":  # from now on a dead worker is replaced (not while it first loads)
+                threading.Thread(target=_supervise, args=(stop_worker, stop), name="worker-supervisor",
+                                 daemon=True).start()
             max_len = min(max_model_len or info.max_model_len, info.max_model_len)
             gateway_queue, scheduler_queue = make_queues(redis_url, config=QueueConfig(prefix=queue_prefix))
             registry = CollectorRegistry()
@@ -79,13 +89,13 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
                 queue=scheduler_queue, executor=executor, registry=registry, metrics_port=None,
                 policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
-                max_model_len=max_len, stop=stop))
+                max_model_len=max_len, stop=stop, worker_restart_timeout_s=worker_restart_timeout_s))
             sched_thread.start()
             app = create_app(tokenizer, dataclasses.replace(info, max_model_len=max_len),
                              gateway_queue, api_key=api_key, metrics=GatewayMetrics(registry))
             log.info("serving %s on http://%s:%d (queue: %s, worker: %s)", info.name, host, port,
                      redis_url or "in-process", address)
-            uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+            serve_app(app, host=host, port=port, log_level=log_level, drain_timeout_s=drain_timeout_s)
         finally:
             stop.set()
             if sched_thread is not None:
@@ -105,13 +115,24 @@ def _wait_worker(executor, stop_worker):
                 raise RuntimeError("the worker exited while loading the model (see its log above)")
 
 
-class _WorkerHandle:
-    """Stops the worker (call it); alive() says whether it still runs."""
+def _supervise(handle, stop: threading.Event) -> None:
+    """Start the worker process again whenever it died, until `stop`."""
+    while not stop.wait(0.5):
+        if not handle.alive() and handle.restart is not None:
+            log.error("the worker process exited; starting a new one")
+            handle.restart()
 
-    def __init__(self, stop, alive):
-        self._stop, self.alive = stop, alive
+
+class _WorkerHandle:
+    """Stops the worker (call it); alive() says whether it still runs; restart() (processes
+    only) starts a new one on the same address."""
+
+    def __init__(self, stop, alive, restart=None):
+        self._stop, self.alive, self.restart = stop, alive, restart
+        self.stopped = False
 
     def __call__(self) -> None:
+        self.stopped = True
         self._stop()
 
 
@@ -126,18 +147,32 @@ def _start_worker(kind: str, worker_kw: dict, tmp: str):
     if kind != "process":
         raise ValueError(f"worker must be 'process' or 'thread', not {kind!r}")
     address = f"ipc://{tmp}/worker.sock"
-    # spawn, not fork: a forked child would inherit this process's threads and sockets
-    proc = mp.get_context("spawn").Process(target=_worker_main, name="sarathi-worker",
-                                           args=(address, worker_kw, os.getpid()), daemon=True)
-    proc.start()
+    procs: list = []
+    lock = threading.Lock()
+
+    def start() -> None:
+        # spawn, not fork: a forked child would inherit this process's threads and sockets
+        proc = mp.get_context("spawn").Process(target=_worker_main, name="sarathi-worker",
+                                               args=(address, worker_kw, os.getpid()), daemon=True)
+        with lock:
+            if handle.stopped:
+                return
+            proc.start()
+            procs[:] = [proc]
+        log.info("worker process started (pid %d)", proc.pid)
 
     def stop() -> None:
-        proc.terminate()
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        with lock:
+            proc = procs[0] if procs else None
+        if proc is not None:
+            proc.terminate()
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
 
-    return _WorkerHandle(stop, proc.is_alive), address
+    handle = _WorkerHandle(stop, lambda: bool(procs) and procs[0].is_alive(), start)
+    start()
+    return handle, address
 
 
 def _worker_main(address: str, worker_kw: dict, parent_pid: int) -> None:

@@ -51,18 +51,21 @@ class BlockManager:
         return cdiv(num_tokens, self.block_size)
 
     # -- admission: the whole sequence so far ---------------------------------------------------
-    def can_allocate(self, req: Request) -> bool:
-        """Enough free blocks for all of req's tokens, keeping the watermark free."""
-        hits = self._cached_prefix(req)
+    def can_allocate(self, req: Request, shared: list[int] | None = None) -> bool:
+        """Enough free blocks for all of req's tokens, keeping the watermark free.
+        shared: used, computed blocks of req's leading tokens held by another request (a
+        sibling with the same prompt): req takes a reference to them instead of new blocks."""
+        hits = self._prefix_blocks(req, shared)
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)  # hits still in the free list
         need = self.blocks_for(req.num_tokens) - len(hits) + revived
         return len(self._free) - need >= self.watermark_blocks
 
-    def allocate(self, req: Request) -> int:
-        """Give req blocks for all its tokens, reusing its cached prefix; returns the number
-        of prefix tokens found cached (already computed: num_computed_tokens starts there)."""
+    def allocate(self, req: Request, shared: list[int] | None = None) -> int:
+        """Give req blocks for all its tokens, reusing its cached prefix (or `shared`, see
+        can_allocate); returns the number of prefix tokens found cached (already computed:
+        num_computed_tokens starts there)."""
         assert not req.block_table, f"{req.req_id} already holds blocks"
-        hits = self._cached_prefix(req)
+        hits = self._prefix_blocks(req, shared)
         for b in hits:
             if self.ref_counts[b] == 0:
                 del self._free[b]
@@ -114,6 +117,11 @@ class BlockManager:
         again. Blocks still held are freed later as uncached (to the front of the free list)."""
         if self.cache is not None:
             self.cache = PrefixCache()
+
+    def _prefix_blocks(self, req: Request, shared: list[int] | None) -> list[int]:
+        """The longer of req's cached prefix and the blocks a sibling shares with it."""
+        hits = self._cached_prefix(req)
+        return list(shared) if shared and len(shared) > len(hits) else hits
 
     def _cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks of req's longest keyed prefix. At least the last token is left out,

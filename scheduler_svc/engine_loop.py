@@ -34,12 +34,13 @@ class GenerationOutput:
     first_token_time: float | None
     token_times: list[float]
     num_preemptions: int
+    logprobs: list | None = None  # per token [logprob, top ids, top logprobs] when asked
 
     @classmethod
     def from_request(cls, r: Request) -> "GenerationOutput":
         return cls(r.req_id, list(r.prompt_token_ids), r.output_token_ids, r.finish_reason,
                    r.error, r.arrival_time, r.first_scheduled_time, r.first_token_time,
-                   list(r.token_times), r.num_preemptions)
+                   list(r.token_times), r.num_preemptions, r.logprobs)
 
 
 class StalledError(RuntimeError):

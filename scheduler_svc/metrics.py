@@ -46,6 +46,11 @@ class SchedulerMetrics:
         self.rejected = Counter(p + "requests_rejected", "Requests refused at admission", registry=r)
         self.failed_iterations = Counter(p + "failed_iterations", "Iterations that failed (worker error, "
                                          "worker restart or internal error)", registry=r)
+        self.worker_up = Gauge(p + "worker_up", "1 while the workers' links are up, 0 while "
+                               "one is lost and its requests wait for it", registry=r)
+        self.worker_up.set(1)
+        self.worker_lost = Counter(p + "worker_lost", "Times a worker was lost (died or restarted) "
+                                   "and the running requests were replayed", registry=r)
         self.policy = Gauge(p + "policy_info", "The batching policy (value 1)", ["policy"], registry=r)
         self.token_budget = Gauge(p + "token_budget", "tau: tokens per iteration", registry=r)
         self._preemptions_seen = 0

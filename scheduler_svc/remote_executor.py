@@ -5,6 +5,13 @@ One DEALER socket and one `BatchEncoder` per worker address. Every batch goes to
 (the rank that samples). Each worker's mirror records only the tokens that worker sampled, so a
 rank that does not sample is sent the decode tokens explicitly by the diff logic.
 
+Liveness: every DEALER socket runs ZMTP heartbeats (a PING every heartbeat_ivl_s, answered by
+the worker's libzmq I/O thread even while the worker computes a batch; no answer within
+heartbeat_timeout_s closes the link) and a socket monitor. A worker whose process dies drops its
+TCP/IPC connection at once, a silent one misses its heartbeats: either way the monitor reports a
+disconnect and the wait for a reply ends with WorkerLostError within about heartbeat_timeout_s,
+not after the reply timeout. ZeroMQ reconnects by itself when a worker is back on the address.
+
 Torch-free: the scheduler never imports torch.
 """
 from __future__ import annotations
@@ -14,6 +21,7 @@ import time
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from shared.config import ModelInfo
 from shared.messages import Batch, BatchOutput
@@ -22,6 +30,11 @@ from shared.wire import BatchEncoder, pack, unpack
 
 class WorkerError(RuntimeError):
     """A worker answered with an error, or did not answer within the timeout."""
+
+
+class WorkerLostError(WorkerError):
+    """A worker's link went down (its process died, or it stopped answering heartbeats): the
+    batch in flight will never be answered and the worker's KV cache is gone."""
 
 
 class WorkerRestartedError(WorkerError):
@@ -35,26 +48,58 @@ class RemoteExecutor:
     addresses: one ZeroMQ address per worker rank, as a list or a comma-separated string.
     timeout_s: seconds to wait for every worker's reply to one message; a slow first batch on a
     CPU is still an answer, a dead worker is not, so keep it generous.
+    heartbeat_ivl_s, heartbeat_timeout_s: the link liveness (see the module doc).
     """
 
     def __init__(self, addresses: str | list[str], timeout_s: float = 120.0,
-                 ctx: zmq.Context | None = None):
+                 ctx: zmq.Context | None = None, heartbeat_ivl_s: float = 0.5,
+                 heartbeat_timeout_s: float = 1.5):
         if isinstance(addresses, str):  # "tcp://a:5555,tcp://b:5555" from a flag or env var
             addresses = [a.strip() for a in addresses.split(",") if a.strip()]
         self.addresses = list(addresses)
         self.timeout_s = timeout_s
         self.ctx = ctx or zmq.Context.instance()
-        self.socks = [self._connect(a) for a in self.addresses]
+        self.heartbeat_ivl_ms = int(heartbeat_ivl_s * 1000)
+        self.heartbeat_timeout_ms = int(heartbeat_timeout_s * 1000)
+        self.monitors: list[zmq.Socket | None] = [None] * len(self.addresses)
+        self.connected = [False] * len(self.addresses)  # as the monitors last reported
+        self.socks = [self._connect(i, a) for i, a in enumerate(self.addresses)]
         self.encoders = [BatchEncoder() for _ in self.addresses]
         self._seq = itertools.count()
         self._model_info: ModelInfo | None = None
         self._instances: list[str | None] = [None] * len(self.addresses)
 
-    def _connect(self, address: str) -> zmq.Socket:
+    def _connect(self, i: int, address: str) -> zmq.Socket:
+        """A fresh DEALER to worker i, with heartbeats and a monitor (inproc:// has neither:
+        a worker thread cannot die alone)."""
+        if self.monitors[i] is not None:
+            self.monitors[i].close(0)
+            self.monitors[i] = None
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
+        if not address.startswith("inproc://"):
+            s.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ivl_ms)
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_timeout_ms)
+            s.setsockopt(zmq.HEARTBEAT_TTL, self.heartbeat_timeout_ms)
+            self.monitors[i] = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.connected[i] = False
         s.connect(address)
         return s
+
+    def _drain_monitor(self, i: int) -> bool:
+        """Read worker i's pending monitor events; True if one of them is a disconnect."""
+        mon, lost = self.monitors[i], False
+        while mon is not None and mon.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(mon)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                lost, self.connected[i] = True, False
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected[i] = True
+        return lost
+
+    def check_links(self) -> list[str]:
+        """Addresses of workers whose link went down since the last look (non-blocking)."""
+        return [self.addresses[i] for i in range(len(self.socks)) if self._drain_monitor(i)]
 
     @property
     def model_info(self) -> ModelInfo:
@@ -64,9 +109,15 @@ class RemoteExecutor:
         return self._model_info
 
     def wait_ready(self, timeout_s: float) -> ModelInfo:
-        """Wait until every worker answers "info"; returns the first worker's ModelInfo."""
+        """Wait until every worker answers "info"; returns the first worker's ModelInfo. The
+        workers' process instances answering become the expected ones (after a worker came
+        back, the next batch is not mistaken for a restart), and every encoder starts a new
+        epoch."""
         replies = self._call_all([{"op": "info"}] * len(self.socks), timeout_s)
         self._model_info = ModelInfo(**replies[0]["model_info"])
+        if self._instances != [r.get("instance") for r in replies]:
+            self._instances = [r.get("instance") for r in replies]
+            self.reset()
         return self._model_info
 
     def ping(self, timeout_s: float = 1.0) -> bool:
@@ -130,20 +181,34 @@ class RemoteExecutor:
 
     def _recv(self, i: int, seq: int, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
-        sock = self.socks[i]
+        sock, mon = self.socks[i], self.monitors[i]
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if mon is not None:
+            poller.register(mon, zmq.POLLIN)
         while True:
             left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-            if not sock.poll(left_ms, zmq.POLLIN):
+            ready = dict(poller.poll(left_ms))
+            if mon is not None and mon in ready and self._drain_monitor(i):
+                self._renew(i)  # drop whatever was queued for the dead peer
+                self._instances[i] = None  # whoever answers next is new: no second "restarted" error
+                raise WorkerLostError(f"worker {self.addresses[i]} disconnected (process died or "
+                                      "missed its heartbeats): its KV cache is lost")
+            if sock in ready:
+                reply = unpack(sock.recv())
+                if reply.get("seq") == seq:
+                    return reply  # anything else is a late answer to a request we gave up on
+            elif not ready:
                 # the socket may still deliver the late reply: a fresh socket keeps seq matching simple
-                sock.close(0)
-                self.socks[i] = self._connect(self.addresses[i])
+                self._renew(i)
                 raise WorkerError(f"worker {self.addresses[i]} did not answer within {timeout_s:.1f}s")
-            reply = unpack(sock.recv())
-            if reply.get("seq") == seq:
-                return reply  # anything else is a late answer to a request we gave up on
+
+    def _renew(self, i: int) -> None:
+        self.socks[i].close(0)
+        self.socks[i] = self._connect(i, self.addresses[i])
 
     def close(self) -> None:
-        for s in self.socks:
+        for s in self.socks + [m for m in self.monitors if m is not None]:
             s.close(0)
 
 

@@ -50,6 +50,8 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one per generated token
     finish_time: float | None = None
+    share_prompt_with: str | None = None  # a sibling (same prompt) whose prompt KV to share
+    logprobs: list | None = None    # per generated token [logprob, top ids, top logprobs], if asked
 
     def __post_init__(self) -> None:
         if not self.token_ids:

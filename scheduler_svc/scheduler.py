@@ -60,13 +60,19 @@ class Scheduler:
     # -- requests in -----------------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None,
+                    share_prompt_with: str | None = None) -> Request:
         """Queue a request; raises InvalidRequestError if it could never be served as asked.
-        arrival_time: seconds on this scheduler's clock (default: now)."""
+        arrival_time: seconds on this scheduler's clock (default: now). share_prompt_with: a
+        sibling request with the same prompt (n > 1): if it is running here, this one is admitted
+        once the sibling's prompt KV is computed and shares its full prompt blocks."""
         sampling = SamplingParams() if sampling is None else sampling
         self.validate_request(req_id, prompt_token_ids, sampling)
         arrival = self.clock() if arrival_time is None else arrival_time
-        req = Request(req_id, [int(t) for t in prompt_token_ids], sampling, arrival)
+        req = Request(req_id, [int(t) for t in prompt_token_ids], sampling, arrival,
+                      share_prompt_with=share_prompt_with)
+        if sampling.logprobs is not None:
+            req.logprobs = []
         self.requests[req_id] = req
         self.waiting.append(req)
         return req
@@ -129,9 +135,11 @@ class Scheduler:
         req.in_flight = True
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
+        # penalties read the whole sequence: a worker new to it must learn what precedes the chunk
+        prior = req.token_ids[:start] if start and req.sampling.has_penalties else None
         return SeqChunk(req.req_id, req.token_ids[start:start + n], start, list(req.block_table),
                         req.num_computed_tokens == req.num_tokens, req.sampling,
-                        req.num_output_tokens)
+                        req.num_output_tokens, prior)
 
     def update(self, batch: Batch, output: BatchOutput) -> list[TokenEvent]:
         """Take an executed batch's sampled tokens; returns the TokenEvents of this step (and
@@ -146,7 +154,8 @@ class Scheduler:
             req.in_flight = False
             self.block_manager.cache_computed_blocks(req)
             if seq.sample:
-                self._append_token(req, self._sampled(output, seq.req_id), now)
+                self._append_token(req, self._sampled(output, seq.req_id), now,
+                                   output.logprobs.get(seq.req_id))
         self._process_aborts()
         return self.take_events()
 
@@ -157,22 +166,27 @@ class Scheduler:
         except KeyError:
             raise ValueError(f"executor returned no token for {req_id!r}, which was due one") from None
 
-    def _append_token(self, req: Request, token: int, now: float) -> None:
+    def _append_token(self, req: Request, token: int, now: float, logprobs: list | None = None) -> None:
         req.token_ids.append(token)
         req.token_times.append(now)
         if req.first_token_time is None:
             req.first_token_time = now
         reason = self._finish_reason(req, token)
-        self._events.append(TokenEvent(req.req_id, req.num_output_tokens - 1, token, reason,
-                                       num_prompt_tokens=req.num_prompt_tokens))
+        ev = TokenEvent(req.req_id, req.num_output_tokens - 1, token, reason,
+                        num_prompt_tokens=req.num_prompt_tokens)
+        if logprobs is not None and req.logprobs is not None:
+            req.logprobs.append(logprobs)
+            ev.logprob, ev.top_logprobs = logprobs[0], [list(p) for p in zip(logprobs[1], logprobs[2])]
+        self._events.append(ev)
         if reason is not None:
             self._finish(req, reason)
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         sp = req.sampling
-        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
-            return "stop"
         n = len(req.token_ids)
+        if n - req.num_prompt_tokens > sp.min_tokens and (
+                token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids)):
+            return "stop"
         if n - req.num_prompt_tokens >= sp.max_tokens or n >= self.max_model_len:
             return "length"
         return None
@@ -187,16 +201,35 @@ class Scheduler:
         """Move the head of the waiting queue to running if max_num_seqs and memory allow."""
         req = self.waiting[0]
         bm = self.block_manager
-        if len(self.running) >= self.config.max_num_seqs or not bm.can_allocate(req):
+        shared = self._sibling_blocks(req) if req.share_prompt_with else None
+        if shared is False:
+            return False  # its sibling's prompt KV is being computed: wait for it
+        if len(self.running) >= self.config.max_num_seqs or not bm.can_allocate(req, shared):
             return False
         self.waiting.popleft()
-        hit_tokens = bm.allocate(req)
+        hit_tokens = bm.allocate(req, shared)
         if bm.cache is not None:
             self._counters["prefix_cache_hit_tokens"] += hit_tokens
             self._counters["prefix_cache_query_tokens"] += req.num_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return True
+
+    def _sibling_blocks(self, req: Request) -> list[int] | None | bool:
+        """The full prompt blocks req can share with its sibling (same prompt, computed), None
+        when there is nothing to share, False when req should wait: the sibling runs here and
+        its prompt KV is not computed yet. A sibling that is waiting or preempted is not waited
+        for (it may be queued behind req)."""
+        sib = self.requests.get(req.share_prompt_with)
+        n = (req.num_prompt_tokens - 1) // self.block_manager.block_size  # keep >= 1 token to compute
+        if sib is None or n == 0 or sib.status is not RequestStatus.RUNNING:
+            return None
+        need = n * self.block_manager.block_size
+        if sib.prompt_token_ids[:need] != req.prompt_token_ids[:need]:
+            return None
+        if sib.in_flight or sib.num_computed_tokens < need:
+            return False
+        return sib.block_table[:n]
 
     def reserve_slot(self, req: Request, planned: set[str]) -> bool:
         """Blocks for req's next token; preempts the newest running requests that are neither
@@ -226,6 +259,19 @@ class Scheduler:
         self.waiting.appendleft(req)
         self._freed_ids.append(req.req_id)
         self._counters["num_preemptions"] += 1
+
+    def preempt_all(self) -> None:
+        """The workers lost their KV (a worker died or restarted): every running request goes
+        back to the waiting queue to be recomputed, oldest first at the head. Clear in_flight
+        first (the lost batch will never be answered)."""
+        for req in reversed(list(self.running)):
+            self._preempt(req)
+
+    def apply_aborts(self) -> list[TokenEvent]:
+        """Process pending aborts now, without scheduling (no worker to run a batch); returns
+        the events produced since the last take_events()."""
+        self._process_aborts()
+        return self.take_events()
 
     def fail_batch(self, batch: Batch, error: str) -> None:
         """The batch's output will never come (worker failure): its requests end with an

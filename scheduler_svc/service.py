@@ -11,10 +11,19 @@ One thread runs `SchedulerService.run()`; each turn of the loop:
    queue's pending set, which is what a restarted scheduler replays (recomputing from the
    prompt; the gateway drops the events it has already seen, by index).
 
-Failure rules (no accepted request may hang): if the workers fail an iteration, the requests of
-that batch end with an "error" event; if a worker restarted (its KV cache is gone), every
-request holding KV blocks does. Unseeded requests get a seed derived from their id, so that a
-replay after a crash regenerates the very same tokens.
+Failure rules (no accepted request may hang, none is dropped silently):
+* the workers fail an iteration (an error reply, a reply timeout): the requests of that batch
+  end with an "error" event;
+* a worker's link goes down (its process died: noticed within ~2 s by the link heartbeat, see
+  remote_executor) or a worker restarted: its KV cache is gone, so every running request is
+  preempted (kept with its generated tokens, recomputed later: its stream just pauses). While no
+  worker answers, nothing runs and no new request is pulled from the queue; once one answers
+  again, the preempted requests run on it; if none answers within worker_restart_timeout_s,
+  every request held here ends with an "error" event;
+* the queue is unreachable (Redis down or restarting): token events and acks wait in order in an
+  outbox and go out once it is back; the loop keeps running what it has.
+Unseeded requests get a seed derived from their id, so that a replay after a crash regenerates
+the very same tokens.
 """
 from __future__ import annotations
 
@@ -27,10 +36,10 @@ import zlib
 
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.metrics import InstrumentedExecutor, SchedulerMetrics, start_http
-from scheduler_svc.remote_executor import WorkerError, WorkerRestartedError
+from scheduler_svc.remote_executor import WorkerError, WorkerLostError, WorkerRestartedError
 from scheduler_svc.scheduler import Scheduler
 from shared.messages import RequestMsg, TokenEvent
-from shared.queue import SchedulerQueue
+from shared.queue import QueueUnavailableError, SchedulerQueue
 from shared.sampling import InvalidRequestError
 
 log = logging.getLogger("sarathi.scheduler")
@@ -39,11 +48,12 @@ log = logging.getLogger("sarathi.scheduler")
 class SchedulerService:
     """max_waiting: requests held in the local waiting queue at most (beyond it, new requests
     stay in the shared queue for other replicas). idle_block_ms: ms to wait on the queue when
-    there is nothing to run. replay_interval_s: seconds between claims of dead replicas' work."""
+    there is nothing to run. replay_interval_s: seconds between claims of dead replicas' work.
+    worker_restart_timeout_s: seconds to hold the requests of a lost worker for its return."""
 
     def __init__(self, scheduler: Scheduler, executor, queue: SchedulerQueue,
                  metrics: SchedulerMetrics, *, max_waiting: int = 64, idle_block_ms: int = 50,
-                 replay_interval_s: float = 5.0):
+                 replay_interval_s: float = 5.0, worker_restart_timeout_s: float = 30.0):
         self.scheduler = scheduler
         self.executor = InstrumentedExecutor(executor, metrics)
         self.loop = EngineLoop(scheduler, self.executor)
@@ -58,6 +68,11 @@ class SchedulerService:
         self.running = False
         self.http_port: int | None = None  # set by run_scheduler when it serves HTTP
         self._last_replay = 0.0
+        self.worker_restart_timeout_s = worker_restart_timeout_s
+        self.worker_down_since: float | None = None  # time.monotonic() when the link went down
+        self._outbox: list[TokenEvent] = []   # events not yet published (queue unreachable)
+        self._to_ack: list[str] = []          # ended requests whose end event is out, not yet acked
+        self._queue_down = False
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -75,14 +90,82 @@ class SchedulerService:
         finally:
             self.running = False
 
+    @property
+    def worker_up(self) -> bool:
+        return self.worker_down_since is None
+
     def run_once(self) -> None:
-        for req_id in self.queue.poll_aborts():
-            self.scheduler.abort(req_id)  # unknown ids are ignored by the scheduler
-        self._pull()
-        if self.scheduler.has_unfinished():
+        try:
+            self._flush()
+            for req_id in self.queue.poll_aborts():
+                self.scheduler.abort(req_id)  # unknown ids are ignored by the scheduler
+            if self.worker_up:
+                self._pull()
+            self._set_queue_down(False)
+        except QueueUnavailableError as e:
+            self._set_queue_down(True, e)
+        except Exception as e:  # noqa: BLE001 - a queue bug must not stop the loop: log, retry
+            log.exception("queue operation failed")
+            self._set_queue_down(True, e)
+        self._check_worker()
+        if not self.worker_up:
+            self._wait_for_worker()
+        elif self.scheduler.has_unfinished():
             self._publish(self._step())
+        elif self._queue_down:
+            time.sleep(0.2)  # nothing to run and nobody to talk to: do not spin
         self.snapshot = self.scheduler.stats()
         self.metrics.observe_stats(self.snapshot)
+        self.metrics.worker_up.set(1 if self.worker_up else 0)
+
+    def _set_queue_down(self, down: bool, exc: Exception | None = None) -> None:
+        if down and not self._queue_down:
+            log.error("the queue is unreachable (%s); events wait in the outbox", exc)
+        elif not down and self._queue_down:
+            log.info("the queue is reachable again")
+        self._queue_down = down
+
+    # -- worker liveness --------------------------------------------------------------------------
+    def _check_worker(self) -> None:
+        """Between iterations: a link that went down while idle counts as a lost worker."""
+        check = getattr(self.executor.executor, "check_links", None)
+        lost = check() if check is not None else []
+        if lost and self.worker_up:
+            self._worker_lost(f"worker {', '.join(lost)} disconnected")
+
+    def _worker_lost(self, message: str) -> None:
+        """The workers' KV is gone: preempt every running request (it is recomputed, with its
+        generated tokens, once a worker answers) and stop running until then."""
+        log.error("%s; holding %d requests for up to %.0f s until a worker answers", message,
+                  len(self.scheduler.requests), self.worker_restart_timeout_s)
+        self.metrics.worker_lost.inc()
+        self._replay_all()
+        self.worker_down_since = time.monotonic()
+
+    def _replay_all(self) -> None:
+        self.executor.in_flight = None
+        for req in self.scheduler.requests.values():
+            req.in_flight = False
+        self.scheduler.preempt_all()
+        self.scheduler.block_manager.forget_cached_contents()  # cached prefixes are gone too
+
+    def _wait_for_worker(self) -> None:
+        wait = getattr(self.executor.executor, "wait_ready", None)
+        try:
+            if wait is not None:
+                wait(0.5)
+            log.info("a worker answers again; replaying %d requests", len(self.scheduler.requests))
+            self.worker_down_since = None
+            return
+        except WorkerError:
+            pass
+        down_s = time.monotonic() - self.worker_down_since
+        if down_s > self.worker_restart_timeout_s and self.scheduler.has_unfinished():
+            message = f"no worker answered for {down_s:.0f} s (worker_restart_timeout_s={self.worker_restart_timeout_s:g})"
+            log.error("%s; failing %d requests", message, len(self.scheduler.requests))
+            for req_id in list(self.scheduler.requests):
+                self.scheduler.abort(req_id, error=message)
+            self._publish(self.scheduler.apply_aborts())
 
     def _pull(self) -> None:
         waiting, running = len(self.scheduler.waiting), len(self.scheduler.running)
@@ -99,10 +182,12 @@ class SchedulerService:
     def _step(self) -> list[TokenEvent]:
         try:
             return self.loop.step()
-        except WorkerRestartedError as e:  # the KV of every running request is gone
-            log.error("%s; failing every request that holds KV blocks", e)
-            self.scheduler.block_manager.forget_cached_contents()  # cached prefixes are gone too
-            self._recover(str(e), [r.req_id for r in self.scheduler.running])
+        except WorkerLostError as e:  # the worker died mid-batch: hold everything until one is back
+            self._worker_lost(str(e))
+        except WorkerRestartedError as e:  # a new worker answered: the KV of every request is gone
+            log.error("%s; replaying %d requests on it", e, len(self.scheduler.requests))
+            self.metrics.worker_lost.inc()
+            self._replay_all()
         except WorkerError as e:
             log.error("iteration failed: %s", e)
             self._recover(f"the worker failed this request's iteration: {e}", [])
@@ -133,7 +218,8 @@ class SchedulerService:
             self.next_index[msg.req_id] = 0
             try:
                 self.scheduler.add_request(msg.req_id, msg.prompt_token_ids, _seeded(msg),
-                                           arrival_time=self._to_clock(msg.arrival_time))
+                                           arrival_time=self._to_clock(msg.arrival_time),
+                                           share_prompt_with=msg.share_prompt_with)
             except InvalidRequestError as e:
                 self.metrics.rejected.inc()
                 self._publish([TokenEvent(msg.req_id, 0, None, "error", e.message,
@@ -144,20 +230,36 @@ class SchedulerService:
         return self.scheduler.clock() - max(0.0, time.time() - wall_time)
 
     def _publish(self, events: list[TokenEvent]) -> None:
-        if not events:
-            return
+        """Number the events and send them (in order, after any still in the outbox); a request
+        is acked only once its end event is out."""
         for ev in events:
             if ev.token_id is None:  # an end event goes after the tokens already sent
                 ev.index = max(ev.index, self.next_index.get(ev.req_id, 0))
             self.next_index[ev.req_id] = ev.index + 1
-        self.queue.publish(events, {e.req_id: self.reply_to[e.req_id] for e in events
-                                    if e.req_id in self.reply_to})
-        for ev in events:
             if ev.finish_reason is not None:
-                self.queue.ack(ev.req_id)
-                self.reply_to.pop(ev.req_id, None)
                 self.next_index.pop(ev.req_id, None)
                 self.metrics.finished.labels(reason=ev.finish_reason).inc()
+        self._outbox.extend(events)
+        try:
+            self._flush()
+        except QueueUnavailableError as e:
+            self._set_queue_down(True, e)
+        except Exception as e:  # noqa: BLE001 - as in run_once: keep the events, retry later
+            log.exception("publishing failed")
+            self._set_queue_down(True, e)
+
+    def _flush(self) -> None:
+        """Publish the outbox, then ack what ended. Raises QueueUnavailableError, keeping what
+        was not sent (a resent publish may duplicate events: the gateway drops them by index)."""
+        if self._outbox:
+            events = self._outbox
+            self.queue.publish(events, {e.req_id: self.reply_to[e.req_id] for e in events
+                                        if e.req_id in self.reply_to})
+            self._outbox = []
+            self._to_ack += [e.req_id for e in events if e.finish_reason is not None]
+        while self._to_ack:
+            self.queue.ack(self._to_ack[0])
+            self.reply_to.pop(self._to_ack.pop(0), None)
 
 
 def _seeded(msg: RequestMsg):
@@ -173,7 +275,8 @@ def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] 
                   max_model_len: int | None = None, metrics_port: int | None = 9100,
                   metrics_host: str = "0.0.0.0", consumer: str | None = None,
                   queue_prefix: str = "sarathi:",
-                  worker_timeout_s: float = 120.0, model: str | None = None,
+                  worker_timeout_s: float = 120.0, worker_restart_timeout_s: float = 30.0,
+                  model: str | None = None,
                   queue: SchedulerQueue | None = None, executor=None,
                   registry=None, stop: threading.Event | None = None,
                   on_ready=None) -> None:
@@ -187,6 +290,8 @@ def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] 
     metrics_port: HTTP port for /metrics /health /ready /stats (None: no server; 0: any free port).
     consumer: the queue consumer name (default: stable per host, see shared.queue); a restarted
     scheduler with the same name replays its own pending requests. queue_prefix: Redis key prefix.
+    worker_timeout_s: seconds to wait for a batch's reply; worker_restart_timeout_s: seconds to
+    hold the requests of a lost worker for a worker to answer again (then they fail).
     model: accepted for symmetry with the other services; the model is what the workers loaded.
     executor: use this object instead of connecting to workers (tests: a SimExecutor; it must have
     a `model_info`). registry: Prometheus registry (default: a new one with the process metrics;
@@ -203,7 +308,7 @@ def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] 
     server = None
     if metrics_port is not None:  # up first: /health answers while the workers still load
         server, _ = start_http(metrics_port, metrics_host, metrics.registry,
-                               lambda: bool(services) and services[0].running,
+                               lambda: bool(services) and services[0].running and services[0].worker_up,
                                lambda: services[0].snapshot if services else {})
         log.info("scheduler metrics on http://%s:%d/metrics", metrics_host, server.server_port)
     try:
@@ -222,7 +327,8 @@ def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] 
         scheduler = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info)
         queue = queue or make_scheduler_queue(redis_url, consumer=consumer,
                                               config=QueueConfig(prefix=queue_prefix))
-        service = SchedulerService(scheduler, executor, queue, metrics)
+        service = SchedulerService(scheduler, executor, queue, metrics,
+                                   worker_restart_timeout_s=worker_restart_timeout_s)
         service.http_port = server.server_port if server is not None else None
         services.append(service)
         log.info("scheduler ready: policy=%s tau=%d model=%s max_model_len=%d kv=%dx%d", policy,

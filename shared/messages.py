@@ -39,6 +39,11 @@ class SeqChunk:
       prompt. Only those rows go through the LM head.
     * output_index is how many tokens the request has generated before this step; with a seed,
       the token is drawn with shared.sampling.step_seed(seed, output_index).
+    * prior_token_ids, when set, are the request's tokens at positions 0 .. start_pos - 1. The
+      scheduler sets them on every chunk past position 0 of a request whose sampling reads
+      earlier tokens (penalties), so a worker that sees the request for the first time (a
+      prefix-cache hit, KV shared with a sibling, a new wire epoch) knows the whole sequence; the
+      wire sends them only in full entries (a diff's worker already holds them).
     """
 
     req_id: str
@@ -48,6 +53,7 @@ class SeqChunk:
     sample: bool
     sampling: SamplingParams
     output_index: int = 0
+    prior_token_ids: list[int] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -100,18 +106,26 @@ class BatchOutput:
 
     sampled: req_id -> sampled token id, exactly for the SeqChunks with sample=True.
     timings: seconds, e.g. {"forward_s": ..., "total_s": ...}, measured on the worker.
+    logprobs: req_id -> [logprob of the sampled token, [top token ids], [their logprobs]], only
+        for sampled requests whose SamplingParams.logprobs is not None (top lists of that length,
+        most likely first). Only these numbers cross the wire, never a logits row.
     """
 
     batch_id: int
     sampled: dict[str, int]
     timings: dict[str, float] = field(default_factory=dict)
+    logprobs: dict[str, list] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        d = {"batch_id": self.batch_id, "sampled": self.sampled, "timings": self.timings}
+        if self.logprobs:
+            d["logprobs"] = self.logprobs
+        return d
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "BatchOutput":
-        return cls(d["batch_id"], dict(d["sampled"]), dict(d.get("timings", {})))
+        return cls(d["batch_id"], dict(d["sampled"]), dict(d.get("timings", {})),
+                   dict(d.get("logprobs") or {}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,13 +133,18 @@ class BatchOutput:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class RequestMsg:
-    """A request accepted by a gateway. arrival_time: time.time() at the gateway (seconds)."""
+    """A request accepted by a gateway. arrival_time: time.time() at the gateway (seconds).
+
+    share_prompt_with: the id of a sibling request with the same prompt (one of the n choices
+    of one API call): a scheduler that holds that sibling waits for its prompt's KV and shares
+    those blocks instead of computing them again. A hint: without the sibling it runs alone."""
 
     req_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     reply_to: str
     arrival_time: float
+    share_prompt_with: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
@@ -151,6 +170,8 @@ class TokenEvent:
     scheduled_time: time.time() (seconds) when a scheduler took the request from the queue; set
         on the first event (index 0) by the queue if the scheduler leaves it None. The gateway's
         queue-time metric is scheduled_time - arrival_time.
+    logprob, top_logprobs: when the request asked for logprobs: token_id's log-probability and
+        [[token id, logprob], ...] of the most likely tokens (see SamplingParams.logprobs).
     """
 
     req_id: str
@@ -160,6 +181,8 @@ class TokenEvent:
     error: str | None = None
     num_prompt_tokens: int = 0
     scheduled_time: float | None = None
+    logprob: float | None = None
+    top_logprobs: list[list] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

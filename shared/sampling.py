@@ -30,6 +30,16 @@ class SamplingParams:
         (seed, i), so a recomputed (preempted or replayed) request draws the same tokens.
     stop_token_ids: generation ends (finish_reason "stop") when one of these is sampled.
     ignore_eos: keep generating past the model's EOS tokens (benchmarks use this).
+    presence_penalty, frequency_penalty: in [-2, 2], OpenAI's: subtracted from the logit of every
+        token already generated, once (presence) and once per occurrence (frequency).
+    repetition_penalty: > 0, 1.0 disables (the CTRL / Hugging Face rule, as vLLM): a logit of a
+        token seen in the prompt or the output is divided by it when positive, multiplied when
+        negative.
+    min_tokens: EOS and stop_token_ids cannot be sampled before this many tokens were generated.
+    logprobs: None = none; k >= 0 = return the sampled token's log-probability and the k most
+        likely alternatives (at most MAX_LOGPROBS). They are the log-softmax of the logits the
+        token is drawn from: after penalties and temperature, before top-k / top-p (see
+        worker_svc.sampler).
     """
 
     temperature: float = 1.0
@@ -39,6 +49,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -57,10 +72,28 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {v!r}", name)
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}",
+                                      "repetition_penalty")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                                      f"got {self.min_tokens!r}", "min_tokens")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+                                      "logprobs")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when sampling depends on the tokens before (the worker then tracks them)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,6 +101,17 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
         return cls(**d)
+
+
+MAX_LOGPROBS = 20  # top alternatives per token, at most (OpenAI's top_logprobs limit)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # not NaN
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def step_seed(seed: int, output_index: int) -> int:

@@ -19,7 +19,9 @@ start position, block table, output index) or a *diff* against the mirror:
        worker itself sampled),
   "p": start position (omitted when it is the expected one, i.e. end of the previous chunk),
   "b+": block ids appended to the table  |  "b": a whole new table (when not a pure append),
-  "o": output index (omitted when it is the expected one).
+  "o": output index (omitted when it is the expected one),
+  "h" (full entries only): the tokens before the start position (SeqChunk.prior_token_ids, set
+       for requests with penalties; a diff needs none, the worker already holds them).
 
 Freed request ids drop the mirror on both sides. An `epoch` string names the encoder's session:
 a worker that sees a new epoch forgets every mirror (the scheduler restarted), and a diff for a
@@ -77,9 +79,12 @@ class SeqState:
 
 
 def _full(chunk: SeqChunk) -> dict[str, Any]:
-    return {"r": chunk.req_id, "t": list(chunk.token_ids), "p": chunk.start_pos,
-            "b": list(chunk.block_table), "s": chunk.sample, "sp": chunk.sampling.to_dict(),
-            "o": chunk.output_index}
+    d = {"r": chunk.req_id, "t": list(chunk.token_ids), "p": chunk.start_pos,
+         "b": list(chunk.block_table), "s": chunk.sample, "sp": chunk.sampling.to_dict(),
+         "o": chunk.output_index}
+    if chunk.prior_token_ids is not None:
+        d["h"] = list(chunk.prior_token_ids)
+    return d
 
 
 def _diff(st: SeqState, chunk: SeqChunk) -> dict[str, Any] | None:
@@ -103,7 +108,7 @@ def _diff(st: SeqState, chunk: SeqChunk) -> dict[str, Any] | None:
         d["b"] = list(new)
     if chunk.output_index != st.output_index:
         d["o"] = chunk.output_index
-    return d
+    return d  # never "h": the worker's token history already covers what precedes the chunk
 
 
 class _Mirror:
@@ -195,7 +200,7 @@ class BatchDecoder(_Mirror):
     def _chunk(self, d: dict[str, Any]) -> SeqChunk:
         if "sp" in d:
             chunk = SeqChunk(d["r"], list(d["t"]), d["p"], list(d["b"]), d["s"],
-                             SamplingParams.from_dict(d["sp"]), d["o"])
+                             SamplingParams.from_dict(d["sp"]), d["o"], d.get("h"))
             self._install(chunk)
             return chunk
         st = self.states[d["r"]]
@@ -204,7 +209,7 @@ class BatchDecoder(_Mirror):
         tokens = st.tokens_at(start, have) + list(d.get("t", []))
         table = list(d["b"]) if "b" in d else st.block_table + list(d.get("b+", []))
         chunk = SeqChunk(d["r"], tokens, start, table, d["s"], st.sampling,
-                         d.get("o", st.output_index))
+                         d.get("o", st.output_index), d.get("h"))
         st.advance(chunk)
         st.output_index = chunk.output_index
         return chunk

@@ -80,19 +80,37 @@ def metric(text: str, name: str, labels: str = "") -> float:
 
 
 class EmbeddedStack:
-    """redis_url None: the in-process queue; else Redis, keys under `prefix`."""
+    """redis_url None: the in-process queue; else Redis, keys under `prefix`. options: more
+    `sarathi serve` options (e.g. worker_restart_timeout, drain_timeout)."""
 
-    def __init__(self, tmp: Path, redis_url: str | None = None, prefix: str = "sarathi:"):
+    def __init__(self, tmp: Path, redis_url: str | None = None, prefix: str = "sarathi:", **options):
         self.mode = "embedded" if redis_url is None else "embedded-redis"
+        self.prefix = prefix
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.metrics_urls = [f"http://127.0.0.1:{self.port}/metrics"]
         self.scheduler_metrics_url = self.metrics_urls[0]
         self.logs = [tmp / "embedded.log"]
         options = dict(port=self.port, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
-                       queue_prefix=prefix, **({"redis_url": redis_url} if redis_url else {}))
+                       queue_prefix=prefix, **({"redis_url": redis_url} if redis_url else {}), **options)
         self.proc = spawn("serve", options, self.logs[0])
         wait_ready(f"http://127.0.0.1:{self.port}/ready", [self.proc], self.logs)
+
+    @property
+    def gateway_proc(self) -> subprocess.Popen:
+        return self.proc
+
+    def wait(self) -> None:
+        wait_ready(f"http://127.0.0.1:{self.port}/ready", [self.proc], self.logs)
+
+    def worker_pid(self) -> int:
+        """The worker child's pid, from the serve log (it logs each worker it starts)."""
+        pids = re.findall(r"worker process started \(pid (\d+)\)", self.logs[0].read_text())
+        return int(pids[-1])
+
+    def kill_worker(self) -> None:
+        """SIGKILL the worker process; `sarathi serve` starts a new one."""
+        os.kill(self.worker_pid(), signal.SIGKILL)
 
     def close(self) -> None:
         stop(self.proc)
@@ -101,8 +119,10 @@ class EmbeddedStack:
 class DistributedStack:
     mode = "distributed-redis"
 
-    def __init__(self, tmp: Path, redis_url: str, prefix: str):
+    def __init__(self, tmp: Path, redis_url: str, prefix: str, scheduler_options: dict | None = None,
+                 gateway_options: dict | None = None):
         self.redis_url, self.prefix = redis_url, prefix
+        self.scheduler_options, gateway_options = scheduler_options or {}, gateway_options or {}
         self.gw_port, self.metrics_port, zmq_port = free_port(), free_port(), free_port()
         self.worker_addr = f"tcp://127.0.0.1:{zmq_port}"
         self.base_url = f"http://127.0.0.1:{self.gw_port}/v1"
@@ -112,13 +132,25 @@ class DistributedStack:
         self.worker = spawn("worker", dict(bind=self.worker_addr, num_blocks=NUM_BLOCKS), self.logs[0])
         self.scheduler = self._start_scheduler()
         self.gateway = spawn("gateway", dict(redis_url=redis_url, port=self.gw_port, queue_prefix=prefix,
-                                             max_model_len=MAX_MODEL_LEN), self.logs[2])
+                                             max_model_len=MAX_MODEL_LEN, **gateway_options), self.logs[2])
         self.wait()
+
+    @property
+    def gateway_proc(self) -> subprocess.Popen:
+        return self.gateway
+
+    def kill_worker(self) -> None:
+        """SIGKILL the worker; nothing restarts it until start_worker()."""
+        stop(self.worker, signal.SIGKILL)
+
+    def start_worker(self) -> None:
+        self.worker = spawn("worker", dict(bind=self.worker_addr, num_blocks=NUM_BLOCKS), self.logs[0])
 
     def _start_scheduler(self) -> subprocess.Popen:
         return spawn("scheduler", dict(redis_url=self.redis_url, worker_addr=self.worker_addr,
                                        metrics_port=self.metrics_port, queue_prefix=self.prefix,
-                                       consumer="e2e-scheduler", max_model_len=MAX_MODEL_LEN), self.logs[1])
+                                       consumer="e2e-scheduler", max_model_len=MAX_MODEL_LEN,
+                                       **self.scheduler_options), self.logs[1])
 
     def wait(self) -> None:
         procs = [self.worker, self.scheduler, self.gateway]

@@ -79,6 +79,11 @@ class FakeScheduler:
         if plan.hold:
             ids = ids * 1000
         events = [TokenEvent(req.req_id, i, t) for i, t in enumerate(ids[:max_tokens])]
+        if req.sampling.logprobs is not None:  # made-up numbers: the gateway only formats them
+            for e in events:
+                e.logprob = -0.25 * (e.index + 1)
+                k = req.sampling.logprobs
+                e.top_logprobs = ([[e.token_id, e.logprob]] + [[100 + j, e.logprob - j - 1] for j in range(k)])[:k]
         if plan.error_after is not None:
             events = events[:plan.error_after] + [TokenEvent(req.req_id, plan.error_after, None, "error",
                                                              error="worker exploded")]

@@ -72,3 +72,37 @@ def redis_prefix(redis_server_url):
     prefix = new_prefix()
     yield prefix
     delete_prefix(redis_server_url, prefix)
+
+
+class RedisServer:
+    """A private `redis-server` on a free port (no persistence), for tests that restart it:
+    restart() stops it and starts a new, empty instance on the same port."""
+
+    def __init__(self):
+        if shutil.which("redis-server") is None:
+            pytest.skip("redis-server is not installed")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                                      "--save", "", "--appendonly", "no"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not _answers(self.url):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.proc.kill()
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def restart(self, down_s: float = 0.0) -> None:
+        self.stop()
+        time.sleep(down_s)
+        self.start()

@@ -31,7 +31,7 @@ def test_completion_returns_the_generated_text_and_usage(make_stack, tokenizer, 
 @pytest.mark.parametrize("backend", ["local", "redis"])
 def test_streamed_completion_chunks_concatenate_to_the_text_without_broken_characters(make_stack, backend):
     stack = make_stack(backend, plan=lambda req: Plan(REPLY))
-    chunks = list(stack.client().completions.create(model="m", prompt="Say hi", max_tokens=50, stream=True))
+    chunks = list(stack.client().completions.create(model="smol-test", prompt="Say hi", max_tokens=50, stream=True))
     texts = [c.choices[0].text for c in chunks]
     assert "".join(texts) == REPLY
     assert not any("\ufffd" in t for t in texts)
@@ -40,7 +40,7 @@ def test_streamed_completion_chunks_concatenate_to_the_text_without_broken_chara
 
 def test_sampling_parameters_reach_the_scheduler(make_stack):
     stack = make_stack()
-    stack.client().completions.create(model="m", prompt="x", max_tokens=7, temperature=0.5, top_p=0.9,
+    stack.client().completions.create(model="smol-test", prompt="x", max_tokens=7, temperature=0.5, top_p=0.9,
                                       seed=42, stop=["\n\n"], extra_body={"top_k": 5, "stop_token_ids": [13]})
     s = stack.fake.received[0].sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop_token_ids) == (7, 0.5, 0.9, 5, 42, [13])
@@ -48,7 +48,7 @@ def test_sampling_parameters_reach_the_scheduler(make_stack):
 
 def test_max_tokens_defaults_to_a_cap_and_cuts_with_finish_reason_length(make_stack):
     stack = make_stack(plan=lambda req: Plan("one two three four five six"), default_max_tokens=3)
-    r = stack.client().completions.create(model="m", prompt="count")
+    r = stack.client().completions.create(model="smol-test", prompt="count")
     assert stack.fake.received[0].sampling.max_tokens == 3
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
     assert r.choices[0].text == "one two three"
@@ -56,14 +56,14 @@ def test_max_tokens_defaults_to_a_cap_and_cuts_with_finish_reason_length(make_st
 
 def test_a_token_id_prompt_is_accepted_as_is(make_stack):
     stack = make_stack()
-    stack.client().completions.create(model="m", prompt=[1, 2, 3], max_tokens=5)
+    stack.client().completions.create(model="smol-test", prompt=[1, 2, 3], max_tokens=5)
     assert stack.fake.received[0].prompt_token_ids == [1, 2, 3]
 
 
 def test_chat_completion_applies_the_chat_template(make_stack, tokenizer):
     stack = make_stack(plan=lambda req: Plan(REPLY))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]
-    r = stack.client().chat.completions.create(model="m", messages=messages, max_tokens=50)
+    r = stack.client().chat.completions.create(model="smol-test", messages=messages, max_tokens=50)
     assert stack.fake.received[0].prompt_token_ids == tokenizer.encode_chat(messages)
     assert r.object == "chat.completion"
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == REPLY
@@ -74,7 +74,7 @@ def test_chat_completion_applies_the_chat_template(make_stack, tokenizer):
 def test_streamed_chat_with_include_usage_ends_with_a_usage_chunk(make_stack, tokenizer, backend):
     stack = make_stack(backend, plan=lambda req: Plan(REPLY))
     chunks = list(stack.client().chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Hello?"}], max_tokens=50, stream=True,
+        model="smol-test", messages=[{"role": "user", "content": "Hello?"}], max_tokens=50, stream=True,
         stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == REPLY
@@ -94,7 +94,7 @@ def test_concurrent_streams_each_get_their_own_text(make_stack):
     client = stack.client()
 
     def one(i: int) -> tuple[int, str]:
-        stream = client.completions.create(model="m", prompt=[i + 10], max_tokens=30, stream=True)
+        stream = client.completions.create(model="smol-test", prompt=[i + 10], max_tokens=30, stream=True)
         return i, "".join(c.choices[0].text for c in stream)
 
     with concurrent.futures.ThreadPoolExecutor(24) as pool:

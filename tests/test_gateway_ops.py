@@ -37,9 +37,9 @@ def test_the_readiness_check_is_injectable(make_stack):
 def test_metrics_expose_latency_histograms_and_outcomes(make_stack):
     stack = make_stack(plan=lambda req: Plan("a b c d e f", interval_s=0.01))
     client = stack.client()
-    client.completions.create(model="m", prompt="x", max_tokens=50)
-    client.completions.create(model="m", prompt="x", max_tokens=2)
-    httpx.post(stack.url + "/v1/completions", json={"prompt": "x", "n": 2})
+    client.completions.create(model="smol-test", prompt="x", max_tokens=50)
+    client.completions.create(model="smol-test", prompt="x", max_tokens=2)
+    httpx.post(stack.url + "/v1/completions", json={"prompt": "x", "n": 0})
     m = lambda name: metric(stack.url, name)  # noqa: E731
     assert m("sarathi_gateway_time_to_first_token_seconds_count") == 2
     assert m("sarathi_gateway_inter_token_latency_seconds_count") >= 5

@@ -7,7 +7,7 @@ import time
 import redis
 
 from shared.messages import RequestMsg, TokenEvent
-from shared.queue import QueueConfig, make_queues
+from shared.queue import QueueConfig, make_gateway_queue, make_queues
 from shared.sampling import SamplingParams
 
 
@@ -54,4 +54,26 @@ def test_the_gateway_trims_reply_entries_it_has_read(redis_server_url, redis_pre
 
     assert [e.index for e in asyncio.run(main())] == list(range(301))
     assert r.xlen(cfg.out_key("gw")) < 300
+    sq.close()
+
+
+def test_the_scheduler_side_survives_its_stream_and_group_vanishing(redis_server_url, redis_prefix):
+    """What an empty, restarted Redis looks like to a scheduler holding pending requests: the
+    next heartbeat, poll and fetch re-create the group instead of raising (a pipeline's NOGROUP
+    error included), and a request sent again is taken and acked under both entries."""
+    cfg = QueueConfig(prefix=redis_prefix, heartbeat_interval_s=0.0)
+    gq, sq = make_queues(redis_server_url, config=cfg, consumer="c1")
+    asyncio.run(gq.submit(_req("a", gq.gateway_id)))
+    assert [m.req_id for m in sq.fetch(4)] == ["a"]
+    r = redis.Redis.from_url(redis_server_url)
+    r.delete(cfg.requests_key)                  # stream and group gone, "a" still pending here
+    sq.heartbeat()
+    assert sq.poll_aborts() == []
+    assert sq.fetch(4) == []
+    gq2 = make_gateway_queue(redis_server_url, config=cfg, gateway_id=gq.gateway_id)  # a fresh loop
+    asyncio.run(gq2.submit(_req("a", gq.gateway_id)))  # the gateway resubmits it
+    assert [m.req_id for m in sq.fetch(4)] == ["a"]
+    sq.ack("a")
+    assert r.xlen(cfg.requests_key) == 0
+    assert r.xpending(cfg.requests_key, cfg.group)["pending"] == 0
     sq.close()

@@ -263,12 +263,14 @@ def _status(url: str) -> int:
         return 0
 
 
-def test_a_restarted_worker_fails_the_running_requests_and_forgets_cached_prefixes():
-    """Plumbing only (simulated executor): the service's reaction to WorkerRestartedError."""
+def test_a_restarted_worker_replays_the_running_requests_and_forgets_cached_prefixes():
+    """Plumbing only (simulated executor): the service's reaction to WorkerRestartedError: the
+    running request is preempted with its tokens, recomputed, and ends as if never interrupted."""
     from prometheus_client import CollectorRegistry
 
     from scheduler_svc.metrics import SchedulerMetrics
     from scheduler_svc.remote_executor import WorkerRestartedError
+    from scheduler_svc.request import RequestStatus
     from scheduler_svc.service import SchedulerService
     from scheduler_svc.sim_executor import sim_engine
 
@@ -278,6 +280,8 @@ def test_a_restarted_worker_fails_the_running_requests_and_forgets_cached_prefix
     loop.run_until_done()                         # its full prompt blocks are now cached
     running = loop.add_request("running", list(range(40, 50)), SamplingParams(temperature=0.0, max_tokens=5))
     loop.step()
+    loop.step()
+    assert running.num_output_tokens == 2
 
     class Restarted:
         def execute(self, batch):
@@ -285,12 +289,60 @@ def test_a_restarted_worker_fails_the_running_requests_and_forgets_cached_prefix
 
     service = SchedulerService(loop.scheduler, Restarted(), make_queues(None)[1],
                                SchedulerMetrics(CollectorRegistry()))
-    events = service._step() + loop.scheduler.take_events()
-    loop.scheduler.schedule()                     # the next step boundary applies the aborts
-    events += loop.scheduler.take_events()
-    assert [(e.req_id, e.finish_reason) for e in events if e.finish_reason] == [("running", "error")]
-    assert running.finish_reason == "error"
+    events = service._step()
+    assert [e for e in events if e.finish_reason] == []
+    assert running.status is RequestStatus.PREEMPTED and running.num_computed_tokens == 0
+    assert running.num_output_tokens == 2 and not running.in_flight
+    loop.run_until_done()                         # the real executor again: recomputed, resumed
+    ref = sim_engine("sarathi", block_size=4, num_blocks=32).generate(
+        [list(range(40, 50))], SamplingParams(temperature=0.0, max_tokens=5))[0]
+    assert running.finish_reason == "length" and running.output_token_ids == ref.output_token_ids
     hits_before = loop.scheduler.stats()["prefix_cache_hit_tokens"]
     loop.add_request("again", prompt, SamplingParams(temperature=0.0, max_tokens=1))
     loop.run_until_done()                         # same prompt as "done": recomputed, not reused
     assert loop.scheduler.stats()["prefix_cache_hit_tokens"] == hits_before
+
+
+def test_events_wait_in_order_while_the_queue_is_down_and_nothing_is_lost():
+    """Plumbing (simulated executor, in-process queue that refuses while `down`): the loop keeps
+    running, the events go out in order once the queue answers, each request is acked once."""
+    from scheduler_svc.metrics import SchedulerMetrics
+    from scheduler_svc.service import SchedulerService
+    from scheduler_svc.sim_executor import sim_engine
+    from shared.queue import QueueUnavailableError
+
+    gq, sq = make_queues(None)
+    published, acked = [], []
+
+    class Flaky:
+        down = False
+
+        def __getattr__(self, name):
+            attr = getattr(sq, name)
+            if name in ("publish", "ack", "poll_aborts", "fetch") and callable(attr):
+                def call(*a, **kw):
+                    if self.down:
+                        raise QueueUnavailableError("Redis unavailable: test")
+                    if name == "publish":
+                        published.extend((e.req_id, e.index, e.finish_reason) for e in a[0])
+                    if name == "ack":
+                        acked.append(a[0])
+                    return attr(*a, **kw)
+                return call
+            return attr
+
+    loop = sim_engine("sarathi", block_size=4, num_blocks=64)
+    flaky = Flaky()
+    service = SchedulerService(loop.scheduler, loop.executor, flaky, SchedulerMetrics(CollectorRegistry()))
+    asyncio.run(gq.submit(RequestMsg("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6), gq.gateway_id,
+                                     time.time())))
+    service.run_once()
+    service.run_once()
+    flaky.down = True
+    for _ in range(10):               # it finishes while nobody can be told
+        service.run_once()
+    assert not loop.scheduler.has_unfinished() and acked == []
+    flaky.down = False
+    service.run_once()
+    assert [i for r, i, _ in published if r == "r"] == list(range(6))
+    assert published[-1][2] == "length" and acked == ["r"]

@@ -8,7 +8,7 @@ import threading
 import pytest
 import zmq
 
-from scheduler_svc.remote_executor import RemoteExecutor, WorkerError, WorkerRestartedError
+from scheduler_svc.remote_executor import RemoteExecutor, WorkerError, WorkerLostError, WorkerRestartedError
 from shared.config import ModelInfo
 from shared.messages import Batch, BatchOutput, SeqChunk
 from shared.sampling import SamplingParams
@@ -133,7 +133,8 @@ def test_worker_process_replaced_on_the_same_address_is_reported_as_lost_kv(tmp_
     remote.execute(b0)
     stop_last()
     start()  # a new process: same address, empty KV cache
-    with pytest.raises(WorkerRestartedError, match="KV cache is lost"):
+    # the link's monitor saw the old process go (lost), or the new one answered (restarted)
+    with pytest.raises((WorkerLostError, WorkerRestartedError), match="KV cache is lost"):
         remote.execute(b1)
     remote.execute(Batch(3, [seq("c", [5, 6], 0, True)]))  # new work runs on the new worker
     stop_last()
@@ -171,3 +172,82 @@ def test_malformed_messages_get_error_replies(serve, payload, kind):
     reply = unpack(s.recv())
     s.close()
     assert reply["ok"] is False and reply["error"] == kind and reply["message"]
+
+
+def test_logprobs_and_prior_tokens_cross_the_wire(serve):
+    class WithLogprobs(RecordingExecutor):
+        def execute(self, batch):
+            out = super().execute(batch)
+            out.logprobs = {s.req_id: [-0.5, [1000, 7], [-0.5, -2.0]] for s in batch.seqs if s.sample}
+            return out
+
+    ex = WithLogprobs()
+    remote = RemoteExecutor(serve(ex), timeout_s=5)
+    pen = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    first = SeqChunk("p", [5, 6], 8, list(range(3)), True, pen, 0, prior_token_ids=list(range(8)))
+    out = remote.execute(Batch(0, [first]))
+    assert out.logprobs == {"p": [-0.5, [1000, 7], [-0.5, -2.0]]}
+    assert ex.batches[-1].seqs[0].prior_token_ids == list(range(8))   # a full entry carries them
+    nxt = SeqChunk("p", [1000], 10, list(range(3)), True, pen, 1, prior_token_ids=list(range(8)) + [5, 6])
+    remote.execute(Batch(1, [nxt]))
+    assert ex.batches[-1].seqs[0].prior_token_ids is None              # a diff does not
+
+
+def test_a_killed_worker_process_is_noticed_at_once_not_after_the_reply_timeout(tmp_path):
+    """A worker process that dies mid-batch: the scheduler's wait ends within ~the heartbeat
+    timeout (1.5 s), not after timeout_s (60 s here)."""
+    import multiprocessing as mp
+    import time
+
+    addr = f"ipc://{tmp_path}/slow.sock"
+    proc = mp.get_context("spawn").Process(target=_slow_worker, args=(addr,), daemon=True)
+    proc.start()
+    remote = RemoteExecutor(addr, timeout_s=60)
+    remote.wait_ready(30)
+    killer = threading.Timer(0.5, proc.kill)
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerLostError, match="disconnected"):
+        remote.execute(Batch(0, [seq("a", [1, 2], 0, True)]))   # the worker sleeps 30 s in it
+    assert time.monotonic() - t0 < 2.0
+    proc.join(5)
+    remote.close()
+
+
+class _SlowExecutor(RecordingExecutor):
+    def execute(self, batch):
+        import time
+        time.sleep(30)
+        return super().execute(batch)
+
+
+def _slow_worker(addr: str) -> None:
+    server = WorkerServer(_SlowExecutor(), addr)
+    server.serve_forever()
+
+
+def test_a_frozen_worker_misses_its_heartbeats_and_is_noticed_within_2s(tmp_path):
+    """SIGSTOP: the process and its ZeroMQ I/O thread stop, the TCP link stays open; only the
+    missing heartbeat answers tell."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    from tests.redis_fixture import free_port
+
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    proc = mp.get_context("spawn").Process(target=_slow_worker, args=(addr,), daemon=True)
+    proc.start()
+    try:
+        remote = RemoteExecutor(addr, timeout_s=60)
+        remote.wait_ready(30)
+        threading.Timer(0.3, os.kill, args=(proc.pid, signal.SIGSTOP)).start()
+        t0 = time.monotonic()
+        with pytest.raises(WorkerLostError):
+            remote.execute(Batch(0, [seq("a", [1, 2], 0, True)]))
+        assert time.monotonic() - t0 < 2.5   # 0.3 s + heartbeat timeout 1.5 s + slack
+        remote.close()
+    finally:
+        proc.kill()
+        proc.join(5)

@@ -21,7 +21,7 @@ from worker_svc.kv_cache import PagedKVCache
 from worker_svc.loader import load_weights
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.linear import TensorParallel
-from worker_svc.sampler import Sampler
+from worker_svc.sampler import Sampler, SamplerOutput
 
 log = logging.getLogger("sarathi.worker")
 
@@ -83,7 +83,7 @@ class Executor:
         self.cache = PagedKVCache(cfg.num_layers, num_blocks + self.backend.scratch_blocks,
                                   self.block_size, kv_heads, cfg.head_dim,
                                   self.backend.kv_cache_dtype, dev)
-        self.sampler = Sampler(sampler_seed)
+        self.sampler = Sampler(sampler_seed, eos_token_ids=cfg.eos_token_ids)
         self.device_sampler = DeviceSampler(sampler_seed) if self.backend.sample_on_device else None
         self.model_info = ModelInfo(
             name=name, max_model_len=cfg.max_position_embeddings,
@@ -123,23 +123,27 @@ class Executor:
         return max(blocks, 1)
 
     def free(self, req_ids: list[str]) -> None:
-        """Drop per-request state. The executor keeps none (blocks are the scheduler's), so
-        this is a no-op that accepts unknown ids."""
+        """Drop per-request state: the sampler's token histories (blocks are the scheduler's).
+        Unknown ids are fine."""
+        self.sampler.free(req_ids)
 
     def execute(self, batch: Batch) -> BatchOutput:
-        """Run one iteration; sampled holds a token exactly for the seqs with sample=True."""
+        """Run one iteration; sampled holds a token exactly for the seqs with sample=True (and
+        logprobs for those that asked)."""
         t0 = time.perf_counter()
         self.free(batch.freed_req_ids)
+        self.sampler.observe(batch.seqs)
         due, logits, t1, t2 = self._forward(batch)
         ds = self.device_sampler
         if ds is not None and all(ds.supports(s.sampling) for s in due):   # only ids cross to the host
-            tokens = ds.sample(logits, [s.sampling for s in due], [s.output_index for s in due])
-        else:
-            tokens = self.sampler.sample(logits.cpu(), [s.sampling for s in due], [s.output_index for s in due])
+            out = SamplerOutput(ds.sample(logits, [s.sampling for s in due], [s.output_index for s in due]))
+        else:  # penalties, min_tokens, logprobs: the host sampler (it keeps the token histories)
+            out = self.sampler.sample_chunks(logits.cpu(), due)
         t3 = time.perf_counter()
-        return BatchOutput(batch.batch_id, {s.req_id: tok for s, tok in zip(due, tokens)},
+        return BatchOutput(batch.batch_id, {s.req_id: tok for s, tok in zip(due, out.tokens)},
                            {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2,
-                            "total_s": t3 - t0})
+                            "total_s": t3 - t0},
+                           {due[i].req_id: lp for i, lp in out.logprobs.items()})
 
     def compute_logits(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Like execute (K/V are written) but return the float32 logits [V] of each seq with

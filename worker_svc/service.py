@@ -8,7 +8,8 @@ and its KV cache (the content of every block) is gone.
 * {"op": "ping"} -> {"ok": True}
 * {"op": "info"} -> {"ok": True, "model_info": {...ModelInfo fields...}}
 * {"op": "batch", "epoch", "batch_id", "seqs", "freed"} (see shared.wire) ->
-  {"ok": True, "batch_id", "sampled": {req_id: token_id}, "timings": {name: seconds}}
+  {"ok": True, "batch_id", "sampled": {req_id: token_id}, "timings": {name: seconds},
+  "logprobs": {req_id: [logprob, [top ids], [top logprobs]]} (only when a request asked)}
 
 Any failure is a reply, never silence: {"ok": False, "error": kind, "message": text}, with kind
 "unknown_request" (a diff for a request this worker holds no state for: resend in full),
@@ -109,7 +110,7 @@ class WorkerServer:
         self.decoder.on_output(output)
         timings = dict(output.timings)
         timings.update(decode_s=t1 - t0, worker_total_s=time.perf_counter() - t0)
-        return output_reply(BatchOutput(output.batch_id, dict(output.sampled), timings))
+        return output_reply(BatchOutput(output.batch_id, dict(output.sampled), timings, output.logprobs))
 
     def _forget_all(self) -> None:
         """After a failed execute the executor's per-request state is unknown: drop it all and

@@ -34,6 +34,18 @@ from typing import AsyncIterator
 from shared.messages import RequestMsg, TokenEvent
 
 
+class QueueResetError(RuntimeError):
+    """Raised by GatewayQueue.events() when the queue's server lost its contents (Redis came
+    back as a new instance: its run_id changed). Requests submitted before may be gone; the
+    gateway resubmits its unfinished ones (the scheduler skips those it already runs). Calling
+    events() again resumes the stream."""
+
+
+class QueueUnavailableError(ConnectionError):
+    """The queue's server cannot be reached right now (Redis down or restarting). Retry later;
+    nothing was lost by the failed call except what it says."""
+
+
 @dataclass
 class QueueConfig:
     """Names and timings of the queue. All Redis keys start with `prefix`.
@@ -104,7 +116,8 @@ class GatewayQueue(abc.ABC):
 
     @abc.abstractmethod
     def events(self) -> AsyncIterator[TokenEvent]:
-        """Every TokenEvent addressed to this gateway, in publish order; runs until cancelled."""
+        """Every TokenEvent addressed to this gateway, in publish order; runs until cancelled.
+        May raise QueueResetError (then call it again) or a connection error."""
 
     @abc.abstractmethod
     async def depth(self) -> int:

@@ -1,26 +1,46 @@
 """The scheduler's side of the Redis queue (key layout: shared.queue.redis_streams)."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
 import redis
 
 from shared.messages import RequestMsg, TokenEvent
-from shared.queue import QueueConfig, SchedulerQueue
+from shared.queue import QueueConfig, QueueUnavailableError, SchedulerQueue
 from shared.queue.common import RecentIds, decode_request, encode_events, now, stamp_scheduled
-from shared.queue.redis_streams import PAGE, entries_of, is_busygroup
+from shared.queue.redis_streams import PAGE, client_options, entries_of, is_busygroup
 
 log = logging.getLogger(__name__)
+
+
+def _unavailable_as_queue_error(method):
+    """Redis down / restarting -> QueueUnavailableError (the service retries); a stream or group
+    gone with a restarted Redis is re-created instead of failing."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+            raise QueueUnavailableError(f"Redis unavailable: {exc}") from exc
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):  # also inside a pipeline's "Command # n (...) caused error"
+                raise
+            self._ensure_group()
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 class RedisSchedulerQueue(SchedulerQueue):
     """One scheduler replica's view of the queue. Not thread-safe: one loop thread uses it."""
 
     def __init__(self, url: str, config: QueueConfig, consumer: str):
-        self.r = redis.Redis.from_url(url, decode_responses=True)
+        self.r = redis.Redis.from_url(url, **client_options(asyncio=False))
         self.cfg, self.consumer = config, consumer
-        self._entry_ids: dict[str, str] = {}    # req_id -> stream entry id, while pending here
+        # req_id -> its stream entry ids, while pending here (more than one when a gateway
+        # resubmitted it after a Redis restart: all are acked together at its end)
+        self._entry_ids: dict[str, list[str]] = {}
         self._reply_to: dict[str, str] = {}     # req_id -> gateway id
         self._taken_at: dict[str, float] = {}   # req_id -> time.time() when fetched/replayed
         self._recent_aborts = RecentIds(config.aborts_maxlen)
@@ -40,6 +60,7 @@ class RedisSchedulerQueue(SchedulerQueue):
             if not is_busygroup(exc):
                 raise
 
+    @_unavailable_as_queue_error
     def fetch(self, max_n: int, block_ms: int = 0) -> list[RequestMsg]:
         self._maybe_heartbeat()
         if max_n <= 0:
@@ -59,6 +80,7 @@ class RedisSchedulerQueue(SchedulerQueue):
             self._read_aborts()  # an abort sent before we read may name one of these
         return self._accept(entries)
 
+    @_unavailable_as_queue_error
     def replay_pending(self) -> list[RequestMsg]:
         self._maybe_heartbeat()
         self._read_aborts()
@@ -96,7 +118,9 @@ class RedisSchedulerQueue(SchedulerQueue):
             if req is None or req.req_id in self._recent_aborts:
                 drop.append(eid)
                 continue
-            self._entry_ids[req.req_id] = eid
+            eids = self._entry_ids.setdefault(req.req_id, [])
+            if eid not in eids:
+                eids.append(eid)
             self._reply_to[req.req_id] = req.reply_to
             self._taken_at.setdefault(req.req_id, taken)
             out.append(req)
@@ -104,12 +128,13 @@ class RedisSchedulerQueue(SchedulerQueue):
             self._ack_and_delete(drop)
         return out
 
+    @_unavailable_as_queue_error
     def ack(self, req_id: str) -> None:
-        eid = self._entry_ids.pop(req_id, None)
+        eids = self._entry_ids.pop(req_id, None)
         self._reply_to.pop(req_id, None)
         self._taken_at.pop(req_id, None)
-        if eid is not None:
-            self._ack_and_delete([eid])
+        if eids:
+            self._ack_and_delete(eids)
 
     def _ack_and_delete(self, eids: list[str]) -> None:
         pipe = self.r.pipeline(transaction=True)  # ack and delete together: depth stays exact
@@ -118,6 +143,7 @@ class RedisSchedulerQueue(SchedulerQueue):
         pipe.execute()
 
     # -- events and aborts ---------------------------------------------------------------------
+    @_unavailable_as_queue_error
     def publish(self, events: list[TokenEvent], reply_to: dict[str, str] | None = None) -> None:
         by_gateway: dict[str, list[TokenEvent]] = {}
         for ev in events:
@@ -136,6 +162,7 @@ class RedisSchedulerQueue(SchedulerQueue):
             pipe.expire(key, self.cfg.out_ttl_s)
         pipe.execute()
 
+    @_unavailable_as_queue_error
     def poll_aborts(self) -> list[str]:
         self._maybe_heartbeat()
         self._read_aborts()
@@ -160,13 +187,14 @@ class RedisSchedulerQueue(SchedulerQueue):
         if time.monotonic() - self._last_heartbeat >= self.cfg.heartbeat_interval_s:
             self.heartbeat()
 
+    @_unavailable_as_queue_error
     def heartbeat(self) -> None:
         pipe = self.r.pipeline(transaction=False)
         pipe.sadd(self.cfg.schedulers_key, self.consumer)
         pipe.set(self.cfg.heartbeat_key(self.consumer), str(now()), px=int(self.cfg.heartbeat_ttl_s * 1000))
         if self._entry_ids:  # XCLAIM to ourselves resets the idle time: nobody XAUTOCLAIMs them
             pipe.xclaim(self.cfg.requests_key, self.cfg.group, self.consumer, 0,
-                        list(self._entry_ids.values()), justid=True)
+                        [e for eids in self._entry_ids.values() for e in eids], justid=True)
         pipe.execute()
         self._last_heartbeat = time.monotonic()
 

@@ -22,10 +22,27 @@ import redis
 import redis.asyncio as aioredis
 
 from shared.messages import RequestMsg, TokenEvent
-from shared.queue import GatewayQueue, QueueConfig
+from shared.queue import GatewayQueue, QueueConfig, QueueResetError
 from shared.queue.common import decode_events, encode_request
 
 PAGE = 256  # entries per Redis round trip when draining a backlog
+
+# Connections outlive a Redis restart in the pool: ping one idle this long before using it
+# (a dead one is replaced instead of failing the command), and retry a command that loses its
+# connection a few times with a short backoff (seconds).
+HEALTH_CHECK_INTERVAL_S = 1
+
+
+def client_options(asyncio: bool) -> dict:
+    """Keyword arguments for redis.Redis.from_url / redis.asyncio.Redis.from_url."""
+    from redis.backoff import ExponentialBackoff
+    if asyncio:
+        from redis.asyncio.retry import Retry
+    else:
+        from redis.retry import Retry
+    return dict(decode_responses=True, health_check_interval=HEALTH_CHECK_INTERVAL_S,
+                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+                retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
 def is_busygroup(exc: redis.ResponseError) -> bool:
@@ -41,10 +58,11 @@ class RedisGatewayQueue(GatewayQueue):
     """One gateway's view of the queue. Use it from one asyncio loop."""
 
     def __init__(self, url: str, config: QueueConfig, gateway_id: str):
-        self.r = aioredis.Redis.from_url(url, decode_responses=True)
+        self.r = aioredis.Redis.from_url(url, **client_options(asyncio=True))
         self.cfg, self.gateway_id = config, gateway_id
         self._group_ready = False
         self._cursor = "0-0"  # id of the last reply entry read: the stream is ours alone
+        self._run_id: str | None = None  # the Redis instance we talk to (INFO server run_id)
 
     async def _ensure_group(self) -> None:
         if self._group_ready:
@@ -64,9 +82,20 @@ class RedisGatewayQueue(GatewayQueue):
         await self.r.xadd(self.cfg.aborts_key, {"req_id": req_id},
                           maxlen=self.cfg.aborts_maxlen, approximate=True)
 
+    async def _check_instance(self) -> None:
+        """Raise QueueResetError once when Redis is a new instance (restarted): what it held
+        may be gone, so the reply cursor starts over and the group is created again."""
+        run_id = (await self.r.info("server"))["run_id"]
+        old, self._run_id = self._run_id, run_id
+        if old is not None and old != run_id:
+            self._cursor, self._group_ready = "0-0", False
+            raise QueueResetError(f"Redis restarted (run_id {old[:8]} -> {run_id[:8]})")
+
     async def events(self) -> AsyncIterator[TokenEvent]:
-        """Resumes after the last entry read by any earlier call (e.g. after a Redis error)."""
+        """Resumes after the last entry read by any earlier call (e.g. after a Redis error).
+        Checks about once a second that Redis is the same instance (QueueResetError if not)."""
         key = self.cfg.out_key(self.gateway_id)
+        await self._check_instance()
         last_trim = time.monotonic()
         while True:
             resp = await self.r.xread({key: self._cursor}, count=PAGE, block=1000)
@@ -74,10 +103,12 @@ class RedisGatewayQueue(GatewayQueue):
                 self._cursor = eid
                 for ev in decode_events(fields["events"]):
                     yield ev
-            if time.monotonic() - last_trim > 1.0 and self._cursor != "0-0":
-                # Entries we have read are of no further use: free them now instead of
-                # waiting for MAXLEN or the TTL.
-                await self.r.xtrim(key, minid=self._cursor, approximate=True)
+            if time.monotonic() - last_trim > 1.0:
+                await self._check_instance()
+                if self._cursor != "0-0":
+                    # Entries we have read are of no further use: free them now instead of
+                    # waiting for MAXLEN or the TTL.
+                    await self.r.xtrim(key, minid=self._cursor, approximate=True)
                 last_trim = time.monotonic()
 
     async def depth(self) -> int:
