@@ -39,6 +39,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     _add(p, "threads", 0, "torch CPU threads (0 = torch default)")
     _add(p, "num-blocks", 2048, "KV cache blocks per layer")
     _add(p, "block-size", 16, "tokens per KV block")
+    _add(p, "kv-cache-dtype", "auto", "KV cache dtype, independent of --dtype (auto: 16-bit on CPU, "
+         "--dtype on CUDA)", choices=["auto", "float32", "bfloat16", "float16"])
+    _add(p, "weight-quant", "auto", "weight-only quantization of the linear layers (auto: int8 for "
+         "small batches on CPUs where it pays; none: float weights)", choices=["auto", "none", "int8"])
 
 
 def _sched_args(p: argparse.ArgumentParser) -> None:

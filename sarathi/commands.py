@@ -9,6 +9,7 @@ from shared.sampling import SamplingParams
 
 def _llm_kwargs(a: argparse.Namespace) -> dict:
     return dict(dtype=a.dtype, threads=a.threads, num_blocks=a.num_blocks, block_size=a.block_size,
+                kv_cache_dtype=a.kv_cache_dtype, weight_quant=a.weight_quant,
                 policy=a.policy, token_budget=a.token_budget, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.prefix_caching)
 
@@ -43,6 +44,7 @@ def serve(a: argparse.Namespace) -> int:
 
     run_embedded(model=a.model, host=a.host, port=a.port, redis_url=a.redis_url, dtype=a.dtype,
                  threads=a.threads, num_blocks=a.num_blocks, block_size=a.block_size,
+                 kv_cache_dtype=a.kv_cache_dtype, weight_quant=a.weight_quant,
                  api_key=a.api_key, **_sched_kwargs(a))
     return 0
 
@@ -73,5 +75,6 @@ def worker(a: argparse.Namespace) -> int:
     from worker_svc.service import run_worker
 
     run_worker(address=a.bind, model=a.model, dtype=a.dtype, device=a.device, threads=a.threads,
-               num_blocks=a.num_blocks, block_size=a.block_size)
+               num_blocks=a.num_blocks, block_size=a.block_size,
+               kv_cache_dtype=a.kv_cache_dtype, weight_quant=a.weight_quant)
     return 0

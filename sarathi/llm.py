@@ -44,19 +44,22 @@ class LLM:
     model: a GGUF file or HF-style directory; None = the shipped SmolLM2-135M-Instruct.
     policy / token_budget: the batching policy and tau (tokens per iteration).
     num_blocks / block_size: the paged KV cache (blocks per layer, tokens per block).
+    kv_cache_dtype / weight_quant: see shared.config.WorkerConfig ("auto": the device's choice).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", threads: int = 0,
                  num_blocks: int = 2048, block_size: int = 16, policy: str = "sarathi",
                  token_budget: int = 512, max_num_seqs: int = 128,
-                 max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False):
+                 max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False,
+                 kv_cache_dtype: str = "auto", weight_quant: str = "auto"):
         from worker_svc.executor import Executor  # torch lives only behind this import
 
         source = resolve_model(model)
         self._source, self._tokenizer = source, None
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
         self.executor = Executor(WorkerConfig(model=str(source.path), dtype=dtype,
-                                              num_threads=threads, cache=cache))
+                                              num_threads=threads, cache=cache,
+                                              kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant))
         info = self.executor.model_info
         self.model_info = info
         sched = SchedulerConfig(policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,

@@ -32,12 +32,13 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
                  max_num_batched_tokens: int = 4096, prefix_caching: bool = False,
                  max_model_len: int | None = None, api_key: str | None = None,
                  worker: str = "process", queue_prefix: str = "sarathi:",
-                 log_level: str = "info") -> None:
+                 log_level: str = "info", kv_cache_dtype: str = "auto",
+                 weight_quant: str = "auto") -> None:
     """Serve `model` (None: the default SmolLM2) on http://host:port until interrupted.
 
     redis_url: None = in-process queue; a URL = the Redis queue (same semantics, durable).
     dtype, threads (torch CPU threads, 0 = default), num_blocks x block_size (KV cache, tokens per
-    block): the worker. policy, token_budget (tau, tokens), max_num_seqs, max_num_batched_tokens,
+    block), kv_cache_dtype, weight_quant (see WorkerConfig): the worker. policy, token_budget (tau, tokens), max_num_seqs, max_num_batched_tokens,
     prefix_caching: the scheduler. max_model_len: tokens; None = the model's context length.
     api_key: require `Authorization: Bearer <key>` on /v1/*. worker: "process" | "thread".
     queue_prefix: the Redis key prefix (with redis_url).
@@ -58,7 +59,8 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
     source = resolve_model(model)  # fail fast on a bad path or file, before starting anything
     tokenizer = load_tokenizer(source)
     worker_kw = dict(model=str(source.path), dtype=dtype, threads=threads,
-                     num_blocks=num_blocks, block_size=block_size)
+                     num_blocks=num_blocks, block_size=block_size,
+                     kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant)
     with tempfile.TemporaryDirectory(prefix="sarathi-") as tmp:
         stop_worker, address = _start_worker(worker, worker_kw, tmp)
         stop = threading.Event()

@@ -17,6 +17,8 @@ class ModelInfo:
     num_layers: int = 0
     block_size: int = 16          # tokens per KV block
     num_blocks: int = 0           # KV blocks the worker allocated (per layer)
+    backend: str = ""             # what runs (DeviceBackend.describe()), e.g. "device cpu: attention
+                                  # native avx2, kv bfloat16, linear int8 for <= 16 tokens"
 
 
 @dataclass
@@ -65,6 +67,10 @@ class WorkerConfig:
     model: a GGUF file or a Hugging Face-style directory; None = the default SmolLM2 GGUF.
     dtype: "auto" picks by measurement for the device; else "float32" or "bfloat16".
     num_threads: torch intra-op threads on CPU; 0 = leave torch's default.
+    kv_cache_dtype: "auto" (the device's default: 16-bit on CPU, the compute dtype on CUDA),
+        "float32", "bfloat16" or "float16"; independent of dtype (exactness tests use float32).
+    weight_quant: "auto" (CPU: int8 for small batches where the int8 kernel pays), "none" or
+        "int8" (weight-only, per output channel; worker_svc/quant.py).
     """
 
     model: str | None = None
@@ -72,3 +78,5 @@ class WorkerConfig:
     device: str = "cpu"
     num_threads: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
+    kv_cache_dtype: str = "auto"
+    weight_quant: str = "auto"

@@ -25,6 +25,7 @@ from worker_svc.sampler import Sampler
 log = logging.getLogger("sarathi.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = {**DTYPES, "float16": torch.float16}
 
 
 class BatchError(ValueError):
@@ -45,6 +46,15 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_kv_cache_dtype(name: str) -> torch.dtype | None:
+    """'auto' -> None (the backend's default for its device); else the named dtype."""
+    if name == "auto":
+        return None
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose auto, {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
+
+
 class Executor:
     """Loads config.model, then allocates config.cache.num_blocks KV blocks per layer.
 
@@ -58,7 +68,9 @@ class Executor:
         self.dtype = resolve_dtype(config.dtype, config.device)
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
-        self.backend = select_backend(config.device, self.dtype)
+        self.backend = select_backend(config.device, self.dtype,
+                                      resolve_kv_cache_dtype(config.kv_cache_dtype),
+                                      weight_quant=config.weight_quant)
         source = resolve_model(config.model)
         cfg, weights = load_weights(source)
         self.model = LlamaForCausalLM(cfg, weights, self.dtype, self.backend, tp).to(config.device)
@@ -73,7 +85,7 @@ class Executor:
             name=source.name, max_model_len=cfg.max_position_embeddings,
             vocab_size=cfg.vocab_size, eos_token_ids=list(cfg.eos_token_ids),
             num_layers=cfg.num_layers, block_size=self.block_size,
-            num_blocks=config.cache.num_blocks)
+            num_blocks=config.cache.num_blocks, backend=self.backend.describe())
         log.info("worker backend: %s", self.backend.describe())
 
     def free(self, req_ids: list[str]) -> None:

@@ -124,6 +124,7 @@ class WorkerServer:
 def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
                dtype: str = "auto", device: str = "cpu", threads: int = 0,
                num_blocks: int = 1024, block_size: int = 16,
+               kv_cache_dtype: str = "auto", weight_quant: str = "auto",
                executor: ExecutorLike | None = None,
                stop: threading.Event | None = None,
                ready: threading.Event | None = None) -> None:
@@ -132,7 +133,8 @@ def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
     address: where to bind (tcp://host:port, ipc://path, inproc://name). model: GGUF file or HF
     directory; None = the default SmolLM2. dtype: "auto" | "float32" | "bfloat16". device: "cpu"
     or "cuda[:n]". threads: torch CPU threads (0 = torch's default). num_blocks x block_size:
-    the paged KV cache (blocks per layer, tokens per block). executor: serve this object instead
+    the paged KV cache (blocks per layer, tokens per block). kv_cache_dtype, weight_quant: see
+    WorkerConfig. executor: serve this object instead
     of loading a model (tests, the simulated worker). ready: set once the socket is bound and the
     model is loaded.
     """
@@ -140,7 +142,8 @@ def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
         from shared.config import CacheConfig, WorkerConfig
         from worker_svc.executor import Executor  # torch: imported only where a model runs
         cfg = WorkerConfig(model=model, dtype=dtype, device=device, num_threads=threads,
-                           cache=CacheConfig(block_size=block_size, num_blocks=num_blocks))
+                           cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                           kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant)
         executor = Executor(cfg)
     server = WorkerServer(executor, address)
     log.info("worker serving %s on %s", executor.model_info.name, server.address)
