@@ -30,8 +30,9 @@ from worker_svc import native
 from worker_svc.backends.base import LinearMethod
 
 # int8 kernel path -> largest token count at which int8 beats the float GEMM over a whole
-# SmolLM2 step (bench/results/int8_linear_amd.json, 2 threads, AMD EPYC Zen 3). "scalar": never.
-INT8_MAX_TOKENS = {"avx2": 16, "scalar": 0}
+# SmolLM2 step (bench/results/int8_linear_amd.json, 2 threads, AMD EPYC Zen 3: faster at every
+# T <= 64, slower at 128; torch's sgemm is slow for skinny matrices on this CPU). "scalar": never.
+INT8_MAX_TOKENS = {"avx2": 64, "scalar": 0}
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,14 +73,17 @@ class Int8LinearMethod(LinearMethod):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if rows.shape[0] > self.max_tokens or x.device.type != "cpu":
             return F.linear(x, layer.weight, bias)
         b = None
         if bias is not None:
             b = layer.bias_f32 if bias is layer.bias and hasattr(layer, "bias_f32") else bias.float().contiguous()
-        xf = rows.float() if rows.dtype != torch.float32 else rows
+        xf = rows if rows.dtype == torch.float32 else rows.float()
         if xf.stride(-1) != 1:
             xf = xf.contiguous()
-        y = native.int8_linear(xf, layer.qweight, layer.wscale, b)
-        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        # qweight, wscale, bias_f32 were made contiguous fp32/int8 by process()
+        y = native.int8_linear_unchecked(xf, layer.qweight, layer.wscale, b)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])

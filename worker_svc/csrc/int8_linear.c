@@ -28,6 +28,10 @@
 #define I8_AVX2 1
 #endif
 
+#ifndef PREFETCH_TILES
+#define PREFETCH_TILES 4
+#endif
+                 /* tiles of 4 rows prefetched ahead */
 #define MIN_WEIGHTS_PER_THREAD (1 << 16)   /* below ~64 KB of weights a fork/join costs more */
 
 #if defined(I8_AVX2)
@@ -114,6 +118,14 @@ int int8_linear(const float *x, int64_t x_stride, const int8_t *w, const float *
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tiles > 1)
     for (int i = 0; i < tiles; i++) {
         const int n0 = i * 4;
+#if defined(I8_AVX2)
+        /* the tile PREFETCH_TILES ahead: each tile is a short run of 4 * K bytes, too short for
+         * the hardware prefetchers to ramp up on while the FMAs keep the core busy */
+        if (n0 + 4 * (PREFETCH_TILES + 1) <= N) {
+            const char *p = (const char *)(w + (int64_t)(n0 + 4 * PREFETCH_TILES) * K);
+            for (int64_t b = 0; b < 4 * (int64_t)K; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+        }
+#endif
         if (n0 + 4 <= N) {
             for (int t0 = 0; t0 < T; t0 += 2) {
                 const int tn = T - t0 < 2 ? T - t0 : 2;
