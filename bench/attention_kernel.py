@@ -2,7 +2,7 @@
 (worker_svc.attention: sort, group, index_select gather, SDPA) on SmolLM2's shapes.
 
 SmolLM2-135M: 9 query heads, 3 kv heads, head_dim 64, block size 16. Each case is B decodes at
-one context length; q/out have the cache's dtype, as in the engine. The timed unit is one
+one context length; q/out have the cache's dtype (fp32 for an fp16 cache), as in the engine. The timed unit is one
 layer's decode attention; a pass runs it over L distinct layer caches (views of one allocation,
 1 GiB in all, like the engine's 30 layers interleaved with weight reads) so K/V come from
 DRAM, not from the 260 MiB L3 (L is capped at 256, so the smallest cases, B = 1 and 8 at
@@ -35,7 +35,7 @@ from worker_svc import attention, native
 HQ, HKV, DIM, BS = 9, 3, 64, 16
 SIZES = [1, 8, 32, 128]
 CONTEXTS = [1024, 128]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TARGET_BYTES = 1 << 30          # K+V bytes a pass walks through (> L3)
 MAX_LAYERS = 256
 
@@ -54,7 +54,8 @@ def make_case(batch: int, ctx: int, dtype: torch.dtype, seed: int = 0):
     layers = [(kv[i, 0], kv[i, 1]) for i in range(num_layers)]
     tables = torch.randperm(blocks, generator=g).view(batch, nb).to(torch.int32)
     lens = torch.full((batch,), ctx, dtype=torch.int32)
-    q = torch.randn(batch, HQ, DIM, generator=g).to(dtype)
+    # fp16 is a KV-cache-only dtype: the engine's q/out are then fp32
+    q = torch.randn(batch, HQ, DIM, generator=g).to(torch.float32 if dtype == torch.float16 else dtype)
     # the engine's metadata: every decode has start_pos ctx - 1 and one new token
     meta = attention.build_metadata([(ctx - 1, 1, t.tolist()) for t in tables], BS)
     return layers, q, tables, lens, meta
@@ -97,7 +98,7 @@ def run_case(batch: int, ctx: int, dtype_name: str, threads: list[int], rounds: 
             t2 = time.perf_counter()
             times[(t, "torch")].append((t1 - t0) / len(layers))
             times[(t, "native")].append((t2 - t1) / len(layers))
-    kv_bytes = 2 * batch * ctx * HKV * DIM * q.element_size()
+    kv_bytes = 2 * batch * ctx * HKV * DIM * layers[0][0].element_size()
     rows = []
     for t in threads:
         tt, tn = statistics.median(times[(t, "torch")]), statistics.median(times[(t, "native")])

@@ -15,6 +15,12 @@ zeros: attention cost depends on lengths, not on values.
 
     python -m bench.engine_iteration [--rounds 5] [--threads 1,2] [--dtypes float32,bfloat16]
 writes bench/results/engine_iteration.json and .png.
+
+--variants NAME=DTYPE:KV:WEIGHTS:ATTENTION,... replaces --dtypes with engine configurations
+(KV: kv_cache_dtype, WEIGHTS: weight_quant, ATTENTION: auto|torch), e.g. the issue-11 run
+`--variants before=float32:float32:none:auto,after=float32:auto:auto:auto`; with --membw
+<json of bench.membw> every case also gets its bound: bytes the step must read (weights as
+the variant stores them for that token count, plus the KV cache it attends over) / bandwidth.
 """
 from __future__ import annotations
 
@@ -78,6 +84,43 @@ def cases() -> list[tuple[str, int]]:
     return ([("decode", b) for b in DECODE_SIZES] + [("decode_short", b) for b in DECODE_SIZES]
             + [("prefill", n) for n in PREFILL_SIZES]
             + [("hybrid", n) for n in HYBRID_SIZES])
+
+
+def make_executor(spec: str) -> Executor:
+    """DTYPE[:KV[:WEIGHTS[:ATTENTION]]] -> an executor with the benchmark's cache."""
+    dtype, kv, wq, attn = (spec.split(":") + ["auto", "auto", "auto"])[:4]
+    if kv == "auto" and ":" not in spec:
+        kv = dtype                        # --dtypes runs: the KV cache in the compute dtype, as before
+    ex = Executor(WorkerConfig(dtype=dtype, kv_cache_dtype=kv, weight_quant=wq if ":" in spec else "none",
+                               cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS)))
+    if attn == "torch":                   # the torch decode path (SARATHI_NATIVE_ATTENTION=0)
+        from worker_svc.attention import TorchAttention
+        ex.backend.attention = TorchAttention()
+        for layer in ex.model.layers:
+            layer.attention = ex.backend.attention
+    return ex
+
+
+def step_bytes(ex: Executor, series: str, size: int) -> int:
+    """Bytes one step must read at least: every linear weight once (int8 + scales when the
+    variant's int8 path runs at this token count, else the float weight), the LM head for the
+    sampled rows, and the K and V of every cached token attended over."""
+    batch = make_batch(series, size)
+    T = batch.num_tokens
+    method = ex.backend.linear
+    from worker_svc.model.linear import ReplicatedLinear
+
+    weights = 0
+    for m in ex.model.modules():
+        if hasattr(m, "method") and hasattr(m, "weight"):
+            n, k = m.weight.shape
+            rows = sum(s.sample for s in batch.seqs) if isinstance(m, ReplicatedLinear) else T
+            int8 = hasattr(m, "qweight") and rows <= getattr(method, "max_tokens", -1)
+            weights += n * k + 4 * n if int8 else n * k * m.weight.element_size()
+    cfg = ex.model_cfg
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * ex.cache.k[0].element_size()
+    kv = sum(s.start_pos + len(s.token_ids) for s in batch.seqs) * per_token
+    return weights + kv
 
 
 def measure(executors: dict[str, Executor], threads: list[int], rounds: int) -> tuple[dict, dict]:
@@ -167,6 +210,33 @@ def plot(summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_bounds(summary: dict, path: Path) -> None:
+    """Bars: median step time per case and variant; a black tick at each bar's bandwidth bound."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(summary)
+    keys = [(s, p["size"]) for s in summary[variants[0]] for p in summary[variants[0]][s]]
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(keys)), 4.8))
+    width = 0.8 / len(variants)
+    for i, v in enumerate(variants):
+        pts = {(s, p["size"]): p for s in summary[v] for p in summary[v][s]}
+        xs = [k + (i - (len(variants) - 1) / 2) * width for k in range(len(keys))]
+        ax.bar(xs, [pts[k]["median_s"] * 1e3 for k in keys], width, label=v)
+        if "bound_s" in pts[keys[0]]:
+            ax.scatter(xs, [pts[k]["bound_s"] * 1e3 for k in keys], marker="_", s=300, color="k",
+                       zorder=3, label="bound (bytes / read bandwidth)" if i == 0 else None)
+    names = {"decode": f"ctx {CONTEXT}", "decode_short": f"ctx {SHORT_CONTEXT}", "prefill": "prefill",
+             "hybrid": f"{HYBRID_DECODES} dec + chunk"}
+    ax.set_xticks(range(len(keys)), [f"{names.get(s, s)}\n{n}" for s, n in keys])
+    ax.set(yscale="log", ylabel="step time (ms, median)", title="engine step vs its memory bound")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 PROFILE_CASES = [("decode", 1), ("decode", 32), ("decode_short", 32), ("prefill", 512)]
 
 
@@ -200,14 +270,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--note", default="", help="free text stored with the results (e.g. machine load)")
     ap.add_argument("--targets-only", action="store_true",
                     help="only the cases the issue's targets name (quick run in a quiet moment)")
+    ap.add_argument("--variants", default="", help="NAME=DTYPE:KV:WEIGHTS:ATTENTION,... (see module doc)")
+    ap.add_argument("--membw", default="", help="bench.membw JSON: add each case's bandwidth bound")
     ap.add_argument("--profile", action="store_true",
                     help="instead of the sweep, write torch.profiler tables to <out>_profile.txt")
     args = ap.parse_args(argv)
     if args.targets_only:
         global DECODE_SIZES, PREFILL_SIZES, HYBRID_SIZES
         DECODE_SIZES, PREFILL_SIZES, HYBRID_SIZES = [1, 32], [512], [512]
-    executors = {d: Executor(WorkerConfig(dtype=d, cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS)))
-                 for d in args.dtypes.split(",")}
+    if args.variants:
+        executors = {name: make_executor(spec) for name, spec in
+                     (v.split("=", 1) for v in args.variants.split(","))}
+    else:
+        executors = {d: make_executor(d) for d in args.dtypes.split(",")}
+    for name, ex in executors.items():
+        print(f"{name}: {ex.backend.describe()}", file=sys.stderr)
     if args.profile:
         threads = int(args.threads.split(",")[-1])
         profile(executors, threads, Path(f"{args.out}_profile_{threads}t.txt"))
@@ -215,18 +292,32 @@ def main(argv: list[str] | None = None) -> None:
     threads = [int(t) for t in args.threads.split(",")]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     summary = summarize(*measure(executors, threads, args.rounds))
+    if args.membw:
+        bw = json.loads(Path(args.membw).read_text())["results"]
+        for variant, by_series in summary.items():
+            name, t = variant.rsplit("/", 1)
+            gbps = bw.get(t, bw[max(bw)])["read_gb_per_s"]
+            for series, pts in by_series.items():
+                for p in pts:
+                    p["bytes"] = step_bytes(executors[name], series, p["size"])
+                    p["bound_s"] = p["bytes"] / (gbps * 1e9)
+                    p["x_bound"] = round(p["median_s"] / p["bound_s"], 2)
     result = {
         "command": "python -m bench.engine_iteration " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(), "torch": torch.__version__, "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
         "loadavg_before_after": [load_before, Path("/proc/loadavg").read_text().split()[:3]],
         "note": args.note, "rounds": args.rounds, "context_tokens": CONTEXT,
+        "backends": {name: ex.backend.describe() for name, ex in executors.items()},
+        "membw": json.loads(Path(args.membw).read_text()) if args.membw else None,
         "vs_targets": against_targets(summary), "results": summary,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot(summary, out.with_suffix(".png"))
+    if args.membw:
+        plot_bounds(summary, out.parent / (out.name + "_bounds.png"))
     print(json.dumps(result["vs_targets"], indent=1))
 
 

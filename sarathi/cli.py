@@ -44,6 +44,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     _add(p, "gpu-memory-utilization", 0.9, "CUDA: fraction of device memory for weights, activations "
          "and the KV cache (sizes the cache when --num-blocks is 0)")
     _add(p, "cuda-graphs", True, "CUDA: replay captured graphs for decode-only batches")
+    _add(p, "kv-cache-dtype", "auto", "KV cache dtype, independent of --dtype (auto: 16-bit on CPU, "
+         "--dtype on CUDA)", choices=["auto", "float32", "bfloat16", "float16"])
+    _add(p, "weight-quant", "auto", "weight-only quantization of the linear layers (auto: int8 for "
+         "small batches on CPUs where it pays; none: float weights)", choices=["auto", "none", "int8"])
 
 
 def _sched_args(p: argparse.ArgumentParser) -> None:

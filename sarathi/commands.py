@@ -20,7 +20,8 @@ def _llm_kwargs(a: argparse.Namespace) -> dict:
 
 
 def _device_kwargs(a: argparse.Namespace) -> dict:
-    return dict(device=a.device, gpu_memory_utilization=a.gpu_memory_utilization, cuda_graphs=a.cuda_graphs)
+    return dict(device=a.device, gpu_memory_utilization=a.gpu_memory_utilization, cuda_graphs=a.cuda_graphs,
+                kv_cache_dtype=a.kv_cache_dtype, weight_quant=a.weight_quant)
 
 
 def generate(a: argparse.Namespace) -> int:

@@ -46,13 +46,15 @@ class LLM:
     num_blocks / block_size: the paged KV cache (blocks per layer, tokens per block; num_blocks
     0 = auto: 2048 on CPU, sized from free memory on CUDA).
     device: "cpu" or "cuda[:n]"; gpu_memory_utilization, cuda_graphs: see WorkerConfig.
+    kv_cache_dtype / weight_quant: see shared.config.WorkerConfig ("auto": the device's choice).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", threads: int = 0,
                  num_blocks: int = 0, block_size: int = 16, policy: str = "sarathi",
                  token_budget: int = 512, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False,
-                 device: str = "cpu", gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True):
+                 device: str = "cpu", gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
+                 kv_cache_dtype: str = "auto", weight_quant: str = "auto"):
         from worker_svc.executor import Executor  # torch lives only behind this import
 
         source = resolve_model(model)
@@ -61,6 +63,7 @@ class LLM:
         self.executor = Executor(WorkerConfig(
             model=str(source.path), dtype=dtype, num_threads=threads, cache=cache, device=device,
             gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
+            kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_num_batched_tokens, token_budget)))
         info = self.executor.model_info
         self.model_info = info

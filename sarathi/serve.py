@@ -39,13 +39,14 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
                  max_model_len: int | None = None, api_key: str | None = None,
                  worker: str = "process", queue_prefix: str = "sarathi:",
                  log_level: str = "info", drain_timeout_s: float = 30.0,
-                 worker_restart_timeout_s: float = 30.0) -> None:
+                 worker_restart_timeout_s: float = 30.0, kv_cache_dtype: str = "auto",
+                 weight_quant: str = "auto") -> None:
     """Serve `model` (None: the default SmolLM2) on http://host:port until interrupted.
 
     redis_url: None = in-process queue; a URL = the Redis queue (same semantics, durable).
     dtype, threads (torch CPU threads, 0 = default), num_blocks x block_size (KV cache, tokens per
     block; num_blocks 0 = auto, see WorkerConfig), device ("cpu", "cuda[:n]"),
-    gpu_memory_utilization, cuda_graphs: the worker. policy, token_budget (tau, tokens), max_num_seqs, max_num_batched_tokens,
+    gpu_memory_utilization, cuda_graphs, kv_cache_dtype, weight_quant: the worker. policy, token_budget (tau, tokens), max_num_seqs, max_num_batched_tokens,
     prefix_caching: the scheduler. max_model_len: tokens; None = the model's context length.
     api_key: require `Authorization: Bearer <key>` on /v1/*. worker: "process" | "thread".
     queue_prefix: the Redis key prefix (with redis_url). drain_timeout_s: on SIGTERM, seconds for
@@ -69,6 +70,7 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
     tokenizer = load_tokenizer(source)
     worker_kw = dict(model=str(source.path), dtype=dtype, threads=threads,
                      num_blocks=num_blocks, block_size=block_size, device=device,
+                     kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant,
                      gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
                      max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max(max_num_batched_tokens, token_budget))

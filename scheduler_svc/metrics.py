@@ -53,11 +53,18 @@ class SchedulerMetrics:
                                    "and the running requests were replayed", registry=r)
         self.policy = Gauge(p + "policy_info", "The batching policy (value 1)", ["policy"], registry=r)
         self.token_budget = Gauge(p + "token_budget", "tau: tokens per iteration", registry=r)
+        self.worker_backend = Gauge(p + "worker_backend_info", "What the workers run: attention "
+                                    "kernel, KV cache dtype, linear method (value 1)",
+                                    ["model", "backend"], registry=r)
         self._preemptions_seen = 0
 
     def set_config(self, policy: str, token_budget: int) -> None:
         self.policy.labels(policy=policy).set(1)
         self.token_budget.set(token_budget)
+
+    def set_worker(self, model: str, backend: str) -> None:
+        """Once the workers answered: their ModelInfo.name and .backend (DeviceBackend.describe())."""
+        self.worker_backend.labels(model=model, backend=backend or "unknown").set(1)
 
     def observe_stats(self, stats: dict) -> None:
         """Mirror a Scheduler.stats() snapshot (counters advance by the delta since the last)."""

@@ -318,6 +318,7 @@ def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] 
         info = _wait_for_model_info(executor, stop)
         if info is None:
             return
+        metrics.set_worker(info.name, info.backend)
         if model is not None and str(model) not in ("", "default", info.name):
             log.info("--model %s given to the scheduler; the workers serve %s", model, info.name)
         cfg = SchedulerConfig(policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,
@@ -331,8 +332,9 @@ def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] 
                                    worker_restart_timeout_s=worker_restart_timeout_s)
         service.http_port = server.server_port if server is not None else None
         services.append(service)
-        log.info("scheduler ready: policy=%s tau=%d model=%s max_model_len=%d kv=%dx%d", policy,
-                 token_budget, info.name, scheduler.max_model_len, info.num_blocks, info.block_size)
+        log.info("scheduler ready: policy=%s tau=%d model=%s max_model_len=%d kv=%dx%d worker=%s",
+                 policy, token_budget, info.name, scheduler.max_model_len, info.num_blocks,
+                 info.block_size, info.backend)
         if on_ready is not None:
             on_ready(service)
         try:

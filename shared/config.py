@@ -17,6 +17,8 @@ class ModelInfo:
     num_layers: int = 0
     block_size: int = 16          # tokens per KV block
     num_blocks: int = 0           # KV blocks the worker allocated (per layer)
+    backend: str = ""             # what runs (DeviceBackend.describe()), e.g. "device cpu: attention
+                                  # native avx2, kv bfloat16, linear int8 for <= 16 tokens"
 
 
 @dataclass
@@ -70,6 +72,10 @@ class WorkerConfig:
     attention: "auto" or a backend's named kernel (CPU: native, torch; CUDA: flashinfer, torch).
     cuda_graphs: capture CUDA graphs for decode-only batches of up to max_num_seqs (CUDA with
         FlashInfer only).
+    kv_cache_dtype: "auto" (the device's default: 16-bit on CPU, the compute dtype on CUDA),
+        "float32", "bfloat16" or "float16"; independent of dtype (exactness tests use float32).
+    weight_quant: "auto" (CPU: int8 for small batches where the int8 kernel pays), "none" or
+        "int8" (weight-only, per output channel; worker_svc/quant.py).
     """
 
     model: str | None = None
@@ -82,6 +88,8 @@ class WorkerConfig:
     cuda_graphs: bool = True
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 4096
+    kv_cache_dtype: str = "auto"
+    weight_quant: str = "auto"
 
 
 DEFAULT_CPU_BLOCKS = 2048      # KV blocks per layer when a CPU worker is asked for "auto" (0)

@@ -47,9 +47,13 @@ def make_tiny_checkpoint(root: Path, name: str, seed: int = 0) -> Path:
 
 
 def make_executor(model: str | Path | None, dtype: str = "float32", num_blocks: int = 256,
-                  block_size: int = 16) -> Executor:
+                  block_size: int = 16, kv_cache_dtype: str | None = None,
+                  weight_quant: str = "none") -> Executor:
+    """The exactness setting by default: float weights and a KV cache in the compute dtype
+    (HF-equal greedy output); quantized modes are asked for explicitly."""
     return Executor(WorkerConfig(model=None if model is None else str(model), dtype=dtype,
-                                 cache=CacheConfig(block_size=block_size, num_blocks=num_blocks)))
+                                 cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                                 kv_cache_dtype=kv_cache_dtype or dtype, weight_quant=weight_quant))
 
 
 class BlockPool:

@@ -205,6 +205,8 @@ def _decode_attention(q, kc, vc, d: DecodeMeta, out, scale) -> None:
     qd = q[d.contiguous_rows] if d.contiguous_rows is not None else q.index_select(0, d.rows)
     # GQA: the G query heads sharing a kv head become G query "positions" of that head.
     qd = qd.view(B, hkv, group, dim)
+    if keys.dtype != q.dtype:    # a 16-bit cache under an fp32 model: SDPA wants one dtype
+        keys, vals = keys.to(q.dtype), vals.to(q.dtype)
     if q.dtype not in d.bias:   # an additive float mask runs faster than a bool one in SDPA on CPU
         d.bias[q.dtype] = torch.zeros(d.valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~d.valid, float("-inf"))
     o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=d.bias[q.dtype], scale=scale)
@@ -236,6 +238,8 @@ def _chunk_attention(q, kc, vc, c: ChunkMeta, out, scale) -> None:
     group = q.shape[1] // hkv
     keys = kc.index_select(0, c.blocks).view(-1, hkv, dim)[:ctx]
     vals = vc.index_select(0, c.blocks).view(-1, hkv, dim)[:ctx]
+    if keys.dtype != q.dtype:    # a 16-bit cache under an fp32 model
+        keys, vals = keys.to(q.dtype), vals.to(q.dtype)
     if group > 1:   # chunks are compute-bound: repeating K/V is cheap next to the matmuls
         keys = keys.repeat_interleave(group, dim=1)
         vals = vals.repeat_interleave(group, dim=1)

@@ -26,6 +26,7 @@ from worker_svc.sampler import Sampler, SamplerOutput
 log = logging.getLogger("sarathi.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = {**DTYPES, "float16": torch.float16}
 
 
 class BatchError(ValueError):
@@ -46,6 +47,15 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_kv_cache_dtype(name: str) -> torch.dtype | None:
+    """'auto' -> None (the backend's default for its device); else the named dtype."""
+    if name == "auto":
+        return None
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose auto, {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
+
+
 class Executor:
     """Loads config.model, then allocates config.cache.num_blocks KV blocks per layer (0: auto,
     see WorkerConfig), then captures the backend's CUDA graphs if it has them.
@@ -62,7 +72,9 @@ class Executor:
         self.dtype = resolve_dtype(config.dtype, config.device)
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
-        self.backend = select_backend(config.device, self.dtype, attention=config.attention)
+        self.backend = select_backend(config.device, self.dtype,
+                                      resolve_kv_cache_dtype(config.kv_cache_dtype),
+                                      attention=config.attention, weight_quant=config.weight_quant)
         dev = self.backend.device
         if weights is None:
             source = resolve_model(config.model)
@@ -89,7 +101,7 @@ class Executor:
             name=name, max_model_len=cfg.max_position_embeddings,
             vocab_size=cfg.vocab_size, eos_token_ids=list(cfg.eos_token_ids),
             num_layers=cfg.num_layers, block_size=self.block_size,
-            num_blocks=num_blocks)
+            num_blocks=num_blocks, backend=self.backend.describe())
         self.graphs = None
         if config.cuda_graphs and self.backend.make_graph_runner is not None:
             from worker_svc.cuda_graphs import capture_sizes

@@ -11,7 +11,8 @@ import torch
 
 
 class PagedKVCache:
-    """num_layers x (k, v), each [num_blocks, block_size, num_kv_heads, head_dim] of `dtype`.
+    """num_layers x (k, v), each [num_blocks, block_size, num_kv_heads, head_dim] of `dtype`
+    (the KV cache dtype, independent of the compute dtype; readers widen what they read).
 
     Zero-initialised on purpose: padded decode batches read blocks they do not own and mask
     them out; garbage NaNs there would survive a zero attention weight (0 * NaN = NaN).
@@ -33,6 +34,9 @@ class PagedKVCache:
         return self.num_blocks * self.block_size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [T, Hkv, D] of this step's tokens at `slots` [T] (int64)."""
-        self.k[layer].view(self.num_slots, *k.shape[1:]).index_copy_(0, slots, k)
-        self.v[layer].view(self.num_slots, *v.shape[1:]).index_copy_(0, slots, v)
+        """Store k, v [T, Hkv, D] of this step's tokens at `slots` [T] (int64), cast to the
+        cache's dtype (which may be narrower than the compute dtype: a 16-bit cache rounds
+        here, once per token)."""
+        kc, vc = self.k[layer], self.v[layer]
+        kc.view(self.num_slots, *k.shape[1:]).index_copy_(0, slots, k.to(kc.dtype))
+        vc.view(self.num_slots, *v.shape[1:]).index_copy_(0, slots, v.to(vc.dtype))

@@ -1,6 +1,8 @@
-"""The native paged decode-attention kernel (worker_svc/csrc/paged_decode.c), built on first use.
+"""The native CPU kernels, built on first use into one library: paged decode attention
+(worker_svc/csrc/paged_decode.c) and the weight-only int8 linear layer (csrc/int8_linear.c).
 
-Build: `$SARATHI_CC` (default gcc) -O3 -march=native -fopenmp -shared -fPIC, into
+Build: `$SARATHI_CC` (default gcc) -O3 -march=native -fopenmp -shared -fPIC (-march=$SARATHI_NATIVE_MARCH
+when set: tests build the scalar path with x86-64), into
 `$SARATHI_CACHE_DIR` (default `$XDG_CACHE_HOME/sarathi` or `~/.cache/sarathi`) under a name
 keyed by a hash of the source, compiler, flags and this CPU's flags, so a changed kernel or
 another machine never reuses a stale library. The library is written to a temporary name and
@@ -32,9 +34,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+SOURCES = [SOURCE, Path(__file__).parent / "csrc" / "int8_linear.c"]
 MAX_D, MAX_G = 256, 64                      # MAX_D and MAX_ROWS of the kernel
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}                        # q and out
+_KV_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the KV cache
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -65,10 +68,15 @@ def _compiler() -> str:
     return os.environ.get("SARATHI_CC", "gcc")
 
 
+def _flags() -> list[str]:
+    return ["-O3", f"-march={os.environ.get('SARATHI_NATIVE_MARCH', 'native')}", "-fopenmp",
+            "-shared", "-fPIC"]
+
+
 def library_path() -> Path:
     """Where the library for the current source/compiler/flags/CPU lives (built or not)."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), _compiler().encode(), " ".join(FLAGS).encode(),
+    for part in (*(p.read_bytes() for p in SOURCES), _compiler().encode(), " ".join(_flags()).encode(),
                  _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
@@ -81,7 +89,7 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [_compiler(), *FLAGS, "-o", tmp, str(SOURCE)]
+        cmd = [_compiler(), *_flags(), "-o", tmp, *map(str, SOURCES)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
@@ -100,7 +108,23 @@ def _load() -> ctypes.CDLL:
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn.argtypes = [P, I, L, P, P, I, P, I, P, P, I, I, I, I, I, ctypes.c_float, P, I, L, I]
     fn.restype = I
+    for name in ("paged_decode_isa", "int8_linear_isa"):
+        getattr(lib, name).restype = ctypes.c_char_p
+    fn = lib.int8_linear
+    fn.argtypes = [P, L, P, P, P, P, L, I, I, I, I]
+    fn.restype = I
     return lib
+
+
+def isa() -> str:
+    """The SIMD path the loaded decode kernel runs: "avx512", "avx2" or "scalar" (or "" when
+    the library is not available)."""
+    return _lib.paged_decode_isa().decode() if available() else ""
+
+
+def int8_isa() -> str:
+    """The path the loaded int8 linear kernel runs: "avx2" or "scalar" ("" when unavailable)."""
+    return _lib.int8_linear_isa().decode() if available() else ""
 
 
 def available() -> bool:
@@ -142,7 +166,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     num_heads, dim = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
     return (q.device.type == "cpu" and k_cache.device.type == "cpu"
-            and q.dtype in _DTYPE_CODE and k_cache.dtype in _DTYPE_CODE
+            and q.dtype in _DTYPE_CODE and k_cache.dtype in _KV_DTYPE_CODE
             and k_cache.shape[3] == dim and 1 <= dim <= MAX_D and k_cache.is_contiguous()
             and num_heads % hkv == 0 and num_heads // hkv <= MAX_G
             and q.stride(2) == 1 and q.stride(1) == dim)
@@ -155,8 +179,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """out[rows[b]] = softmax(scale * q[rows[b]] . K_b^T) V_b for every sequence b.
 
     q, out: [T, Hq, D] fp32 or bf16, heads/dims contiguous (any row stride); without rows,
-    T == B and row b is sequence b. k_cache, v_cache: [num_blocks, bs, Hkv, D] contiguous, fp32
-    or bf16 (same dtype). block_tables [B, nb] int32: sequence b's keys are positions
+    T == B and row b is sequence b. k_cache, v_cache: [num_blocks, bs, Hkv, D] contiguous, fp32,
+    bf16 or fp16 (same dtype; independent of q's). block_tables [B, nb] int32: sequence b's keys are positions
     0 .. context_lens[b] - 1 in blocks block_tables[b, :ceil(len / bs)] (the rest is ignored).
     context_lens [B] int32. rows [B] int32 or None. scale: softmax scale (1/sqrt(D) usually).
     Accumulation is fp32. Threads: torch.get_num_threads() unless given. Call available()
@@ -186,7 +210,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"q has {q.shape[0]} rows for {B} sequences and no rows index")
     rc = _lib.paged_decode_attention(
         q.data_ptr(), _DTYPE_CODE[q.dtype], q.stride(0),
-        k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODE[k_cache.dtype],
+        k_cache.data_ptr(), v_cache.data_ptr(), _KV_DTYPE_CODE[k_cache.dtype],
         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
         rows.data_ptr() if rows is not None else None,
         B, num_heads, hkv, dim, bs, float(scale),
@@ -194,4 +218,36 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_threads if num_threads is not None else torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"kernel rejected the shapes (rc={rc})")
+    return out
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None, num_threads: int | None = None) -> torch.Tensor:
+    """x [T, K] fp32 (rows may be strided, K contiguous) @ (qweight [N, K] int8 * scale [N, 1]).T
+    (+ bias [N] fp32) -> [T, N] fp32 new tensor; fp32 accumulation (csrc/int8_linear.c)."""
+    if not available():
+        raise RuntimeError(f"native kernels unavailable: {_reason}")
+    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or x.device.type != "cpu":
+        raise ValueError(f"x must be a CPU fp32 [T, K] tensor with contiguous rows, got "
+                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+    N, K = qweight.shape
+    if (qweight.dtype != torch.int8 or not qweight.is_contiguous() or x.shape[1] != K
+            or scale.dtype != torch.float32 or scale.shape != (N,) or not scale.is_contiguous()):
+        raise ValueError(f"qweight must be contiguous int8 [N, K={x.shape[1]}] with fp32 scale [N], got "
+                         f"{tuple(qweight.shape)} {qweight.dtype}, {tuple(scale.shape)} {scale.dtype}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous fp32 [{N}]")
+    return int8_linear_unchecked(x, qweight, scale, bias, num_threads)
+
+
+def int8_linear_unchecked(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None = None, num_threads: int | None = None) -> torch.Tensor:
+    """int8_linear without the argument checks (~15 us of Python per call, a tenth of a small
+    layer's time): for callers that checked qweight/scale/bias once (worker_svc.quant) and pass
+    an fp32 x [T, K] with x.stride(1) == 1."""
+    N, K = qweight.shape
+    out = torch.empty(x.shape[0], N, dtype=torch.float32)
+    _lib.int8_linear(x.data_ptr(), x.stride(0), qweight.data_ptr(), scale.data_ptr(),
+                     bias.data_ptr() if bias is not None else None, out.data_ptr(), N,
+                     x.shape[0], N, K, num_threads or torch.get_num_threads())
     return out

@@ -127,6 +127,7 @@ def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
                num_blocks: int = 1024, block_size: int = 16,
                gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
                max_num_seqs: int = 128, max_num_batched_tokens: int = 4096,
+               kv_cache_dtype: str = "auto", weight_quant: str = "auto",
                executor: ExecutorLike | None = None,
                stop: threading.Event | None = None,
                ready: threading.Event | None = None) -> None:
@@ -137,7 +138,8 @@ def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
     or "cuda[:n]". threads: torch CPU threads (0 = torch's default). num_blocks x block_size:
     the paged KV cache (blocks per layer, tokens per block; 0 blocks = auto, see WorkerConfig).
     gpu_memory_utilization, cuda_graphs, max_num_seqs (largest graph), max_num_batched_tokens
-    (profiling pass): CUDA only, see WorkerConfig. executor: serve this object instead
+    (profiling pass): CUDA only, see WorkerConfig. kv_cache_dtype, weight_quant: see
+    WorkerConfig. executor: serve this object instead
     of loading a model (tests, the simulated worker). ready: set once the socket is bound and the
     model is loaded.
     """
@@ -147,7 +149,8 @@ def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
         cfg = WorkerConfig(model=model, dtype=dtype, device=device, num_threads=threads,
                            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
                            gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
-                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant)
         executor = Executor(cfg)
     server = WorkerServer(executor, address)
     log.info("worker serving %s on %s", executor.model_info.name, server.address)

@@ -85,6 +85,8 @@ class DeviceBackend:
             bind(num_qo_heads, num_kv_heads, head_dim, q_dtype, scale, max_pages)
 
     def describe(self) -> str:
+        """One line, e.g. "device cpu: attention native avx2, kv bfloat16, linear int8 for <= 16
+        tokens"; also ModelInfo.backend, shown as a /metrics label by the scheduler."""
         kv = str(self.kv_cache_dtype).removeprefix("torch.")
         return (f"device {self.device}: attention {self.attention.name}, kv {kv}, "
                 f"linear {self.linear.name}"

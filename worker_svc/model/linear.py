@@ -73,3 +73,18 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(self.method.apply(self, x, None))
         return y if self.bias is None else y + self.bias   # the bias is added once, after the sum
+
+
+class ReplicatedLinear(torch.nn.Module):
+    """y = x @ W.T with the whole weight on every rank (the LM head). `weight` is an existing
+    Parameter, kept as is (shared with the embedding when the model ties them)."""
+
+    def __init__(self, weight: torch.nn.Parameter, method: LinearMethod = LinearMethod()):
+        super().__init__()
+        self.weight = weight
+        self.bias = None
+        self.method = method
+        method.process(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, None)

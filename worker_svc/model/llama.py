@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from worker_svc.backends import DeviceBackend
 from worker_svc.kv_cache import PagedKVCache
 from worker_svc.model.config import ModelConfig
-from worker_svc.model.linear import ColumnParallelLinear, RowParallelLinear, TensorParallel
+from worker_svc.model.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, TensorParallel
 from worker_svc.model.rope import RotaryEmbedding
 
 
@@ -85,6 +85,7 @@ class LlamaForCausalLM(torch.nn.Module):
             self.lm_head = self.embed
         else:
             self.lm_head = torch.nn.Parameter(weights["lm_head.weight"].to(dtype), requires_grad=False)
+        self.head = ReplicatedLinear(self.lm_head, backend.linear)   # the backend's linear method
         self.rope = RotaryEmbedding(cfg, cfg.max_position_embeddings)
 
     @torch.inference_mode()
@@ -97,4 +98,4 @@ class LlamaForCausalLM(torch.nn.Module):
         for layer in self.layers:
             x = layer(x, cos_sin, cache, meta)
         x = self.norm(x.index_select(0, logit_rows))     # norm is per row: do it only where needed
-        return F.linear(x, self.lm_head).float()
+        return self.head(x).float()

@@ -1,0 +1,133 @@
+"""All linear layers of one SmolLM2-135M step (30 x qkv, o, gate_up, down + the LM head), float
+vs weight-only int8, by token count T: where int8 pays (memory-bound, small T) and where the float
+GEMM wins again (compute-bound). The result picks the int8 threshold recorded in
+worker_svc/quant.py (INT8_MAX_TOKENS).
+
+Variants (each a full sweep over ~540 MB of fp32 weights, more than the L3, as in a real step):
+* float32: F.linear (MKL/oneDNN sgemm);
+* int8-native: worker_svc/csrc/int8_linear.c (AVX2 widen-and-FMA, per-row scales);
+* int8-torch: torch.ops.aten._weight_int8pack_mm, torch's own packed op (the issue's candidate);
+  measured at small T only, it is slow on CPUs without AVX-512 (see the results).
+
+Each round runs every (T, variant) once, variants of a T back to back; medians are reported.
+
+    python -m bench.int8_linear [--rounds 5] [--threads 2] [--out bench/results/int8_linear_amd]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.engine_iteration import machine
+from worker_svc import native
+from worker_svc.quant import quantize_int8
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
+SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128]
+TORCH_INT8_SIZES = [1, 4, 16]
+
+
+def layer_shapes() -> list[tuple[int, int]]:
+    """(out, in) of every linear layer of one step, in execution order."""
+    qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    per_layer = [(qkv, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+    return per_layer * LAYERS + [(VOCAB, HIDDEN)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="bench/results/int8_linear_amd")
+    args = ap.parse_args(argv)
+    if not native.available():
+        sys.exit(f"native kernels unavailable: {native.unavailable_reason()}")
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for n, k in layer_shapes():
+        w = torch.randn(n, k, generator=g) * 0.05
+        q, s = quantize_int8(w)
+        layers.append((w, q, s))
+    fp32_bytes = sum(w.numel() * 4 for w, _, _ in layers)
+    int8_bytes = sum(q.numel() + s.numel() * 4 for _, q, s in layers)
+    xs = {t: {k: torch.randn(t, k, generator=g) for k in (HIDDEN, INTER)} for t in SIZES}
+
+    def sweep(variant: str, t: int) -> float:
+        t0 = time.perf_counter()
+        for w, q, s in layers:
+            x = xs[t][w.shape[1]]
+            if variant == "float32":
+                F.linear(x, w)
+            elif variant == "int8-native":
+                native.int8_linear(x, q, s)
+            else:
+                torch.ops.aten._weight_int8pack_mm(x, q, s)
+        return time.perf_counter() - t0
+
+    variants = {t: ["float32", "int8-native"] + (["int8-torch"] if t in TORCH_INT8_SIZES else [])
+                for t in SIZES}
+    times = {(t, v): [] for t in SIZES for v in variants[t]}
+    for t in SIZES:                     # warm-up (page faults, oneDNN primitive caches)
+        for v in variants[t]:
+            sweep(v, t)
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    for r in range(args.rounds):
+        for t in SIZES:
+            for v in variants[t]:
+                if v == "int8-torch" and r > 1:
+                    continue            # slow; two rounds are enough to show it
+                times[(t, v)].append(sweep(v, t))
+        print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+    rows = []
+    for (t, v), ts in times.items():
+        med = statistics.median(ts)
+        nbytes = fp32_bytes if v == "float32" else int8_bytes
+        rows.append({"tokens": t, "variant": v, "median_ms": round(med * 1e3, 3),
+                     "min_ms": round(min(ts) * 1e3, 3), "weight_gb_per_s": round(nbytes / med / 1e9, 2),
+                     "samples_ms": [round(x * 1e3, 3) for x in ts]})
+    med = {(r["tokens"], r["variant"]): r["median_ms"] for r in rows}
+    wins = [t for t in SIZES if med[(t, "int8-native")] < med[(t, "float32")]]
+    crossover = max((t for t in wins if all(u in wins for u in SIZES if u <= t)), default=0)
+    result = {
+        "command": "python -m bench.int8_linear " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(), "torch": torch.__version__, "threads": args.threads,
+        "int8_kernel_isa": native.int8_isa(),
+        "loadavg_before_after": [load_before, Path("/proc/loadavg").read_text().split()[:3]],
+        "weights_fp32_mb": round(fp32_bytes / 1e6, 1), "weights_int8_mb": round(int8_bytes / 1e6, 1),
+        "int8_faster_up_to_tokens": crossover, "results": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for v in ("float32", "int8-native", "int8-torch"):
+        pts = sorted((r["tokens"], r["median_ms"]) for r in rows if r["variant"] == v)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=v)
+    ax.axvline(crossover, ls=":", color="gray", label=f"int8 faster up to T={crossover}")
+    ax.set(xscale="log", yscale="log", xlabel="tokens in the batch (T)",
+           ylabel="all linear layers of one step (ms, median)",
+           title=f"SmolLM2-135M linear layers, {args.threads} threads")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    for r in sorted(rows, key=lambda r: (r["tokens"], r["variant"])):
+        print(f"T={r['tokens']:4d} {r['variant']:12s} {r['median_ms']:9.2f} ms  {r['weight_gb_per_s']:6.1f} GB/s")
+    print(f"int8 faster up to T={crossover}")
+
+
+if __name__ == "__main__":
+    main()
