@@ -193,8 +193,11 @@ def test_paged_attention_native_matches_torch_path(monkeypatch):
 def test_cpu_backend_picks_native_when_built_and_torch_otherwise(monkeypatch):
     from worker_svc.backends import select_backend
 
+    from worker_svc.backends.cpu import NATIVE_FASTER
+
     b = select_backend("cpu", torch.float32)
-    assert b.attention.name == ("native" if native.available() else "torch")
+    fast = native.available() and native.isa() in NATIVE_FASTER
+    assert b.attention.name == (f"native {native.isa()}" if fast else "torch")
     assert "attention " + b.attention.name in b.describe()
     assert select_backend("cpu", torch.float32, attention="torch").attention.name == "torch"
     monkeypatch.setattr(native, "available", lambda: False)

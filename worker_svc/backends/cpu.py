@@ -11,11 +11,12 @@ The three choices, each made once per worker and printed by the executor:
   bench/attention_kernel.py: AVX-512 and AVX2 beat the torch path; the scalar fallback is slower
   than torch, so it never runs by default);
 * KV cache dtype "auto" (None): 16-bit, AUTO_KV_DTYPE. Decode attention is bound by reading the
-  cache, so half the bytes is up to 2x. bf16 rather than fp16: on the CPUs measured, widening
-  either costs the same inside the kernel (bf16 one shift, fp16 one F16C vcvtph2ps; AVX2
-  bench/results/engine_cpu_amd.md), but torch's casts to/from bf16 are as fast as fp16's and
-  bf16 keeps fp32's exponent range (fp16 overflows at 65504, which activations of some models
-  reach); fp16's 3 extra mantissa bits are available as --kv-cache-dtype float16;
+  cache, so half the bytes is up to 2x. bf16 rather than fp16: widening either costs about the
+  same inside the kernel (bf16: zero-extend + shift; fp16: F16C vcvtph2ps; Zen 3 AVX2, 32 x 1k
+  context: 15.9 vs 14.9 ms per layer), the torch fallback path casts bf16 faster (25 vs 38 ms;
+  bench/results/attention_kernel_amd_contended.json, a contended run), and bf16 keeps fp32's
+  exponent range (fp16 overflows at 65504); fp16's 3 extra mantissa bits remain available as
+  --kv-cache-dtype float16;
 * weight quantization "auto": int8 for small batches (worker_svc/quant.py) when the int8 kernel
   has a SIMD path; "none" keeps the float weights (what HF-exactness tests use).
 """
@@ -28,7 +29,8 @@ from worker_svc.attention import TorchAttention
 from worker_svc.backends.base import DeviceBackend, LinearMethod
 
 # native kernel SIMD paths measured faster than the torch decode path (bench/attention_kernel.py:
-# avx512 on Sapphire Rapids, attention_kernel.json; avx2 on Zen 3, attention_kernel_amd.json)
+# avx512 on Sapphire Rapids 1.7-2x, attention_kernel.json; avx2 on Zen 3 1.6-2.6x,
+# attention_kernel_amd_contended.json). The scalar path lost to torch (issue 11: 93 vs 77 ms).
 NATIVE_FASTER = ("avx512", "avx2")
 AUTO_KV_DTYPE = torch.bfloat16
 
