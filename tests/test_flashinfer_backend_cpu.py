@@ -47,7 +47,7 @@ def fake_backend(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "flashinfer", fake_flashinfer)
     monkeypatch.setattr(FlashInferAttention, "workspace_bytes", 1024)
 
-    def select(device, dtype, kv_cache_dtype=None, attention="auto"):
+    def select(device, dtype, kv_cache_dtype=None, attention="auto", weight_quant="auto"):
         return DeviceBackend(torch.device("cpu"), FlashInferAttention(torch.device("cpu"), dtype),
                              LinearMethod(), dtype, sample_on_device=True, scratch_blocks=1,
                              make_graph_runner=EagerGraphRunner)
