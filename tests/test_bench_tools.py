@@ -259,3 +259,43 @@ def test_http_target_times_sse_chunks_of_a_real_gateway(make_stack, tokenizer):
     assert 0.04 <= s["tbt_p50_s"] <= 0.5 and s["tbt_samples"] == 4 * (n - 1)
     assert s["sched_delay_p50_s"] is None          # not observable over HTTP
     assert len(stack.fake.received) == 4 and all(r.sampling.ignore_eos for r in stack.fake.received)
+
+
+# -- the P50 TTFT condition and the fixed-point capacity of the llama-server comparison -------
+def test_ttft_bound_is_an_extra_condition_and_sched_delay_is_skipped_when_unobservable():
+    # an HTTP run: no scheduling delay observable; TBT within the SLO, P50 TTFT 2.5 s
+    http = {"tbt_p99_s": 1.0, "sched_delay_p50_s": None, "ttft_p50_s": 2.5}
+    assert meets_slo(http, tbt_slo_s=2.0)                              # TBT only: passes
+    assert not meets_slo(http, tbt_slo_s=2.0, max_ttft_p50_s=2.0)     # + TTFT <= 2 s: misses
+    assert meets_slo(http, tbt_slo_s=2.0, max_ttft_p50_s=3.0)
+    assert not meets_slo({**http, "sched_delay_p50_s": 2.5}, tbt_slo_s=2.0)   # observable: applies
+    assert not meets_slo({**http, "ttft_p50_s": INF}, tbt_slo_s=2.0, max_ttft_p50_s=2.0)
+
+
+def test_capacity_from_fixed_points_is_the_highest_pass_below_the_first_miss():
+    from bench.peer_llama_server import capacity_from_points
+    assert capacity_from_points([(0.7, True), (0.4, True), (1.0, False)]) == \
+        {"capacity_qps": 0.7, "bracket": [0.7, 1.0]}
+    # a pass above a miss (noise) does not raise the answer: the lower bound stays conservative
+    assert capacity_from_points([(0.4, True), (0.55, False), (0.7, True)])["capacity_qps"] == 0.4
+    assert capacity_from_points([(1.0, False), (2.0, False)]) == {"capacity_qps": 0.0, "bracket": [0.0, 1.0]}
+    assert capacity_from_points([(1.0, True), (2.0, True)]) == {"capacity_qps": 2.0, "bracket": [2.0, None]}
+    with pytest.raises(ValueError):
+        capacity_from_points([])
+
+
+def test_peer_analysis_counts_unfinished_runs_as_misses_under_every_condition():
+    from bench.peer_llama_server import analyse
+
+    def run(qps, tbt, ttft):
+        return {"qps": qps, "summary": {"tbt_p99_s": tbt, "ttft_p50_s": ttft, "sched_delay_p50_s": None}}
+    sar = {"runs": [run(0.4, 1.0, 0.5), run(0.7, 1.9, 2.5), run(1.0, "inf", "inf")]}
+    lla = {"runs": [run(0.1, 1.5, 1.0), run(0.2, 5.0, 1.5), run(0.4, "inf", 30.0)]}
+    r = analyse({"sarathi": {"strict": sar, "relaxed": sar}, "llama-server": {"strict": lla, "relaxed": lla}},
+                {"strict": 2.0, "relaxed": 10.0})
+    c = r["capacity"]
+    assert c["sarathi"]["strict/tbt"]["capacity_qps"] == 0.7
+    assert c["sarathi"]["strict/tbt+ttft"]["capacity_qps"] == 0.4
+    assert c["llama-server"]["strict/tbt"]["capacity_qps"] == 0.1
+    assert c["llama-server"]["relaxed/tbt"]["capacity_qps"] == 0.2
+    assert r["sarathi_over_llama_server"]["strict/tbt"] == pytest.approx(7.0)
