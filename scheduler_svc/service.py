@@ -27,6 +27,7 @@ import zlib
 
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.metrics import InstrumentedExecutor, SchedulerMetrics, start_http
+from scheduler_svc.pipeline import PipelinedLoop
 from scheduler_svc.remote_executor import WorkerError, WorkerRestartedError
 from scheduler_svc.scheduler import Scheduler
 from shared.messages import RequestMsg, TokenEvent
@@ -47,6 +48,13 @@ class SchedulerService:
         self.scheduler = scheduler
         self.executor = InstrumentedExecutor(executor, metrics)
         self.loop = EngineLoop(scheduler, self.executor)
+        # a TP x PP replica: up to pp micro-batches in flight (scheduler_svc.pipeline); also with
+        # pp = 1, so that a rank reporting a lost peer fails the batch at once
+        self.pipeline: PipelinedLoop | None = None
+        layout = getattr(executor, "parallel", None)
+        if hasattr(executor, "submit") and isinstance(layout, dict) and layout.get("world_size", 1) > 1:
+            self.pipeline = PipelinedLoop(scheduler, executor, executor.pipeline_depth,
+                                          on_batch=lambda b, _o, sec: metrics.observe_batch(b, sec))
         self.queue = queue
         self.metrics = metrics
         self.max_waiting = max_waiting
@@ -98,7 +106,7 @@ class SchedulerService:
 
     def _step(self) -> list[TokenEvent]:
         try:
-            return self.loop.step()
+            return (self.pipeline or self.loop).step()
         except WorkerRestartedError as e:  # the KV of every running request is gone
             log.error("%s; failing every request that holds KV blocks", e)
             self.scheduler.block_manager.forget_cached_contents()  # cached prefixes are gone too
@@ -119,6 +127,8 @@ class SchedulerService:
         batch, self.executor.in_flight = self.executor.in_flight, None
         if batch is not None:
             self.scheduler.fail_batch(batch, message)
+        for lost in self.pipeline.take_in_flight() if self.pipeline is not None else []:
+            self.scheduler.fail_batch(lost, message)
         for req in self.scheduler.requests.values():
             req.in_flight = False
         for req_id in also_fail:

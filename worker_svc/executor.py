@@ -17,7 +17,7 @@ from shared.messages import Batch, BatchOutput, SeqChunk
 from shared.model_source import resolve_model
 from worker_svc.backends import select_backend
 from worker_svc.kv_cache import PagedKVCache
-from worker_svc.loader import load_weights
+from worker_svc.loader import load_weights, read_config
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.linear import TensorParallel
 from worker_svc.sampler import Sampler
@@ -50,22 +50,37 @@ class Executor:
 
     Weights are loaded (and checked) before the cache is allocated, so a bad model path or a
     corrupt file raises without having allocated anything.
+
+    parallel (worker_svc.parallel.ParallelConfig): this rank's place in a tp x pp replica. Its
+    fit to the model (heads, kv heads, layers) is checked from the config alone, before any
+    weight is read; then the rank joins the process group, keeps its stage's layers (and their
+    KV cache) sharded over its TP group. Only the last stage returns sampled tokens.
     """
 
     def __init__(self, config: WorkerConfig, tp: TensorParallel = TensorParallel(),
-                 sampler_seed: int | None = None):
+                 sampler_seed: int | None = None, parallel=None):
         self.config = config
         self.dtype = resolve_dtype(config.dtype, config.device)
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.backend = select_backend(config.device, self.dtype)
         source = resolve_model(config.model)
+        self.parallel = None
+        self._recv_wait_s = 0.0     # seconds the last batch waited for the previous stage
+        if parallel is not None and parallel.world_size > 1:
+            from worker_svc import parallel as par
+            arch = read_config(source)
+            par.check(arch, parallel)                 # before any weight is read
+            par.init_distributed(parallel, config.device)
+            self.parallel = par.Parallel(parallel, arch.num_layers, torch.device(config.device))
+            tp = self.parallel.tp
         cfg, weights = load_weights(source)
-        self.model = LlamaForCausalLM(cfg, weights, self.dtype, self.backend, tp).to(config.device)
+        self.model = LlamaForCausalLM(cfg, weights, self.dtype, self.backend, tp,
+                                      self.parallel).to(config.device)
         del weights
         self.model_cfg = cfg
         self.block_size = config.cache.block_size
-        self.cache = PagedKVCache(cfg.num_layers, config.cache.num_blocks, self.block_size,
+        self.cache = PagedKVCache(len(self.model.layers), config.cache.num_blocks, self.block_size,
                                   cfg.num_kv_heads // tp.world_size, cfg.head_dim,
                                   self.backend.kv_cache_dtype, config.device)
         self.sampler = Sampler(sampler_seed)
@@ -75,6 +90,19 @@ class Executor:
             num_layers=cfg.num_layers, block_size=self.block_size,
             num_blocks=config.cache.num_blocks)
         log.info("worker backend: %s", self.backend.describe())
+        if self.parallel is not None:
+            p = self.parallel
+            log.info("%s: layers %d..%d of %d", p.config.describe(), p.layers[0], p.layers[1] - 1,
+                     cfg.num_layers)
+
+    @property
+    def parallel_info(self) -> dict:
+        """This rank's place in the replica (the worker's "info" reply; the scheduler checks it)."""
+        pc = self.parallel.config if self.parallel is not None else None
+        if pc is None:
+            return {"rank": 0, "world_size": 1, "tp": 1, "pp": 1}
+        return {"rank": pc.rank, "world_size": pc.world_size, "tp": pc.tp, "pp": pc.pp,
+                "layers": list(self.parallel.layers)}
 
     def free(self, req_ids: list[str]) -> None:
         """Drop per-request state. The executor keeps none (blocks are the scheduler's), so
@@ -84,17 +112,28 @@ class Executor:
         """Run one iteration; sampled holds a token exactly for the seqs with sample=True."""
         t0 = time.perf_counter()
         self.free(batch.freed_req_ids)
+        wall0 = time.time()
         due, logits, t1, t2 = self._forward(batch)
-        tokens = self.sampler.sample(logits, [s.sampling for s in due], [s.output_index for s in due])
+        if logits is None:       # a pipeline stage before the last: its activations were sent
+            due, tokens = [], []
+        else:
+            tokens = self.sampler.sample(logits, [s.sampling for s in due], [s.output_index for s in due])
+            if self.parallel is not None:
+                tokens = self.parallel.broadcast_tokens(tokens)
         t3 = time.perf_counter()
-        return BatchOutput(batch.batch_id, {s.req_id: tok for s, tok in zip(due, tokens)},
-                           {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2,
-                            "total_s": t3 - t0})
+        timings = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2, "total_s": t3 - t0}
+        if self.parallel is not None:
+            # time.time() seconds: busy = [start, end] minus the wait for the previous stage
+            timings.update(rank=self.parallel.rank, stage=self.parallel.stage, start=wall0,
+                           end=wall0 + (t3 - t0), recv_wait_s=self._recv_wait_s)
+        return BatchOutput(batch.batch_id, {s.req_id: tok for s, tok in zip(due, tokens)}, timings)
 
     def compute_logits(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Like execute (K/V are written) but return the float32 logits [V] of each seq with
         sample=True instead of sampling (tests, scoring)."""
         due, logits, _, _ = self._forward(batch)
+        if logits is None:
+            return {}
         return {s.req_id: logits[i] for i, s in enumerate(due)}
 
     def _forward(self, batch: Batch):
@@ -116,9 +155,16 @@ class Executor:
             if s.sample:
                 rows.append(row - 1)       # the chunk's last token predicts the next one
         t1 = time.perf_counter()
-        logits = self.model(ids.to(dev), positions.to(dev), self.cache, meta,
-                            torch.tensor(rows, dtype=torch.int64, device=dev))
-        return due, logits.cpu(), t1, time.perf_counter()    # sampling runs on the CPU
+        par, hidden, self._recv_wait_s = self.parallel, None, 0.0
+        if par is not None and not par.is_first:
+            hidden, self._recv_wait_s = par.recv_hidden(batch.batch_id, len(ids),
+                                                        self.model_cfg.hidden_size, self.dtype)
+        out = self.model(ids.to(dev), positions.to(dev), self.cache, meta,
+                         torch.tensor(rows, dtype=torch.int64, device=dev), hidden)
+        if par is not None and not par.is_last:
+            par.send_hidden(out, batch.batch_id)
+            return due, None, t1, time.perf_counter()
+        return due, out.cpu(), t1, time.perf_counter()    # sampling runs on the CPU
 
     def _check(self, s: SeqChunk) -> None:
         n, end = len(s.token_ids), s.start_pos + len(s.token_ids)
