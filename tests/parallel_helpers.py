@@ -71,6 +71,21 @@ def run(executor, depth: int, prompts: list[list[int]], max_tokens: int, num_blo
     return [r.output_token_ids for r in reqs], sched, loop
 
 
+def make_wide_checkpoint(root: Path) -> Path:
+    """A random Llama wide enough (hidden 256, 4 layers) that a 128-token chunk takes
+    milliseconds per stage: long enough for stage overlap to show in timestamps."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", vocab_size=256, hidden_size=256, intermediate_size=1024,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=1024, eos_token_id=1, bos_token_id=0)
+    torch.manual_seed(0)
+    path = root / "wide"
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
 def children_alive(pids: list[int]) -> list[int]:
     return [p for p in pids if os.path.exists(f"/proc/{p}") and
             "zombie" not in _status(p)]

@@ -20,7 +20,7 @@ from scheduler_svc.remote_executor import RemoteExecutor, WorkerError, WorkerLay
 from shared.sampling import SamplingParams
 from tests.e2e_stack import ROOT
 from tests.engine_helpers import make_executor, make_tiny_checkpoint, use_threads
-from tests.parallel_helpers import BS, Replica, children_alive, make_scheduler, run
+from tests.parallel_helpers import BS, Replica, children_alive, make_scheduler, make_wide_checkpoint, run
 
 NUM_BLOCKS = 18          # 288 token slots: the requests below need more, so some are preempted
 TOKEN_BUDGET = 24        # tau: prompts of 30-60 tokens are prefilled in chunks
@@ -73,13 +73,13 @@ def test_parallel_replica_gives_the_single_rank_greedy_tokens(tmp_path, tiny, re
     assert all(len(o) == MAX_TOKENS for o in outs)
 
 
-def test_pp2_keeps_two_micro_batches_on_the_stages_at_once(tmp_path, tiny):
+def test_pp2_keeps_two_micro_batches_on_the_stages_at_once(tmp_path):
     """Timestamps from the ranks: stage 0 computes batch k+1 while stage 1 computes batch k;
     and no request is in two batches in flight."""
-    rep = Replica(tmp_path, str(tiny), 1, 2, 64)
+    rep = Replica(tmp_path, str(make_wide_checkpoint(tmp_path)), 1, 2, 256)
     try:
-        long_prompts = [list(range(2, 2 + n)) for n in (200, 180, 160, 150, 170, 190)]
-        _, _, loop = run(rep.remote, 2, long_prompts, 24, 64, 64, rep.remote.model_info,
+        long_prompts = [[2 + i % 250 for i in range(n)] for n in (300, 280, 260, 290, 270, 310)]
+        _, _, loop = run(rep.remote, 2, long_prompts, 4, 256, 128, rep.remote.model_info,
                          pipelined=True, record=True)
     finally:
         rep.close()
@@ -95,12 +95,13 @@ def test_pp2_keeps_two_micro_batches_on_the_stages_at_once(tmp_path, tiny):
         end = t[f"rank{rank}_end"]
         return end - (t[f"rank{rank}_total_s"] - t[f"rank{rank}_recv_wait_s"]), end
 
-    overlaps = 0
+    overlaps = []        # seconds both stages computed at once, batch k on 1 and k + 1 on 0
     for k, e in enumerate(trace[:-1]):
-        s1, e1 = busy(e, 1)                 # stage 1 on batch k
-        s0, e0 = busy(trace[k + 1], 0)      # stage 0 on batch k + 1
-        overlaps += max(s0, s1) < min(e0, e1)
-    assert overlaps >= len(trace) // 4, f"{overlaps} overlapping of {len(trace)} batches"
+        s1, e1 = busy(e, 1)
+        s0, e0 = busy(trace[k + 1], 0)
+        overlaps.append(max(0.0, min(e0, e1) - max(s0, s1)))
+    real = [o for o in overlaps if o > 0.002]
+    assert len(real) >= 3, f"overlaps (s): {overlaps}"
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
