@@ -104,6 +104,7 @@ class PipelinedLoop:
             if self.record:
                 self.trace.append(dict(batch_id=batch.batch_id, req_ids=[s.req_id for s in batch.seqs],
                                        num_tokens=batch.num_tokens,
+                                       waiting=len(self.scheduler.waiting),
                                        in_flight=[b.batch_id for b in self.in_flight],
                                        submitted_at=time.time()))
             self._submitted[batch.batch_id] = time.perf_counter()
