@@ -98,4 +98,6 @@ def _rank_main(worker_kw: dict, parallel, parent_pid: int) -> None:
 
     threading.Thread(target=watch_parent, daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if worker_kw.get("device") == "cuda":    # one GPU per rank of this machine
+        worker_kw = {**worker_kw, "device": f"cuda:{parallel.rank}"}
     run_worker(stop=stop, parallel=parallel, **worker_kw)
