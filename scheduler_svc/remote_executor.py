@@ -110,6 +110,8 @@ class RemoteExecutor:
         from rank 0's alone (then ask again)."""
         layout = [r.get("parallel") or {"rank": 0, "world_size": 1, "tp": 1, "pp": 1} for r in replies]
         world = layout[0]["world_size"]
+        if all(p["world_size"] == 1 for p in layout):
+            return False   # independent one-rank workers, each sent every batch (as before)
         if world > 1 and len(self.addresses) == 1:
             for r in range(1, world):
                 self.addresses.append(rank_address(self.addresses[0], r))
