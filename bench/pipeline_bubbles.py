@@ -58,13 +58,15 @@ def workload(n: int, scale: float, qps: float, seed: int, max_len: int, trace: P
     return out
 
 
-def start_replica(tmp: str, pp: int, num_blocks: int, model: str | None, log: Path):
+def start_replica(tmp: str, pp: int, num_blocks: int, model: str | None, log: Path, pp_layers: str = ""):
     addr = f"ipc://{tmp}/pp.sock"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SARATHI_")}
     cmd = [sys.executable, "-m", "sarathi.cli", "worker", "--pp", str(pp), "--threads", "1",
            "--dtype", "float32", "--num-blocks", str(num_blocks), "--bind", addr]
     if model:
         cmd += ["--model", model]
+    if pp_layers:
+        cmd += ["--pp-layers", pp_layers]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     remote = RemoteExecutor(addr, timeout_s=120)
     while True:
@@ -205,18 +207,21 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--pp-layers", default="", help="layers per stage, e.g. 16,14 (default: balanced)")
+    ap.add_argument("--tag", default="", help="suffix of the per-policy JSON names")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/pipeline_bubbles")
     ap.add_argument("--plot", action="store_true", help="merge the per-policy JSONs into one JSON + PNG")
     args = ap.parse_args()
     out = Path(args.out)
     if args.plot:
-        results = {p: json.loads(Path(f"{out}_{p}.json").read_text()) for p in args.policies.split(",")
-                   if Path(f"{out}_{p}.json").exists()}
+        results = {p: json.loads(Path(f"{out}_{p}{args.tag}.json").read_text()) for p in args.policies.split(",")
+                   if Path(f"{out}_{p}{args.tag}.json").exists()}
+        out = Path(f"{out}{args.tag}")
         plot(results, out.with_suffix(".png"))
         summary = {p: {k: r["analysis"][k] for k in ("bubble_fraction", "iteration_time_cv", "wall_s", "iterations", "saturated")}
                    | {"stages": [{k: v for k, v in st.items() if k != "intervals"} for st in r["analysis"]["stages"]]}
-                   | {"command": r["command"], "date": r["date"], "machine": r["machine"], "loadavg": r["loadavg"]}
+                   | {k: r[k] for k in ("command", "date", "machine", "loadavg", "config", "scheduler_stats")}
                    for p, r in results.items()}
         out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
         print(json.dumps({p: (s["bubble_fraction"], s["iteration_time_cv"]) for p, s in summary.items()}))
@@ -224,7 +229,7 @@ def main() -> None:
     reqs = workload(args.requests, args.scale, args.qps, args.seed, 2048, TRACE)
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "replica.log"
-        proc, remote = start_replica(tmp, args.pp, args.num_blocks, args.model, log)
+        proc, remote = start_replica(tmp, args.pp, args.num_blocks, args.model, log, args.pp_layers)
         try:
             for pol in args.policies.split(","):
                 load0 = Path("/proc/loadavg").read_text().split()[:3]
@@ -239,13 +244,13 @@ def main() -> None:
                 print(f"{pol}: {time.monotonic() - t:.0f}s, bubble fraction {r['bubble_fraction']:.3f} "
                       f"(saturated window {r['saturated']['bubble_fraction']:.3f}), iteration CV "
                       f"{r['iteration_time_cv']:.2f}", file=sys.stderr, flush=True)
-                Path(f"{out}_{pol}.json").write_text(json.dumps({
+                Path(f"{out}_{pol}{args.tag}.json").write_text(json.dumps({
                     "policy": pol, "command": "python -m bench.pipeline_bubbles " + shlex.join(sys.argv[1:]),
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "machine": machine(), "loadavg": [load0, Path("/proc/loadavg").read_text().split()[:3]],
                     "workload": {"requests": args.requests, "qps": args.qps, "scale": args.scale,
                                  "prompt_tokens": [p for _, p, _ in reqs], "decode_tokens": [d for _, _, d in reqs]},
-                    "config": {k: getattr(args, k) for k in ("token_budget", "max_batched_tokens", "max_num_seqs", "pp")},
+                    "config": {k: getattr(args, k) for k in ("token_budget", "max_batched_tokens", "max_num_seqs", "pp", "pp_layers")},
                     "scheduler_stats": stats, "analysis": r}, indent=None))
         finally:
             remote.close()

@@ -104,6 +104,39 @@ def test_pp2_keeps_two_micro_batches_on_the_stages_at_once(tmp_path):
     assert len(real) >= 3, f"overlaps (s): {overlaps}"
 
 
+def test_torchrun_starts_one_rank_per_process(tmp_path, tiny, reference):
+    """`torchrun --nproc-per-node 2 -m sarathi.cli worker --tp 2`: rank, world size and the
+    rendezvous come from torchrun's environment; the scheduler is given both addresses."""
+    from tests.redis_fixture import free_port
+
+    addr = f"ipc://{tmp_path}/tr.sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SARATHI_")}
+    log = tmp_path / "torchrun.log"
+    proc = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "-m", "sarathi.cli", "worker", "--tp", "2",
+         "--model", str(tiny), "--bind", addr, "--threads", "1", "--dtype", "float32",
+         "--num-blocks", str(NUM_BLOCKS)],
+        cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    remote = RemoteExecutor([addr, f"{addr}.rank1"], timeout_s=30)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                remote.wait_ready(2.0)
+                break
+            except WorkerError:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        assert remote.parallel["world_size"] == 2
+        outs, _, _ = run(remote, 1, prompts(), MAX_TOKENS, NUM_BLOCKS, TOKEN_BUDGET,
+                         remote.model_info, pipelined=True)
+        assert outs == reference[1][0]
+    finally:
+        remote.close()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
+
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sarathi.cli", "worker", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120,

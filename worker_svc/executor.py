@@ -139,6 +139,7 @@ class Executor:
     def _forward(self, batch: Batch):
         t0 = time.perf_counter()
         due = [s for s in batch.seqs if s.sample]
+        self._recv_wait_s = 0.0
         if not batch.seqs:
             return due, torch.empty(0, self.model_info.vocab_size), t0, t0
         for s in batch.seqs:
@@ -155,7 +156,7 @@ class Executor:
             if s.sample:
                 rows.append(row - 1)       # the chunk's last token predicts the next one
         t1 = time.perf_counter()
-        par, hidden, self._recv_wait_s = self.parallel, None, 0.0
+        par, hidden = self.parallel, None
         if par is not None and not par.is_first:
             hidden, self._recv_wait_s = par.recv_hidden(batch.batch_id, len(ids),
                                                         self.model_cfg.hidden_size, self.dtype)
