@@ -158,7 +158,7 @@ def machine() -> dict:
             "isa": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]}
 
 
-def plot(results: dict[str, dict], path: Path, window_s: float = 6.0) -> None:
+def plot(results: dict[str, dict], path: Path, window_s: float = 12.0) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -173,8 +173,9 @@ def plot(results: dict[str, dict], path: Path, window_s: float = 6.0) -> None:
         mid = r["wall_s"] * 0.4
         for st in r["stages"]:
             for k, (a, b) in enumerate(st["intervals"]):
-                if mid <= a <= mid + window_s:
-                    ax.broken_barh([(a - mid, b - a)], (st["stage"] - 0.4, 0.8),
+                if b >= mid and a <= mid + window_s:     # clipped to the window
+                    lo, hi = max(a, mid), min(b, mid + window_s)
+                    ax.broken_barh([(lo - mid, hi - lo)], (st["stage"] - 0.4, 0.8),
                                    color=colors[k % 2], edgecolor="black", linewidth=0.3)
         ax.set_yticks(range(len(r["stages"])), [f"stage {s}" for s in range(len(r["stages"]))])
         ax.invert_yaxis()
@@ -251,7 +252,10 @@ def main() -> None:
                     "workload": {"requests": args.requests, "qps": args.qps, "scale": args.scale,
                                  "prompt_tokens": [p for _, p, _ in reqs], "decode_tokens": [d for _, _, d in reqs]},
                     "config": {k: getattr(args, k) for k in ("token_budget", "max_batched_tokens", "max_num_seqs", "pp", "pp_layers")},
-                    "scheduler_stats": stats, "analysis": r}, indent=None))
+                    "scheduler_stats": stats, "analysis": r,
+                    "trace": [{k: e[k] for k in ("batch_id", "num_tokens", "waiting", "submitted_at", "collected_at")}
+                              | {k: v for k, v in e["timings"].items() if k.startswith("rank")}
+                              for e in trace]}, indent=None))
         finally:
             remote.close()
             proc.terminate()
