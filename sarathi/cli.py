@@ -37,8 +37,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     _add(p, "model", None, "a GGUF file or HF-style model directory (default: SmolLM2-135M-Instruct)")
     _add(p, "dtype", "auto", "weights/activations dtype", choices=["auto", "float32", "bfloat16"])
     _add(p, "threads", 0, "torch CPU threads (0 = torch default)")
-    _add(p, "num-blocks", 2048, "KV cache blocks per layer")
+    _add(p, "num-blocks", 0, "KV cache blocks per layer (0 = auto: 2048 on CPU; on CUDA what fits "
+         "in --gpu-memory-utilization after a profiling pass)")
     _add(p, "block-size", 16, "tokens per KV block")
+    _add(p, "device", "cpu", "torch device: cpu or cuda[:n]")
+    _add(p, "gpu-memory-utilization", 0.9, "CUDA: fraction of device memory for weights, activations "
+         "and the KV cache (sizes the cache when --num-blocks is 0)")
+    _add(p, "cuda-graphs", True, "CUDA: replay captured graphs for decode-only batches")
 
 
 def _sched_args(p: argparse.ArgumentParser) -> None:
@@ -95,9 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="a worker service: holds the model, runs batches from ZeroMQ")
     _model_args(p)
-    _add(p, "device", "cpu", "torch device: cpu or cuda[:n]")
     _add(p, "bind", "tcp://0.0.0.0:5555", "ZeroMQ address to bind (rank r of a TP x PP replica: "
          "TCP port + r, or an ipc path + '.rank<r>')")
+    _add(p, "max-num-seqs", 128, "CUDA: largest decode batch (graphs are captured up to it)")
+    _add(p, "max-num-batched-tokens", 4096, "CUDA: tokens of the profiling pass that sizes the KV cache")
     _parallel_args(p)
     return parser
 

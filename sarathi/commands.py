@@ -11,8 +11,12 @@ from shared.sampling import SamplingParams
 
 def _llm_kwargs(a: argparse.Namespace) -> dict:
     return dict(dtype=a.dtype, threads=a.threads, num_blocks=a.num_blocks, block_size=a.block_size,
-                policy=a.policy, token_budget=a.token_budget, max_num_seqs=a.max_num_seqs,
+                **_device_kwargs(a), policy=a.policy, token_budget=a.token_budget, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.prefix_caching)
+
+
+def _device_kwargs(a: argparse.Namespace) -> dict:
+    return dict(device=a.device, gpu_memory_utilization=a.gpu_memory_utilization, cuda_graphs=a.cuda_graphs)
 
 
 def generate(a: argparse.Namespace) -> int:
@@ -45,7 +49,7 @@ def serve(a: argparse.Namespace) -> int:
 
     run_embedded(model=a.model, host=a.host, port=a.port, redis_url=a.redis_url, dtype=a.dtype,
                  threads=a.threads, num_blocks=a.num_blocks, block_size=a.block_size,
-                 api_key=a.api_key, **_sched_kwargs(a))
+                 api_key=a.api_key, **_device_kwargs(a), **_sched_kwargs(a))
     return 0
 
 
@@ -74,8 +78,9 @@ def scheduler(a: argparse.Namespace) -> int:
 def worker(a: argparse.Namespace) -> int:
     from worker_svc.service import run_worker
 
-    kw = dict(address=a.bind, model=a.model, dtype=a.dtype, device=a.device, threads=a.threads,
-              num_blocks=a.num_blocks, block_size=a.block_size)
+    kw = dict(address=a.bind, model=a.model, dtype=a.dtype, threads=a.threads,
+              num_blocks=a.num_blocks, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
+              max_num_batched_tokens=a.max_num_batched_tokens, **_device_kwargs(a))
     rank = a.rank if a.rank >= 0 else _env_int("RANK")
     if a.tp * a.pp == 1 and rank is None and not a.pp_layers:
         run_worker(**kw)

@@ -43,27 +43,34 @@ class LLM:
 
     model: a GGUF file or HF-style directory; None = the shipped SmolLM2-135M-Instruct.
     policy / token_budget: the batching policy and tau (tokens per iteration).
-    num_blocks / block_size: the paged KV cache (blocks per layer, tokens per block).
+    num_blocks / block_size: the paged KV cache (blocks per layer, tokens per block; num_blocks
+    0 = auto: 2048 on CPU, sized from free memory on CUDA).
+    device: "cpu" or "cuda[:n]"; gpu_memory_utilization, cuda_graphs: see WorkerConfig.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", threads: int = 0,
-                 num_blocks: int = 2048, block_size: int = 16, policy: str = "sarathi",
+                 num_blocks: int = 0, block_size: int = 16, policy: str = "sarathi",
                  token_budget: int = 512, max_num_seqs: int = 128,
-                 max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False):
+                 max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False,
+                 device: str = "cpu", gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True):
         from worker_svc.executor import Executor  # torch lives only behind this import
 
         source = resolve_model(model)
         self._source, self._tokenizer = source, None
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
-        self.executor = Executor(WorkerConfig(model=str(source.path), dtype=dtype,
-                                              num_threads=threads, cache=cache))
+        self.executor = Executor(WorkerConfig(
+            model=str(source.path), dtype=dtype, num_threads=threads, cache=cache, device=device,
+            gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_num_batched_tokens, token_budget)))
         info = self.executor.model_info
         self.model_info = info
         sched = SchedulerConfig(policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=info.max_model_len,
                                 enable_prefix_caching=enable_prefix_caching)
-        self.engine = EngineLoop(Scheduler(sched, cache, info), self.executor)
+        # the worker decides the block count (num_blocks 0 = auto): the scheduler uses its figure
+        self.engine = EngineLoop(Scheduler(sched, CacheConfig(block_size, info.num_blocks), info),
+                                 self.executor)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -27,7 +27,9 @@ log = logging.getLogger("sarathi.serve")
 
 def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int = 8000,
                  redis_url: str | None = None, dtype: str = "auto", threads: int = 0,
-                 num_blocks: int = 2048, block_size: int = 16, policy: str = "sarathi",
+                 num_blocks: int = 0, block_size: int = 16, device: str = "cpu",
+                 gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
+                 policy: str = "sarathi",
                  token_budget: int = 512, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 4096, prefix_caching: bool = False,
                  max_model_len: int | None = None, api_key: str | None = None,
@@ -37,7 +39,8 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
 
     redis_url: None = in-process queue; a URL = the Redis queue (same semantics, durable).
     dtype, threads (torch CPU threads, 0 = default), num_blocks x block_size (KV cache, tokens per
-    block): the worker. policy, token_budget (tau, tokens), max_num_seqs, max_num_batched_tokens,
+    block; num_blocks 0 = auto, see WorkerConfig), device ("cpu", "cuda[:n]"),
+    gpu_memory_utilization, cuda_graphs: the worker. policy, token_budget (tau, tokens), max_num_seqs, max_num_batched_tokens,
     prefix_caching: the scheduler. max_model_len: tokens; None = the model's context length.
     api_key: require `Authorization: Bearer <key>` on /v1/*. worker: "process" | "thread".
     queue_prefix: the Redis key prefix (with redis_url).
@@ -58,7 +61,10 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
     source = resolve_model(model)  # fail fast on a bad path or file, before starting anything
     tokenizer = load_tokenizer(source)
     worker_kw = dict(model=str(source.path), dtype=dtype, threads=threads,
-                     num_blocks=num_blocks, block_size=block_size)
+                     num_blocks=num_blocks, block_size=block_size, device=device,
+                     gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
+                     max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=max(max_num_batched_tokens, token_budget))
     with tempfile.TemporaryDirectory(prefix="sarathi-") as tmp:
         stop_worker, address = _start_worker(worker, worker_kw, tmp)
         stop = threading.Event()

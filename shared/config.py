@@ -65,6 +65,11 @@ class WorkerConfig:
     model: a GGUF file or a Hugging Face-style directory; None = the default SmolLM2 GGUF.
     dtype: "auto" picks by measurement for the device; else "float32" or "bfloat16".
     num_threads: torch intra-op threads on CPU; 0 = leave torch's default.
+    cache.num_blocks: 0 = auto: DEFAULT_CPU_BLOCKS on a CPU; on a GPU what fits in
+        gpu_memory_utilization x its memory after a profiling pass of max_num_batched_tokens.
+    attention: "auto" or a backend's named kernel (CPU: native, torch; CUDA: flashinfer, torch).
+    cuda_graphs: capture CUDA graphs for decode-only batches of up to max_num_seqs (CUDA with
+        FlashInfer only).
     """
 
     model: str | None = None
@@ -72,6 +77,14 @@ class WorkerConfig:
     device: str = "cpu"
     num_threads: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
+    attention: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    cuda_graphs: bool = True
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 4096
+
+
+DEFAULT_CPU_BLOCKS = 2048      # KV blocks per layer when a CPU worker is asked for "auto" (0)
 
 
 def rank_address(base: str, rank: int) -> str:

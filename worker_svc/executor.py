@@ -12,10 +12,11 @@ import time
 
 import torch
 
-from shared.config import ModelInfo, WorkerConfig
+from shared.config import DEFAULT_CPU_BLOCKS, ModelInfo, WorkerConfig
 from shared.messages import Batch, BatchOutput, SeqChunk
 from shared.model_source import resolve_model
 from worker_svc.backends import select_backend
+from worker_svc.device_sampler import DeviceSampler
 from worker_svc.kv_cache import PagedKVCache
 from worker_svc.loader import load_weights, read_config
 from worker_svc.model.llama import LlamaForCausalLM
@@ -46,10 +47,11 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 class Executor:
-    """Loads config.model, then allocates config.cache.num_blocks KV blocks per layer.
+    """Loads config.model, then allocates config.cache.num_blocks KV blocks per layer (0: auto,
+    see WorkerConfig), then captures the backend's CUDA graphs if it has them.
 
-    Weights are loaded (and checked) before the cache is allocated, so a bad model path or a
-    corrupt file raises without having allocated anything.
+    Weights are checked before anything is allocated, then go tensor by tensor to the device in
+    the compute dtype (worker_svc.loader.LazyWeights), so a bad model path or file raises first.
 
     parallel (worker_svc.parallel.ParallelConfig): this rank's place in a tp x pp replica. Its
     fit to the model (heads, kv heads, layers) is checked from the config alone, before any
@@ -58,38 +60,59 @@ class Executor:
     """
 
     def __init__(self, config: WorkerConfig, tp: TensorParallel = TensorParallel(),
-                 sampler_seed: int | None = None, parallel=None):
+                 sampler_seed: int | None = None, weights: tuple | None = None, parallel=None):
+        """weights: (ModelConfig, name -> tensor mapping) to use instead of loading config.model
+        (the GPU benchmark's random-init Llama-3-8B shapes, bench/gpu_engine_iteration.py)."""
         self.config = config
         self.dtype = resolve_dtype(config.dtype, config.device)
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
-        self.backend = select_backend(config.device, self.dtype)
-        source = resolve_model(config.model)
+        self.backend = select_backend(config.device, self.dtype, attention=config.attention)
+        dev = self.backend.device
         self.parallel = None
         self._recv_wait_s = 0.0     # seconds the last batch waited for the previous stage
-        if parallel is not None and parallel.world_size > 1:
-            from worker_svc import parallel as par
-            arch = read_config(source)
-            par.check(arch, parallel)                 # before any weight is read
-            par.init_distributed(parallel, config.device)
-            self.parallel = par.Parallel(parallel, arch.num_layers, torch.device(config.device))
-            tp = self.parallel.tp
-        cfg, weights = load_weights(source)
-        self.model = LlamaForCausalLM(cfg, weights, self.dtype, self.backend, tp,
-                                      self.parallel).to(config.device)
+        if weights is None:
+            source = resolve_model(config.model)
+            name = source.name
+            if parallel is not None and parallel.world_size > 1:
+                from worker_svc import parallel as par
+                arch = read_config(source)
+                par.check(arch, parallel)                 # before any weight is read
+                par.init_distributed(parallel, str(dev))
+                self.parallel = par.Parallel(parallel, arch.num_layers, dev)
+                tp = self.parallel.tp
+            cfg, weights = load_weights(source, self.dtype, dev)
+        else:
+            (cfg, weights), name = weights, "random-init"
+        self.model = LlamaForCausalLM(cfg, weights, self.dtype, self.backend, tp, self.parallel).to(dev)
         del weights
         self.model_cfg = cfg
         self.block_size = config.cache.block_size
-        self.cache = PagedKVCache(len(self.model.layers), config.cache.num_blocks, self.block_size,
-                                  cfg.num_kv_heads // tp.world_size, cfg.head_dim,
-                                  self.backend.kv_cache_dtype, config.device)
+        kv_heads = cfg.num_kv_heads // tp.world_size
+        blocks_per_seq = -(-cfg.max_position_embeddings // self.block_size)
+        self.backend.bind(cfg.num_heads // tp.world_size, kv_heads, cfg.head_dim, self.dtype,
+                          cfg.head_dim ** -0.5, config.max_num_seqs * blocks_per_seq)
+        num_blocks = config.cache.num_blocks or self._auto_num_blocks(cfg, kv_heads)
+        # scratch blocks (ids num_blocks ..) are the backend's; the scheduler never sees them
+        self.cache = PagedKVCache(len(self.model.layers), num_blocks + self.backend.scratch_blocks,
+                                  self.block_size, kv_heads, cfg.head_dim,
+                                  self.backend.kv_cache_dtype, dev)
         self.sampler = Sampler(sampler_seed)
+        self.device_sampler = DeviceSampler(sampler_seed) if self.backend.sample_on_device else None
         self.model_info = ModelInfo(
-            name=source.name, max_model_len=cfg.max_position_embeddings,
+            name=name, max_model_len=cfg.max_position_embeddings,
             vocab_size=cfg.vocab_size, eos_token_ids=list(cfg.eos_token_ids),
             num_layers=cfg.num_layers, block_size=self.block_size,
-            num_blocks=config.cache.num_blocks)
-        log.info("worker backend: %s", self.backend.describe())
+            num_blocks=num_blocks)
+        self.graphs = None
+        if config.cuda_graphs and self.backend.make_graph_runner is not None and self.parallel is None:
+            from worker_svc.cuda_graphs import capture_sizes
+            self.graphs = self.backend.make_graph_runner(
+                self.model, self.cache, self.backend.attention, capture_sizes(config.max_num_seqs),
+                num_blocks, dev)
+        log.info("worker backend: %s; %d KV blocks of %d tokens; CUDA graphs %s",
+                 self.backend.describe(), num_blocks, self.block_size,
+                 "on" if self.graphs is not None else "off")
         if self.parallel is not None:
             p = self.parallel
             log.info("%s: layers %d..%d of %d", p.config.describe(), p.layers[0], p.layers[1] - 1,
@@ -104,6 +127,30 @@ class Executor:
         return {"rank": pc.rank, "world_size": pc.world_size, "tp": pc.tp, "pp": pc.pp,
                 "layers": list(self.parallel.layers)}
 
+    def _auto_num_blocks(self, cfg, kv_heads: int) -> int:
+        """cache.num_blocks == 0: DEFAULT_CPU_BLOCKS on a CPU; on CUDA sized from free memory
+        after a profiling pass at the largest batch (worker_svc.kv_sizing)."""
+        if self.backend.device.type != "cuda":
+            return DEFAULT_CPU_BLOCKS
+        if self.parallel is not None:   # the profiling pass would run one stage alone
+            raise ValueError("with --tp/--pp > 1 on CUDA give --num-blocks (the same on every rank)")
+        from worker_svc import kv_sizing
+        c = self.config
+        tokens = max(1, c.max_num_batched_tokens)
+        peak, other = kv_sizing.profile_peak_bytes(
+            self.model, self.backend, cfg.num_layers, kv_heads, cfg.head_dim, self.block_size,
+            tokens, cfg.max_position_embeddings, self.backend.device)
+        per_block = kv_sizing.block_bytes(cfg.num_layers, self.block_size, kv_heads, cfg.head_dim,
+                                          self.backend.kv_cache_dtype)
+        total = torch.cuda.get_device_properties(self.backend.device).total_memory
+        blocks = kv_sizing.blocks_that_fit(total, peak, other, c.gpu_memory_utilization, per_block)
+        blocks -= self.backend.scratch_blocks
+        log.info("KV cache sized from device memory: %d blocks (%.1f GiB; profile peak %.1f GiB "
+                 "at %d tokens, other use %.1f GiB, utilization %.2f)", blocks,
+                 blocks * per_block / 2**30, peak / 2**30, tokens, other / 2**30,
+                 c.gpu_memory_utilization)
+        return max(blocks, 1)
+
     def free(self, req_ids: list[str]) -> None:
         """Drop per-request state. The executor keeps none (blocks are the scheduler's), so
         this is a no-op that accepts unknown ids."""
@@ -114,12 +161,15 @@ class Executor:
         self.free(batch.freed_req_ids)
         wall0 = time.time()
         due, logits, t1, t2 = self._forward(batch)
+        ds = self.device_sampler
         if logits is None:       # a pipeline stage before the last: its activations were sent
             due, tokens = [], []
+        elif ds is not None and all(ds.supports(s.sampling) for s in due):   # only ids cross to the host
+            tokens = ds.sample(logits, [s.sampling for s in due], [s.output_index for s in due])
         else:
-            tokens = self.sampler.sample(logits, [s.sampling for s in due], [s.output_index for s in due])
-            if self.parallel is not None:
-                tokens = self.parallel.broadcast_tokens(tokens)
+            tokens = self.sampler.sample(logits.cpu(), [s.sampling for s in due], [s.output_index for s in due])
+        if self.parallel is not None and logits is not None:
+            tokens = self.parallel.broadcast_tokens(tokens)    # TP rank 0's, on every rank
         t3 = time.perf_counter()
         timings = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2, "total_s": t3 - t0}
         if self.parallel is not None:
@@ -134,6 +184,7 @@ class Executor:
         due, logits, _, _ = self._forward(batch)
         if logits is None:
             return {}
+        logits = logits.cpu()
         return {s.req_id: logits[i] for i, s in enumerate(due)}
 
     def _forward(self, batch: Batch):
@@ -147,9 +198,13 @@ class Executor:
         ids = torch.tensor([t for s in batch.seqs for t in s.token_ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids))
                                for s in batch.seqs])
-        dev = self.config.device
-        meta = self.backend.attention.build_metadata(
-            [(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs], self.block_size, dev)
+        dev = self.backend.device
+        specs = [(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs]
+        if self.graphs is not None:
+            logits = self._graph_forward(batch, specs, ids, positions, due)
+            if logits is not None:
+                return due, logits, t0, time.perf_counter()
+        meta = self.backend.attention.build_metadata(specs, self.block_size, dev)
         rows, row = [], 0
         for s in batch.seqs:
             row += len(s.token_ids)
@@ -165,7 +220,19 @@ class Executor:
         if par is not None and not par.is_last:
             par.send_hidden(out, batch.batch_id)
             return due, None, t1, time.perf_counter()
-        return due, out.cpu(), t1, time.perf_counter()    # sampling runs on the CPU
+        return due, out, t1, time.perf_counter()    # logits stay on the device
+
+    def _graph_forward(self, batch: Batch, specs, ids, positions, due) -> torch.Tensor | None:
+        """Logits of the due rows through a captured CUDA graph, or None (run eagerly) when the
+        batch is not decode-only or is larger than the largest graph."""
+        if len(ids) != len(specs) or len(specs) > self.graphs.sizes[-1]:
+            return None
+        from worker_svc.flashinfer_meta import build_paged_batch
+        logits = self.graphs.run(build_paged_batch(specs, self.block_size), ids.tolist(), positions.tolist())
+        if logits is None or len(due) == len(specs):
+            return logits
+        keep = [i for i, s in enumerate(batch.seqs) if s.sample]
+        return logits.index_select(0, torch.tensor(keep, device=logits.device))
 
     def _check(self, s: SeqChunk) -> None:
         n, end = len(s.token_ids), s.start_pos + len(s.token_ids)
@@ -180,10 +247,10 @@ class Executor:
         if len(s.block_table) < need:
             raise BatchError(f"request {s.req_id}: block table has {len(s.block_table)} blocks, "
                              f"{need} needed for {end} tokens of block_size {self.block_size}")
-        bad = [b for b in s.block_table[:need] if not 0 <= b < self.cache.num_blocks]
+        bad = [b for b in s.block_table[:need] if not 0 <= b < self.model_info.num_blocks]
         if bad:
             raise BatchError(f"request {s.req_id}: block ids {bad[:5]} outside the cache's "
-                             f"{self.cache.num_blocks} blocks")
+                             f"{self.model_info.num_blocks} blocks")
         vocab = self.model_info.vocab_size
         if any(not 0 <= t < vocab for t in s.token_ids):
             raise BatchError(f"request {s.req_id}: token id outside the vocabulary [0, {vocab})")

@@ -1,14 +1,21 @@
-"""Read a model's weights from disk into Hugging Face-named float32 tensors.
+"""Read a model's weights from disk as Hugging Face-named tensors, one tensor at a time.
 
 Two sources (see shared.model_source): a GGUF file, dequantized with gguf.quants (Q4_1, Q8_0,
 ...), with llama.cpp's q/k row permutation undone; or a Hugging Face directory of
-config.json + *.safetensors. Every failure is a ModelLoadError naming the file and the problem,
-raised before the caller allocates anything else.
+config.json + *.safetensors. Every failure is a ModelLoadError naming the file and the problem;
+names and shapes are checked before the caller allocates anything else.
+
+The weights are a lazy mapping (LazyWeights): a tensor is read from its file (memory-mapped)
+when the model asks for it and converted right away to the target dtype and device, so an 8B
+model goes to the GPU tensor by tensor in bf16 instead of passing through 32 GB of fp32 host
+memory. Values are those of the eager reading: conversion is per element, so it commutes with the
+concatenations and slices the model does afterwards.
 """
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +24,37 @@ import torch
 from shared.model_source import ModelSource
 from worker_svc.model.config import ModelConfig, ModelConfigError
 
-Weights = dict[str, torch.Tensor]
+class ModelLoadError(RuntimeError):
+    """The model files exist but cannot be used (corrupt, truncated, missing tensors)."""
+
+
+class LazyWeights(Mapping):
+    """name -> tensor, read when asked for (each access reads again: the model takes each once)
+    and converted to (dtype, device) when those are set. shapes: name -> shape, known up front."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str], torch.Tensor],
+                 path: Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+        self.shapes, self._read, self.path = shapes, read, path
+        self.dtype, self.device = dtype, device
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.shapes:
+            raise KeyError(name)
+        try:
+            t = self._read(name)
+        except Exception as e:   # a corrupt or truncated tensor surfaces here, named
+            raise ModelLoadError(f"cannot read tensor {name!r} of model {str(self.path)!r}: "
+                                 f"{type(e).__name__}: {e}") from e
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+Weights = Mapping[str, torch.Tensor]
 
 # llama.cpp tensor names -> Hugging Face names (per-layer ones keep their block index).
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -31,14 +68,13 @@ _BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml
                "tokenizer.ggml.scores")
 
 
-class ModelLoadError(RuntimeError):
-    """The model files exist but cannot be used (corrupt, truncated, missing tensors)."""
-
-
-def load_weights(source: ModelSource) -> tuple[ModelConfig, Weights]:
-    """(config, weights) of a resolved model; weights use HF names and layouts, float32/orig."""
+def load_weights(source: ModelSource, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> tuple[ModelConfig, LazyWeights]:
+    """(config, weights) of a resolved model; weights use HF names and layouts and arrive in
+    `dtype` on `device` (None: as stored, float32 for GGUF, on the CPU)."""
     try:
         cfg, weights = _load_gguf(source.path) if source.kind == "gguf" else _load_hf(source.path)
+        weights.dtype, weights.device = dtype, device
     except (ModelLoadError, ModelConfigError):
         raise
     except Exception as e:   # gguf / safetensors raise many types on garbage; name the file
@@ -95,32 +131,35 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_weights(cfg: ModelConfig, weights: Weights, path: Path) -> None:
+    """Names and shapes (read from the headers for LazyWeights: nothing is loaded)."""
+    shapes = weights.shapes if isinstance(weights, LazyWeights) else {n: t.shape for n, t in weights.items()}
     for name, shape in expected_shapes(cfg).items():
-        if name not in weights:
+        if name not in shapes:
             raise ModelLoadError(f"model {str(path)!r} lacks tensor {name!r}")
-        if tuple(weights[name].shape) != shape:
+        if tuple(shapes[name]) != shape:
             raise ModelLoadError(f"model {str(path)!r}: tensor {name!r} has shape "
-                                 f"{tuple(weights[name].shape)}, expected {shape}")
+                                 f"{tuple(shapes[name])}, expected {shape}")
 
 
 # ---------------------------------------------------------------------------------------------
 # Hugging Face directory
 # ---------------------------------------------------------------------------------------------
-def _load_hf(path: Path) -> tuple[ModelConfig, Weights]:
+def _load_hf(path: Path) -> tuple[ModelConfig, LazyWeights]:
     from safetensors import safe_open
 
     cfg_json = json.loads((path / "config.json").read_text())
     gen_path = path / "generation_config.json"
     gen_json = json.loads(gen_path.read_text()) if gen_path.is_file() else None
     cfg = ModelConfig.from_hf(cfg_json, gen_json)
-    weights: Weights = {}
+    files, shapes = {}, {}
     for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                weights[name] = f.get_tensor(name)
-    if cfg.tie_word_embeddings and "lm_head.weight" in weights:
-        del weights["lm_head.weight"]    # some checkpoints store the tied copy; it is the same
-    return cfg, weights
+        f = safe_open(str(file), framework="pt")     # memory-mapped; tensors read on access
+        for name in f.keys():
+            files[name] = f
+            shapes[name] = tuple(f.get_slice(name).get_shape())
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)   # some checkpoints store the tied copy; it is the same
+    return cfg, LazyWeights(shapes, lambda name: files[name].get_tensor(name), path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,18 +177,22 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, Weights]:
     if "rope_freqs.weight" in names:
         raise ModelLoadError(f"{str(path)!r}: GGUF rope frequency factors (Llama 3.1 scaling) "
                              "are not supported; use the Hugging Face directory instead")
-    weights: Weights = {}
+    tensors, shapes = {}, {}
     for t in reader.tensors:
         name = _hf_name(t.name)
-        if name is None:
-            continue
-        shape = tuple(int(s) for s in reversed(t.shape))     # GGUF lists dims innermost first
-        array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        if name is not None:
+            tensors[name] = t
+            shapes[name] = tuple(int(s) for s in reversed(t.shape))   # GGUF lists dims innermost first
+
+    def read(name: str) -> torch.Tensor:
+        t = tensors[name]
+        array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[name])
         tensor = torch.from_numpy(np.array(array, dtype=np.float32))   # copy: memmap is read-only
         if cfg.model_type == "llama" and name.startswith("model.layers."):
             tensor = _unpermute_qk(name, tensor, cfg)
-        weights[name] = tensor
-    return cfg, weights
+        return tensor
+
+    return cfg, LazyWeights(shapes, read, path)
 
 
 def _hf_name(gguf_name: str) -> str | None:

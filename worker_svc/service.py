@@ -136,6 +136,8 @@ class WorkerServer:
 def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
                dtype: str = "auto", device: str = "cpu", threads: int = 0,
                num_blocks: int = 1024, block_size: int = 16,
+               gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
+               max_num_seqs: int = 128, max_num_batched_tokens: int = 4096,
                executor: ExecutorLike | None = None,
                stop: threading.Event | None = None,
                ready: threading.Event | None = None, parallel=None) -> None:
@@ -144,7 +146,9 @@ def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
     address: where to bind (tcp://host:port, ipc://path, inproc://name). model: GGUF file or HF
     directory; None = the default SmolLM2. dtype: "auto" | "float32" | "bfloat16". device: "cpu"
     or "cuda[:n]". threads: torch CPU threads (0 = torch's default). num_blocks x block_size:
-    the paged KV cache (blocks per layer, tokens per block). executor: serve this object instead
+    the paged KV cache (blocks per layer, tokens per block; 0 blocks = auto, see WorkerConfig).
+    gpu_memory_utilization, cuda_graphs, max_num_seqs (largest graph), max_num_batched_tokens
+    (profiling pass): CUDA only, see WorkerConfig. executor: serve this object instead
     of loading a model (tests, the simulated worker). ready: set once the socket is bound and the
     model is loaded. parallel: this rank's worker_svc.parallel.ParallelConfig in a TP x PP
     replica (None: one rank); rank r binds shared.config.rank_address(address, r). Raises
@@ -154,7 +158,9 @@ def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
         from shared.config import CacheConfig, WorkerConfig
         from worker_svc.executor import Executor  # torch: imported only where a model runs
         cfg = WorkerConfig(model=model, dtype=dtype, device=device, num_threads=threads,
-                           cache=CacheConfig(block_size=block_size, num_blocks=num_blocks))
+                           cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                           gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         executor = Executor(cfg, parallel=parallel)
     if parallel is not None:
         from shared.config import rank_address

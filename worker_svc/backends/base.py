@@ -17,7 +17,7 @@ the model. describe() is the one line a worker prints at start-up so an operator
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -68,8 +68,25 @@ class DeviceBackend:
     attention: AttentionBackend
     linear: LinearMethod
     kv_cache_dtype: torch.dtype
+    # sample where the logits are; only token ids cross to the host (worker_svc.device_sampler)
+    sample_on_device: bool = False
+    # KV blocks allocated beyond the scheduler's, ids num_blocks.. (CUDA graphs' padding rows
+    # write there, so padding never touches a request's KV)
+    scratch_blocks: int = 0
+    # (model, cache, attention, sizes, scratch_block, device) -> a graph runner, or None
+    make_graph_runner: Callable[..., Any] | None = None
+    note: str = ""              # e.g. why a fallback was taken; printed by describe()
+
+    def bind(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype,
+             scale: float, max_pages: int) -> None:
+        """Tell an attention backend that plans per batch (FlashInfer) the model's shapes."""
+        bind = getattr(self.attention, "bind", None)
+        if bind is not None:
+            bind(num_qo_heads, num_kv_heads, head_dim, q_dtype, scale, max_pages)
 
     def describe(self) -> str:
         kv = str(self.kv_cache_dtype).removeprefix("torch.")
         return (f"device {self.device}: attention {self.attention.name}, kv {kv}, "
-                f"linear {self.linear.name}")
+                f"linear {self.linear.name}"
+                + (", sampling on device" if self.sample_on_device else "")
+                + (f" ({self.note})" if self.note else ""))

@@ -1,0 +1,286 @@
+"""Engine iteration time on a GPU with random-init Llama-3-8B shapes (bf16), next to the bounds
+of ../shared/GPU.md and the goals of issue 8.
+
+The model is created in memory, tensor by tensor on the device (random_weights): no checkpoint,
+no download. Shapes: 32 layers, hidden 4096, 32 q / 8 kv heads, head_dim 128, intermediate
+14336, vocab cut to 49152 (as GPU.md's measurements). Every case runs through Executor.execute
+(prepare + forward + sampling, token ids back on the host), median over rounds, in two variants
+of the same executor: CUDA graphs on (decode-only batches replay a graph) and off (eager).
+
+Bounds (GPU.md): a step reads the weights (and the batch's KV) once at ~3.0 TB/s; a prefill
+does 2 x params x tokens FLOPs (+ attention) at ~650 TFLOP/s.
+
+    python -m bench.gpu_engine_iteration [--rounds 5] [--out bench/results/gpu_engine_iteration]
+writes <out>.json, <out>.png, <out>_profile.txt (torch.profiler, CUDA time by kernel).
+`--tiny --device cpu` runs the same code on a tiny model (what the CPU test checks).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from shared.config import CacheConfig, WorkerConfig
+from shared.messages import Batch, SeqChunk
+from shared.sampling import SamplingParams
+from worker_svc.executor import Executor
+from worker_svc.loader import LazyWeights, expected_shapes
+from worker_svc.model.config import ModelConfig
+
+BLOCK_SIZE = 16
+HBM_BYTES_PER_S = 3.0e12          # GPU.md: device-to-device copy on the H100 measured
+DENSE_FLOPS = 650e12              # GPU.md: bf16 dense matmul rate reached by large prefills
+GREEDY = SamplingParams(temperature=0.0)
+# issue 8's goals on an H100 (seconds); hybrid: 32 decodes + 512 chunk <= 1.2x the chunk alone
+GOALS = {"decode:1": 0.006, "decode:32": 0.009, "decode:128": 0.015, "prefill:2048": 0.050}
+HYBRID_GOAL_RATIO = 1.2
+
+
+def llama3_8b_config(**overrides) -> ModelConfig:
+    """Llama-3-8B's shapes (vocab cut to 49152 like GPU.md); overrides shrink it for tests."""
+    base = dict(model_type="llama", vocab_size=49152, hidden_size=4096, intermediate_size=14336,
+                num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                rope_theta=500000.0, max_position_embeddings=4096, eos_token_ids=[1])
+    return ModelConfig(**{**base, **overrides})
+
+
+def tiny_config() -> ModelConfig:
+    return llama3_8b_config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048)
+
+
+def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int = 0) -> LazyWeights:
+    """Every tensor the model needs, created on `device` in `dtype` when the model asks for it:
+    normal(0, 0.02) matrices, norm weights 1 (so activations stay in range through 32 layers)."""
+    gen_device = torch.device(device)
+    shapes = expected_shapes(cfg)
+
+    def make(name: str) -> torch.Tensor:
+        shape = shapes[name]
+        if len(shape) == 1:
+            return torch.ones(shape, dtype=dtype, device=gen_device)
+        g = torch.Generator(device=gen_device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        return (torch.randn(shape, generator=g, device=gen_device, dtype=torch.float32) * 0.02).to(dtype)
+
+    return LazyWeights(shapes, make, Path("random-init"))
+
+
+def cases(tiny: bool) -> list[tuple[str, int, int]]:
+    """(series, size, context): decode batches at 1k context, prefill chunks alone, and
+    32 decodes + a chunk (the hybrid batch Sarathi-Serve builds)."""
+    ctx = 64 if tiny else 1024
+    decode = [1, 2, 4] if tiny else [1, 2, 4, 8, 16, 32, 64, 128]
+    prefill = [16, 64] if tiny else [128, 512, 1024, 2048]
+    hybrid = [16, 64] if tiny else [128, 512]
+    return ([("decode", b, ctx) for b in decode] + [("prefill", n, 0) for n in prefill]
+            + [("hybrid", n, ctx) for n in hybrid])
+
+
+def hybrid_decodes(tiny: bool) -> int:
+    return 2 if tiny else 32
+
+
+def make_batch(series: str, size: int, ctx: int, tiny: bool) -> Batch:
+    per_seq = ctx // BLOCK_SIZE + 1
+    n_dec = size if series == "decode" else hybrid_decodes(tiny) if series == "hybrid" else 0
+    seqs = [SeqChunk(f"d{i}", [100 + i], ctx, list(range(i * per_seq, (i + 1) * per_seq)), True, GREEDY, 1)
+            for i in range(n_dec)]
+    if series != "decode":
+        first = n_dec * per_seq
+        seqs.append(SeqChunk("p", [200] * size, 0, list(range(first, first + -(-size // BLOCK_SIZE))),
+                             True, GREEDY))
+    return Batch(0, seqs)
+
+
+def blocks_needed(tiny: bool) -> int:
+    """KV blocks for the largest case (block ids are reused across cases: the values are noise)."""
+    return max(sum(len(s.block_table) for s in make_batch(*c, tiny).seqs) for c in cases(tiny))
+
+
+def bound_s(cfg: ModelConfig, series: str, size: int, ctx: int, tiny: bool, kv_bytes_per_token: int) -> float:
+    """The lower bound of one iteration: max(bytes / HBM bandwidth, FLOPs / dense rate)."""
+    h, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    layer_params = h * (q + 2 * kv) + q * h + 3 * h * f
+    params = cfg.num_layers * layer_params + cfg.vocab_size * h        # + LM head (embedding: rows only)
+    n_dec = size if series == "decode" else hybrid_decodes(tiny) if series == "hybrid" else 0
+    n_chunk = 0 if series == "decode" else size
+    tokens = n_dec + n_chunk
+    kv_read = n_dec * (ctx + 1) * kv_bytes_per_token + n_chunk * kv_bytes_per_token
+    memory = (params * 2 + kv_read) / HBM_BYTES_PER_S
+    attn_flops = 4 * cfg.num_layers * q * (n_chunk * n_chunk / 2 + n_dec * ctx)
+    compute = (2 * params * tokens + attn_flops) / DENSE_FLOPS
+    return max(memory, compute)
+
+
+def measure(ex: Executor, tiny: bool, rounds: int) -> dict:
+    """variant -> "series:size" -> seconds per round; variants interleaved per case."""
+    graphs = ex.graphs
+    variants = {"graphs": graphs, "eager": None} if graphs is not None else {"eager": None}
+    batches = {c: make_batch(*c, tiny) for c in cases(tiny)}
+    times = {v: {f"{s}:{n}": [] for s, n, _ in batches} for v in variants}
+    sync = torch.cuda.synchronize if ex.backend.device.type == "cuda" else (lambda: None)
+    for v, g in variants.items():                 # warm-up: first use of every shape
+        ex.graphs = g
+        for b in batches.values():
+            ex.execute(b)
+    for r in range(rounds):
+        for (s, n, _), b in batches.items():
+            for v, g in variants.items():
+                ex.graphs = g
+                sync()
+                t0 = time.perf_counter()
+                ex.execute(b)                     # ends with token ids on the host: synchronous
+                times[v][f"{s}:{n}"].append(time.perf_counter() - t0)
+        print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+    ex.graphs = graphs
+    return times
+
+
+def summarize(times: dict, cfg: ModelConfig, tiny: bool, kv_bytes_per_token: int) -> dict:
+    out = {}
+    for v, by_case in times.items():
+        out[v] = []
+        for s, n, ctx in cases(tiny):
+            ts = by_case[f"{s}:{n}"]
+            out[v].append({"series": s, "size": n, "context": ctx, "median_s": statistics.median(ts),
+                           "min_s": min(ts), "bound_s": bound_s(cfg, s, n, ctx, tiny, kv_bytes_per_token),
+                           "samples_s": [round(t, 6) for t in ts]})
+    return out
+
+
+def against_goals(summary: dict, tiny: bool) -> dict:
+    """Each goal of the issue with the best variant's median next to it and the bound."""
+    best = {}
+    for v, pts in summary.items():
+        for p in pts:
+            key = f"{p['series']}:{p['size']}"
+            if key not in best or p["median_s"] < best[key]["median_s"]:
+                best[key] = dict(p, variant=v)
+    goals = {}
+    for key, goal in GOALS.items():
+        if key in best:
+            goals[key] = {"goal_s": goal, "measured_s": best[key]["median_s"], "bound_s": best[key]["bound_s"],
+                          "variant": best[key]["variant"], "met": best[key]["median_s"] <= goal}
+    chunk = 64 if tiny else 512
+    if f"hybrid:{chunk}" in best and f"prefill:{chunk}" in best:
+        ratio = best[f"hybrid:{chunk}"]["median_s"] / best[f"prefill:{chunk}"]["median_s"]
+        goals[f"hybrid:{chunk}/prefill:{chunk}"] = {"goal_ratio": HYBRID_GOAL_RATIO, "measured_ratio": ratio,
+                                                     "met": ratio <= HYBRID_GOAL_RATIO}
+    return goals
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for ax, series in zip(axes, ("decode", "prefill", "hybrid")):
+        for v, pts in summary.items():
+            sel = [p for p in pts if p["series"] == series]
+            ax.plot([p["size"] for p in sel], [p["median_s"] * 1e3 for p in sel], "o-", label=v)
+        sel = [p for p in next(iter(summary.values())) if p["series"] == series]
+        ax.plot([p["size"] for p in sel], [p["bound_s"] * 1e3 for p in sel], "k--", label="bound (GPU.md)")
+        ax.set(xscale="log", yscale="log", xlabel="decodes" if series == "decode" else "chunk tokens",
+               ylabel="iteration (ms, median)", title={"decode": "decode-only batch",
+                                                       "prefill": "prefill chunk alone",
+                                                       "hybrid": "decodes + prefill chunk"}[series])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def profile(ex: Executor, tiny: bool, path: Path) -> None:
+    """Kernel table (CUDA time) of the decode-32 and hybrid 32+512 steps: what remains."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ex.backend.device.type == "cuda" else [])
+    sort = "cuda_time_total" if ex.backend.device.type == "cuda" else "self_cpu_time_total"
+    parts = [f"# python -m bench.gpu_engine_iteration --profile  ({gpu_info()}, "
+             f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')})\n"]
+    picks = [("decode", 4 if tiny else 32), ("hybrid", 64 if tiny else 512)]
+    for series, size in picks:
+        c = next(c for c in cases(tiny) if c[:2] == (series, size))
+        b = make_batch(*c, tiny)
+        ex.execute(b)
+        with torch_profile(activities=acts) as prof:
+            for _ in range(3):
+                ex.execute(b)
+        parts.append(f"## {series} {size} (3 iterations, CUDA graphs {'on' if ex.graphs else 'off'})\n"
+                     + prof.key_averages().table(sort_by=sort, row_limit=20) + "\n")
+    path.write_text("\n".join(parts))
+
+
+def gpu_info() -> str:
+    if not torch.cuda.is_available():
+        return f"no GPU ({platform.processor() or platform.machine()})"
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+    except Exception:
+        driver = "unknown"
+    return (f"{torch.cuda.get_device_name()}, driver {driver}, CUDA {torch.version.cuda}, "
+            f"torch {torch.__version__}")
+
+
+def build_executor(tiny: bool, device: str, cuda_graphs: bool, attention: str = "auto") -> tuple[Executor, ModelConfig]:
+    cfg = tiny_config() if tiny else llama3_8b_config()
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    wc = WorkerConfig(dtype=dtype, device=device, cache=CacheConfig(BLOCK_SIZE, blocks_needed(tiny)),
+                      attention=attention, cuda_graphs=cuda_graphs, max_num_seqs=max(
+                          n for s, n, _ in cases(tiny) if s == "decode"))
+    torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+    dev = device if device == "cpu" or ":" in device else "cuda:0"
+    return Executor(wc, weights=(cfg, random_weights(cfg, torch_dtype, dev))), cfg
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--attention", default="auto", help="auto, flashinfer or torch (the old path)")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (smoke test; CPU works)")
+    ap.add_argument("--out", default="bench/results/gpu_engine_iteration")
+    ap.add_argument("--no-profile", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    ex, cfg = build_executor(args.tiny, args.device, args.cuda_graphs, args.attention)
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * ex.cache.k[0].element_size()
+    summary = summarize(measure(ex, args.tiny, args.rounds), cfg, args.tiny, kv_per_token)
+    result = {
+        "command": "python -m bench.gpu_engine_iteration " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu_info(), "backend": ex.backend.describe(),
+        "model": "random-init " + ("tiny Llama" if args.tiny else "Llama-3-8B shapes (vocab 49152)"),
+        "dtype": str(ex.dtype), "block_size": BLOCK_SIZE, "rounds": args.rounds,
+        "bounds": f"weights+KV bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s, or FLOPs / {DENSE_FLOPS / 1e12:.0f} TFLOP/s",
+        "goals": against_goals(summary, args.tiny), "results": summary,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    plot(summary, out.with_suffix(".png"))
+    if not args.no_profile:
+        profile(ex, args.tiny, Path(f"{out}_profile.txt"))
+    print(json.dumps(result["goals"], indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Sampling where the logits are (the GPU): only the chosen token ids cross to the host.
+
+The same rules as worker_svc.sampler (temperature 0 = argmax; else logits / temperature, then
+top-k, then top-p, with the same tie and cut-off rules as sampler.filtered_probs), vectorised over
+the rows of a batch. The draw is Gumbel-max: token = argmax(filtered logits / T + g), g = -log(-log u),
+where u in (0, 1) is a counter-based hash of (seed, output_index, token id) computed in torch
+integer arithmetic. So:
+
+* a seeded request's i-th token depends only on its own logits row, its parameters, its seed and
+  i: not on what else is in the batch, nor on earlier preemptions (the noise has no state);
+* there is no generator state on the device and no host round trip, so it can run inside a
+  captured graph;
+* the stream differs from the CPU sampler's torch.multinomial: a seed reproduces a request on
+  one backend, not across CPU and GPU.
+
+Unseeded rows draw a fresh 62-bit seed from the worker's host generator per token.
+Requests with parameters this module does not implement (supports() is False: any
+SamplingParams field beyond the ones below set away from its default, e.g. penalties or
+logprobs) go to the host sampler; the executor checks that per batch.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from shared.sampling import SamplingParams
+
+_M32 = 0xFFFFFFFF
+# the fields this sampler implements, or that do not affect which token is drawn
+_HANDLED = {"temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "ignore_eos"}
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32) int64, in 16-bit halves so no product exceeds
+    2**48 (exact on every device; int64 overflow would be undefined)."""
+    hi = ((x >> 16) * c) & _M32
+    return ((hi << 16) + (x & 0xFFFF) * c) & _M32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (lowbias32 by C. Wellons) on int64 tensors holding [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: list[int], output_indices: list[int], vocab_size: int,
+                  device: torch.device | str) -> torch.Tensor:
+    """u [S, V] float64 in (0, 1): row s, column t is a pure function of (seeds[s],
+    output_indices[s], t)."""
+    keys = torch.tensor([[s & _M32, (s >> 32) & _M32, i & _M32]
+                         for s, i in zip(seeds, output_indices)], dtype=torch.int64, device=device)
+    row = hash32(hash32(hash32(keys[:, 0]) ^ keys[:, 1]) ^ keys[:, 2])            # [S]
+    col = hash32((torch.arange(vocab_size, dtype=torch.int64, device=device) + 0x9E3779B9) & _M32)
+    bits = hash32(row[:, None] ^ col[None, :])                                     # [S, V]
+    return (bits.double() + 0.5) / 2.0 ** 32
+
+
+def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [S, V] -> float32 logits / temperature with the tokens top-k and top-p drop set to
+    -inf (row s follows params[s]; no row is greedy). Same rules as sampler.filtered_probs."""
+    dev, vocab = logits.device, logits.shape[-1]
+    x = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+    use_p = top_p < 1.0
+    if all(k == vocab for k in ks) and not any(p.top_p < 1.0 for p in params):
+        return x
+    vals, order = torch.sort(x, dim=-1, descending=True)
+    kth = vals.gather(1, torch.tensor(ks, device=dev)[:, None] - 1)               # [S, 1]
+    vals = vals.masked_fill(vals < kth, float("-inf"))
+    x = x.masked_fill(x < kth, float("-inf"))
+    probs = vals.softmax(-1)
+    # drop a token when the mass strictly before it already reaches top_p (the top one stays)
+    drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & use_p[:, None]
+    drop[:, 0] = False
+    return x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+
+
+class DeviceSampler:
+    """sample(logits [S, V] on the device, params, output indices) -> S token ids (host ints)."""
+
+    def __init__(self, seed: int | None = None):
+        self.host_generator = torch.Generator()
+        if seed is None:
+            self.host_generator.seed()
+        else:
+            self.host_generator.manual_seed(seed)
+
+    @staticmethod
+    def supports(params: SamplingParams) -> bool:
+        """False when params set a field this sampler does not implement (see module doc)."""
+        defaults = _defaults(type(params))
+        return all(v == defaults.get(k) for k, v in params.to_dict().items() if k not in _HANDLED)
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               output_indices: list[int]) -> list[int]:
+        tokens = logits.argmax(dim=-1)
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if drawn:
+            rows = torch.tensor(drawn, device=logits.device)
+            ps = [params[i] for i in drawn]
+            seeds = [p.seed if p.seed is not None else
+                     int(torch.randint(0, 2 ** 62, (1,), generator=self.host_generator)) for p in ps]
+            x = filtered_logits(logits.index_select(0, rows), ps)
+            u = uniform_noise(seeds, [output_indices[i] for i in drawn], logits.shape[-1], logits.device)
+            scores = x.double() - torch.log(-torch.log(u))
+            tokens = tokens.index_copy(0, rows, scores.argmax(dim=-1))
+        return tokens.tolist()      # the one device -> host copy: S token ids
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(cls: type) -> dict:
+    return cls().to_dict()
