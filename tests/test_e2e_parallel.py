@@ -50,6 +50,9 @@ def offline(model_dir):
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     ref = {p: llm.generate([p], greedy)[0].text for p in PROMPTS}
     ref["chat"] = llm.chat([CHAT], greedy)[0].text
+    # penalties need the token histories on the sampling rank (issue 10's sampler on issue 9's TP)
+    penalized = SamplingParams(temperature=0.0, max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5)
+    ref["penalized"] = llm.generate([PROMPTS[1]], penalized)[0].text
     return ref
 
 
@@ -79,15 +82,24 @@ def stack(model_dir, tmp_path_factory, redis_server_url):
 
 def test_tp2_stack_answers_completions_and_chat_as_the_single_rank_engine(stack, offline):
     client, logs = stack
+    m = client.models.list().data[0].id   # the served name (issue 10: any other name is a 404)
     assert all(offline.values())          # the random model does not stop at once: text to compare
     for p in PROMPTS:
-        r = client.completions.create(model="m", prompt=p, max_tokens=12, temperature=0)
+        r = client.completions.create(model=m, prompt=p, max_tokens=12, temperature=0)
         assert r.choices[0].text == offline[p]
         assert r.usage.prompt_tokens > 0
-    streamed = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+    streamed = client.completions.create(model=m, prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == offline[PROMPTS[0]]
-    chat = client.chat.completions.create(model="m", messages=CHAT, max_tokens=12, temperature=0)
+    chat = client.chat.completions.create(model=m, messages=CHAT, max_tokens=12, temperature=0)
     assert chat.choices[0].message.content == offline["chat"]
+    pen = client.completions.create(model=m, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                    frequency_penalty=1.5, presence_penalty=0.5, logprobs=3)
+    assert pen.choices[0].text == offline["penalized"]
+    lp = pen.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) > 0
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        # greedy: the kept token is the most likely one of the distribution its logprobs describe
+        assert 0 < len(top) <= 3 and chosen <= 0 and abs(chosen - max(top.values())) < 1e-5
     log = logs[0].read_text()
     assert "rank 1/2 (tp 1/2, stage 0/1)" in log      # really two ranks served it
