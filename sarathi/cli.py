@@ -113,12 +113,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="a worker service: holds the model, runs batches from ZeroMQ")
     _model_args(p)
-    _add(p, "bind", "tcp://0.0.0.0:5555", "ZeroMQ address to bind")
+    _add(p, "bind", "tcp://0.0.0.0:5555", "ZeroMQ address to bind (rank r of a TP x PP replica: "
+         "TCP port + r, or an ipc path + '.rank<r>')")
     _add(p, "max-num-seqs", 128, "CUDA: largest decode batch (graphs are captured up to it)")
     _add(p, "max-num-batched-tokens", 4096, "CUDA: tokens of the profiling pass that sizes the KV cache")
+    _parallel_args(p)
 
     _measure_parsers(sub)
     return parser
+
+
+def _parallel_args(p: argparse.ArgumentParser) -> None:
+    _add(p, "tp", 1, "tensor-parallel ranks per pipeline stage")
+    _add(p, "pp", 1, "pipeline stages")
+    _add(p, "pp-layers", "", "layers per stage, e.g. 16,14 (default: balanced)")
+    _add(p, "rank", -1, "this process's rank, one process per rank (default: $RANK; neither: "
+         "start all tp x pp ranks here)")
+    _add(p, "world-size", 0, "ranks in the replica, checked against tp x pp (default: $WORLD_SIZE)")
+    _add(p, "master-addr", "", "torch.distributed rendezvous host (default: $MASTER_ADDR or 127.0.0.1)")
+    _add(p, "master-port", 0, "rendezvous port (default: $MASTER_PORT; 29500 with --rank; "
+         "a free port when all ranks start here)")
+    _add(p, "dist-timeout", 60.0, "seconds a collective waits before a rank is declared lost")
 
 
 def _executor_args(p: argparse.ArgumentParser) -> None:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 
 from shared.sampling import SamplingParams
@@ -85,10 +87,44 @@ def scheduler(a: argparse.Namespace) -> int:
 def worker(a: argparse.Namespace) -> int:
     from worker_svc.service import run_worker
 
-    run_worker(address=a.bind, model=a.model, dtype=a.dtype, threads=a.threads,
-               num_blocks=a.num_blocks, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
-               max_num_batched_tokens=a.max_num_batched_tokens, **_device_kwargs(a))
+    kw = dict(address=a.bind, model=a.model, dtype=a.dtype, threads=a.threads,
+              num_blocks=a.num_blocks, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
+              max_num_batched_tokens=a.max_num_batched_tokens, **_device_kwargs(a))
+    rank = a.rank if a.rank >= 0 else _env_int("RANK")
+    if a.tp * a.pp == 1 and rank is None and not a.pp_layers:
+        run_worker(**kw)
+        return 0
+    import logging
+
+    from worker_svc.parallel import ParallelConfig, parse_pp_layers
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    pc = ParallelConfig(tp=a.tp, pp=a.pp, rank=max(rank or 0, 0), pp_layers=parse_pp_layers(a.pp_layers),
+                        master_addr=a.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1",
+                        master_port=a.master_port or _env_int("MASTER_PORT") or 0,
+                        timeout_s=a.dist_timeout)
+    if rank is None:   # every rank of the replica on this machine, one process each
+        from worker_svc.launcher import launch_local
+        return launch_local(kw, pc)
+    from shared.model_source import resolve_model
+    from worker_svc import parallel as par
+    from worker_svc.loader import read_config
+
+    world = a.world_size or _env_int("WORLD_SIZE") or pc.world_size
+    local = _env_int("LOCAL_RANK")
+    if a.device == "cuda" and local is not None:
+        kw["device"] = f"cuda:{local}"     # torchrun: one GPU per local rank
+    pc = dataclasses.replace(pc, master_port=pc.master_port or 29500)
+    par.check(read_config(resolve_model(a.model)), pc, world)   # before any weight is read
+    run_worker(parallel=pc, **kw)
     return 0
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
 
 
 # -- measurement ------------------------------------------------------------------------------

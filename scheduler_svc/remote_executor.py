@@ -5,12 +5,21 @@ One DEALER socket and one `BatchEncoder` per worker address. Every batch goes to
 (the rank that samples). Each worker's mirror records only the tokens that worker sampled, so a
 rank that does not sample is sent the decode tokens explicitly by the diff logic.
 
-Liveness: every DEALER socket runs ZMTP heartbeats (a PING every heartbeat_ivl_s, answered by
-the worker's libzmq I/O thread even while the worker computes a batch; no answer within
-heartbeat_timeout_s closes the link) and a socket monitor. A worker whose process dies drops its
-TCP/IPC connection at once, a silent one misses its heartbeats: either way the monitor reports a
-disconnect and the wait for a reply ends with WorkerLostError within about heartbeat_timeout_s,
-not after the reply timeout. ZeroMQ reconnects by itself when a worker is back on the address.
+A tensor/pipeline-parallel replica (tp x pp ranks) is addressed by one address per rank, in rank
+order, or by rank 0's address alone: its "info" reply names the replica's layout and the other
+ranks are found at shared.config.rank_address(). With pp > 1 the scheduler keeps up to pp
+micro-batches in flight: `submit(batch)` sends without waiting and `collect()` returns the oldest
+batch's output once every rank answered (scheduler_svc.pipeline drives them). An error reply of
+any rank fails at once, without waiting for the others.
+
+Liveness (one mechanism for execute(), collect() and every rank): each DEALER socket runs ZMTP
+heartbeats (a PING every heartbeat_ivl_s, answered by the worker's libzmq I/O thread even while
+the worker computes a batch; no answer within heartbeat_timeout_s closes the link) and a socket
+monitor. A worker whose process dies drops its TCP/IPC connection at once, a silent one misses
+its heartbeats: either way the monitor reports a disconnect and the wait for a reply ends with
+WorkerLostError within about heartbeat_timeout_s, not after the reply timeout. A rank that saw a
+peer die answers "rank_lost", which is a WorkerLostError too (the replica's KV is gone). ZeroMQ
+reconnects by itself when a worker is back on the address.
 
 Torch-free: the scheduler never imports torch.
 """
@@ -18,12 +27,14 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from shared.config import ModelInfo
+from shared.config import ModelInfo, rank_address
 from shared.messages import Batch, BatchOutput
 from shared.wire import BatchEncoder, pack, unpack
 
@@ -40,6 +51,21 @@ class WorkerLostError(WorkerError):
 class WorkerRestartedError(WorkerError):
     """A worker process was replaced since the last reply: the KV content of every request that
     has computed tokens is lost, so those requests must be recomputed or failed."""
+
+
+class WorkerLayoutError(ValueError):
+    """The worker addresses do not match the replica's ranks (a configuration error)."""
+
+
+@dataclass
+class _InFlight:
+    """A submitted batch: the seq its messages carry and the replies so far (one per rank)."""
+
+    batch: Batch
+    seq: int
+    t0: float                      # perf_counter() at submit
+    submitted_at: float            # time.time() at submit
+    replies: list = field(default_factory=list)
 
 
 class RemoteExecutor:
@@ -68,6 +94,8 @@ class RemoteExecutor:
         self._seq = itertools.count()
         self._model_info: ModelInfo | None = None
         self._instances: list[str | None] = [None] * len(self.addresses)
+        self.parallel: dict = {"rank": 0, "world_size": 1, "tp": 1, "pp": 1}
+        self._inflight: deque[_InFlight] = deque()
 
     def _connect(self, i: int, address: str) -> zmq.Socket:
         """A fresh DEALER to worker i, with heartbeats and a monitor (inproc:// has neither:
@@ -98,8 +126,12 @@ class RemoteExecutor:
         return lost
 
     def check_links(self) -> list[str]:
-        """Addresses of workers whose link went down since the last look (non-blocking)."""
-        return [self.addresses[i] for i in range(len(self.socks)) if self._drain_monitor(i)]
+        """Addresses of workers whose link went down since the last look (non-blocking). The
+        batches in flight then never complete: they are forgotten (see _abandon)."""
+        lost = [i for i in range(len(self.socks)) if self._drain_monitor(i)]
+        if lost and self._inflight:
+            self._abandon(lost)
+        return [self.addresses[i] for i in lost]
 
     @property
     def model_info(self) -> ModelInfo:
@@ -114,11 +146,46 @@ class RemoteExecutor:
         back, the next batch is not mistaken for a restart), and every encoder starts a new
         epoch."""
         replies = self._call_all([{"op": "info"}] * len(self.socks), timeout_s)
+        if self._check_layout(replies):   # rank 0 named more ranks: ask them all
+            replies = self._call_all([{"op": "info"}] * len(self.socks), timeout_s)
+            self._check_layout(replies)
         self._model_info = ModelInfo(**replies[0]["model_info"])
         if self._instances != [r.get("instance") for r in replies]:
             self._instances = [r.get("instance") for r in replies]
             self.reset()
         return self._model_info
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Micro-batches to keep in flight: the replica's pipeline stages (known after wait_ready)."""
+        return int(self.parallel.get("pp", 1))
+
+    def _check_layout(self, replies: list[dict[str, Any]]) -> bool:
+        """Check that address i is rank i of one replica; True if the addresses were expanded
+        from rank 0's alone (then ask again)."""
+        layout = [r.get("parallel") or {"rank": 0, "world_size": 1, "tp": 1, "pp": 1} for r in replies]
+        world = layout[0]["world_size"]
+        if all(p["world_size"] == 1 for p in layout):
+            return False   # independent one-rank workers, each sent every batch (as before)
+        if world > 1 and len(self.addresses) == 1:
+            for r in range(1, world):
+                self.addresses.append(rank_address(self.addresses[0], r))
+                self.monitors.append(None)   # the per-rank lists stay index-aligned
+                self.connected.append(False)
+                self._instances.append(None)
+                self.encoders.append(BatchEncoder())
+                self.socks.append(self._connect(len(self.socks), self.addresses[-1]))
+            return True
+        if len(self.addresses) != world or any(
+                (p["rank"], p["world_size"], p["tp"], p["pp"]) != (i, world, layout[0]["tp"], layout[0]["pp"])
+                for i, p in enumerate(layout)):
+            raise WorkerLayoutError(
+                "the worker addresses do not match the replica's ranks: "
+                + "; ".join(f"{a} is rank {p['rank']} of {p['world_size']} (tp {p['tp']}, pp {p['pp']})"
+                            for a, p in zip(self.addresses, layout))
+                + ". List every rank's address in rank order, or rank 0's alone.")
+        self.parallel = layout[0]
+        return False
 
     def ping(self, timeout_s: float = 1.0) -> bool:
         """True when every worker answers within timeout_s seconds."""
@@ -168,6 +235,8 @@ class RemoteExecutor:
             if not r.get("ok"):
                 if r.get("error") == "unknown_request":
                     raise _Resend()
+                if r.get("error") == "rank_lost":
+                    raise WorkerLostError(f"worker {self.addresses[i]}: rank_lost: {r.get('message')}")
                 raise WorkerError(f"worker {self.addresses[i]}: {r.get('error')}: {r.get('message')}")
         return replies
 
@@ -191,9 +260,7 @@ class RemoteExecutor:
             ready = dict(poller.poll(left_ms))
             if mon is not None and mon in ready and self._drain_monitor(i):
                 self._renew(i)  # drop whatever was queued for the dead peer
-                self._instances[i] = None  # whoever answers next is new: no second "restarted" error
-                raise WorkerLostError(f"worker {self.addresses[i]} disconnected (process died or "
-                                      "missed its heartbeats): its KV cache is lost")
+                raise self._lost_error(i)
             if sock in ready:
                 reply = unpack(sock.recv())
                 if reply.get("seq") == seq:
@@ -204,8 +271,107 @@ class RemoteExecutor:
                 raise WorkerError(f"worker {self.addresses[i]} did not answer within {timeout_s:.1f}s")
 
     def _renew(self, i: int) -> None:
+        """A fresh socket (and monitor) for worker i: nothing queued for a dead peer is delivered
+        to its replacement, and a late reply cannot be mistaken for a new one."""
         self.socks[i].close(0)
         self.socks[i] = self._connect(i, self.addresses[i])
+
+    def _lost_error(self, i: int, what: str = "") -> WorkerLostError:
+        self._instances[i] = None  # whoever answers next is new: no second "restarted" error
+        return WorkerLostError(f"worker {self.addresses[i]} disconnected (process died or missed its "
+                               f"heartbeats){what}: its KV cache is lost")
+
+    # -- micro-batches in flight (pipeline parallelism) -------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._inflight)
+
+    def submit(self, batch: Batch) -> None:
+        """Send `batch` to every rank and return at once; collect() returns outputs in submit
+        order. The caller keeps the scheduler's invariant: a request is in at most one batch in
+        flight (so each encoder's mirror sees a request's tokens before its next chunk)."""
+        msgs = [enc.encode(batch) for enc in self.encoders]
+        seq = next(self._seq)
+        for sock, msg in zip(self.socks, msgs):
+            sock.send(pack({**msg, "seq": seq}))
+        self._inflight.append(_InFlight(batch, seq, time.perf_counter(), time.time(),
+                                        [None] * len(self.socks)))
+
+    def collect(self, timeout_s: float | None = None) -> tuple[Batch, BatchOutput]:
+        """(batch, output) of the oldest submitted batch, once every rank answered. The output is
+        the last rank's (it samples), with each rank's timings added as rank<i>_<name>
+        (start/end: time.time() seconds) and submitted_at / collected_at (time.time()).
+        Raises WorkerLostError when a rank's link goes down (heartbeats/monitor, as execute()) or
+        a rank answers "rank_lost", WorkerError at another error reply or after timeout_s without
+        all replies; every batch in flight is then lost and the next batch starts a new epoch."""
+        if not self._inflight:
+            raise RuntimeError("collect() with no batch in flight")
+        head = self._inflight[0]
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        for sock, mon in zip(self.socks, self.monitors):
+            poller.register(sock, zmq.POLLIN)
+            if mon is not None:
+                poller.register(mon, zmq.POLLIN)
+        while any(r is None for r in head.replies):
+            left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+            ready = dict(poller.poll(left_ms))
+            # a rank's link went down (process died, or missed heartbeats): every batch in flight
+            # is lost with its KV, whether or not that rank answered the oldest one already
+            lost = [i for i, mon in enumerate(self.monitors) if mon is not None and mon in ready
+                    and self._drain_monitor(i)]
+            if lost:
+                self._abandon(lost)
+                raise self._lost_error(lost[0], f" while batch {head.batch.batch_id} was in flight")
+            if not ready:
+                silent = [i for i, r in enumerate(head.replies) if r is None]
+                self._abandon(silent)
+                raise WorkerError(f"worker rank(s) {', '.join(self.addresses[i] for i in silent)} did "
+                                  f"not answer batch {head.batch.batch_id} within {timeout_s:.1f}s")
+            for i, sock in enumerate(self.socks):
+                while sock in ready and sock.poll(0, zmq.POLLIN):
+                    self._route(i, unpack(sock.recv()))
+        replies = head.replies
+        try:
+            self._check_instances(replies)
+        except WorkerError:
+            self._abandon([])
+            raise
+        self._inflight.popleft()
+        outputs = [BatchOutput.from_wire(r) for r in replies]
+        for enc, out in zip(self.encoders, outputs):
+            enc.on_output(out)
+        last = outputs[-1]
+        per_rank = {f"rank{i}_{k}": v for i, out in enumerate(outputs) for k, v in out.timings.items()}
+        last.timings.update(per_rank)
+        last.timings.update(rpc_s=time.perf_counter() - head.t0, submitted_at=head.submitted_at,
+                            collected_at=time.time())
+        return head.batch, last
+
+    def _route(self, i: int, reply: dict[str, Any]) -> None:
+        """File rank i's reply under its batch; an error reply fails everything in flight."""
+        entry = next((f for f in self._inflight if f.seq == reply.get("seq")), None)
+        if entry is None:
+            return  # a late answer to a batch already given up on
+        if not reply.get("ok"):
+            self._abandon([])
+            kind = reply.get("error")
+            if kind == "rank_lost":   # a peer of rank i died: the replica's KV is gone
+                raise WorkerLostError(f"worker {self.addresses[i]}: rank_lost: {reply.get('message')}")
+            raise WorkerError(f"worker {self.addresses[i]}: {kind}: {reply.get('message')}"
+                              + ("; the request state was lost, the next batch is sent in full"
+                                 if kind == "unknown_request" else ""))
+        entry.replies[i] = reply
+
+    def _abandon(self, silent: list[int]) -> None:
+        """Forget every batch in flight; fresh sockets for the silent (or lost) ranks, by index,
+        so a message queued for a dead peer is not delivered to its replacement; new epoch for
+        all."""
+        self._inflight.clear()
+        for i in silent:
+            self._renew(i)
+        self.reset()
 
     def close(self) -> None:
         for s in self.socks + [m for m in self.monitors if m is not None]:

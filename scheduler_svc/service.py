@@ -15,7 +15,8 @@ Failure rules (no accepted request may hang, none is dropped silently):
 * the workers fail an iteration (an error reply, a reply timeout): the requests of that batch
   end with an "error" event;
 * a worker's link goes down (its process died: noticed within ~2 s by the link heartbeat, see
-  remote_executor) or a worker restarted: its KV cache is gone, so every running request is
+  remote_executor; with a TP/PP replica also a rank answering "rank_lost", and on the pipelined
+  path every micro-batch in flight is dropped with it) or a worker restarted: its KV cache is gone, so every running request is
   preempted (kept with its generated tokens, recomputed later: its stream just pauses). While no
   worker answers, nothing runs and no new request is pulled from the queue; once one answers
   again, the preempted requests run on it; if none answers within worker_restart_timeout_s,
@@ -36,6 +37,7 @@ import zlib
 
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.metrics import InstrumentedExecutor, SchedulerMetrics, start_http
+from scheduler_svc.pipeline import PipelinedLoop
 from scheduler_svc.remote_executor import WorkerError, WorkerLostError, WorkerRestartedError
 from scheduler_svc.scheduler import Scheduler
 from shared.messages import RequestMsg, TokenEvent
@@ -57,6 +59,13 @@ class SchedulerService:
         self.scheduler = scheduler
         self.executor = InstrumentedExecutor(executor, metrics)
         self.loop = EngineLoop(scheduler, self.executor)
+        # a TP x PP replica: up to pp micro-batches in flight (scheduler_svc.pipeline); also with
+        # pp = 1, so that a rank reporting a lost peer fails the batch at once
+        self.pipeline: PipelinedLoop | None = None
+        layout = getattr(executor, "parallel", None)
+        if hasattr(executor, "submit") and isinstance(layout, dict) and layout.get("world_size", 1) > 1:
+            self.pipeline = PipelinedLoop(scheduler, executor, executor.pipeline_depth,
+                                          on_batch=lambda b, _o, sec: metrics.observe_batch(b, sec))
         self.queue = queue
         self.metrics = metrics
         self.max_waiting = max_waiting
@@ -144,6 +153,8 @@ class SchedulerService:
 
     def _replay_all(self) -> None:
         self.executor.in_flight = None
+        if self.pipeline is not None:   # the micro-batches in flight will never be answered
+            self.pipeline.take_in_flight()
         for req in self.scheduler.requests.values():
             req.in_flight = False
         self.scheduler.preempt_all()
@@ -181,8 +192,8 @@ class SchedulerService:
 
     def _step(self) -> list[TokenEvent]:
         try:
-            return self.loop.step()
-        except WorkerLostError as e:  # the worker died mid-batch: hold everything until one is back
+            return (self.pipeline or self.loop).step()
+        except WorkerLostError as e:  # a worker (rank) died mid-batch: hold everything until one is back
             self._worker_lost(str(e))
         except WorkerRestartedError as e:  # a new worker answered: the KV of every request is gone
             log.error("%s; replaying %d requests on it", e, len(self.scheduler.requests))
@@ -204,6 +215,8 @@ class SchedulerService:
         batch, self.executor.in_flight = self.executor.in_flight, None
         if batch is not None:
             self.scheduler.fail_batch(batch, message)
+        for lost in self.pipeline.take_in_flight() if self.pipeline is not None else []:
+            self.scheduler.fail_batch(lost, message)
         for req in self.scheduler.requests.values():
             req.in_flight = False
         for req_id in also_fail:

@@ -93,3 +93,19 @@ class WorkerConfig:
 
 
 DEFAULT_CPU_BLOCKS = 2048      # KV blocks per layer when a CPU worker is asked for "auto" (0)
+
+
+def rank_address(base: str, rank: int) -> str:
+    """The ZeroMQ address of rank `rank` of a worker replica whose rank 0 is at `base`: TCP ports
+    count up from base's (tcp://h:5555 -> rank 2 at tcp://h:5557); ipc paths and inproc names
+    get a ".rank<N>" suffix. Rank 0 keeps `base`, so a one-rank worker is where it always was."""
+    if rank == 0:
+        return base
+    if base.startswith("tcp://"):
+        host, _, port = base.rpartition(":")
+        if not port.isdigit():
+            raise ValueError(f"worker address {base!r} needs an explicit port for several ranks")
+        return f"{host}:{int(port) + rank}"
+    if base.startswith(("ipc://", "inproc://")):
+        return f"{base}.rank{rank}"
+    raise ValueError(f"unsupported ZeroMQ address {base!r}; use tcp://, ipc:// or inproc://")

@@ -33,10 +33,22 @@ def test_kubernetes_manifests_pass_strict_schema_validation():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_compose_file_passes_the_compose_spec():
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.parallel.yml"])
+def test_compose_file_passes_the_compose_spec(name):
     r = subprocess.run([BIN / "check-jsonschema", "--builtin-schema", "vendor.compose-spec",
-                        ROOT / "docker-compose.yml"], capture_output=True, text=True)
+                        ROOT / name], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_parallel_examples_run_tp_2_x_pp_2_with_a_gpu_per_rank():
+    worker = yaml.safe_load((ROOT / "docker-compose.parallel.yml").read_text())["services"]["worker"]
+    assert (worker["environment"]["SARATHI_TP"], worker["environment"]["SARATHI_PP"]) == ("2", "2")
+    spec = find("StatefulSet", "replica-parallel")["spec"]["template"]["spec"]
+    w = next(c for c in spec["containers"] if c["name"] == "worker")
+    env = {e["name"]: e["value"] for e in w["env"]}
+    assert int(env["SARATHI_TP"]) * int(env["SARATHI_PP"]) == int(w["resources"]["limits"]["nvidia.com/gpu"])
+    s = next(c for c in spec["containers"] if c["name"] == "scheduler")
+    assert {e["name"]: e.get("value") for e in s["env"]}["SARATHI_WORKER_ADDR"] == env["SARATHI_BIND"]
 
 
 def test_strict_validation_rejects_an_unknown_field(tmp_path):
@@ -103,6 +115,9 @@ def deployed_env() -> list[tuple[str, str]]:
     for svc in compose["services"].values():
         if svc.get("command") and svc["command"][0] in ("gateway", "scheduler", "worker"):
             pairs += [(svc["command"][0], k) for k in svc["environment"]]
+    parallel = yaml.safe_load((ROOT / "docker-compose.parallel.yml").read_text())
+    for name, svc in parallel["services"].items():   # an override: the command is the base's
+        pairs += [(compose["services"][name]["command"][0], k) for k in svc.get("environment", {})]
     for d in docs():
         if d["kind"] in ("Deployment", "StatefulSet"):
             for c in d["spec"]["template"]["spec"]["containers"]:

@@ -18,7 +18,7 @@ from shared.model_source import resolve_model
 from worker_svc.backends import select_backend
 from worker_svc.device_sampler import DeviceSampler
 from worker_svc.kv_cache import PagedKVCache
-from worker_svc.loader import load_weights
+from worker_svc.loader import load_weights, read_config
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.linear import TensorParallel
 from worker_svc.sampler import Sampler, SamplerOutput
@@ -62,10 +62,15 @@ class Executor:
 
     Weights are checked before anything is allocated, then go tensor by tensor to the device in
     the compute dtype (worker_svc.loader.LazyWeights), so a bad model path or file raises first.
+
+    parallel (worker_svc.parallel.ParallelConfig): this rank's place in a tp x pp replica. Its
+    fit to the model (heads, kv heads, layers) is checked from the config alone, before any
+    weight is read; then the rank joins the process group, keeps its stage's layers (and their
+    KV cache) sharded over its TP group. Only the last stage returns sampled tokens.
     """
 
     def __init__(self, config: WorkerConfig, tp: TensorParallel = TensorParallel(),
-                 sampler_seed: int | None = None, weights: tuple | None = None):
+                 sampler_seed: int | None = None, weights: tuple | None = None, parallel=None):
         """weights: (ModelConfig, name -> tensor mapping) to use instead of loading config.model
         (the GPU benchmark's random-init Llama-3-8B shapes, bench/gpu_engine_iteration.py)."""
         self.config = config
@@ -76,13 +81,22 @@ class Executor:
                                       resolve_kv_cache_dtype(config.kv_cache_dtype),
                                       attention=config.attention, weight_quant=config.weight_quant)
         dev = self.backend.device
+        self.parallel = None
+        self._recv_wait_s = 0.0     # seconds the last batch waited for the previous stage
         if weights is None:
             source = resolve_model(config.model)
             name = source.name
+            if parallel is not None and parallel.world_size > 1:
+                from worker_svc import parallel as par
+                arch = read_config(source)
+                par.check(arch, parallel)                 # before any weight is read
+                par.init_distributed(parallel, str(dev))
+                self.parallel = par.Parallel(parallel, arch.num_layers, dev)
+                tp = self.parallel.tp
             cfg, weights = load_weights(source, self.dtype, dev)
         else:
             (cfg, weights), name = weights, "random-init"
-        self.model = LlamaForCausalLM(cfg, weights, self.dtype, self.backend, tp).to(dev)
+        self.model = LlamaForCausalLM(cfg, weights, self.dtype, self.backend, tp, self.parallel).to(dev)
         del weights
         self.model_cfg = cfg
         self.block_size = config.cache.block_size
@@ -92,7 +106,7 @@ class Executor:
                           cfg.head_dim ** -0.5, config.max_num_seqs * blocks_per_seq)
         num_blocks = config.cache.num_blocks or self._auto_num_blocks(cfg, kv_heads)
         # scratch blocks (ids num_blocks ..) are the backend's; the scheduler never sees them
-        self.cache = PagedKVCache(cfg.num_layers, num_blocks + self.backend.scratch_blocks,
+        self.cache = PagedKVCache(len(self.model.layers), num_blocks + self.backend.scratch_blocks,
                                   self.block_size, kv_heads, cfg.head_dim,
                                   self.backend.kv_cache_dtype, dev)
         self.sampler = Sampler(sampler_seed, eos_token_ids=cfg.eos_token_ids)
@@ -103,7 +117,7 @@ class Executor:
             num_layers=cfg.num_layers, block_size=self.block_size,
             num_blocks=num_blocks, backend=self.backend.describe())
         self.graphs = None
-        if config.cuda_graphs and self.backend.make_graph_runner is not None:
+        if config.cuda_graphs and self.backend.make_graph_runner is not None and self.parallel is None:
             from worker_svc.cuda_graphs import capture_sizes
             self.graphs = self.backend.make_graph_runner(
                 self.model, self.cache, self.backend.attention, capture_sizes(config.max_num_seqs),
@@ -111,12 +125,27 @@ class Executor:
         log.info("worker backend: %s; %d KV blocks of %d tokens; CUDA graphs %s",
                  self.backend.describe(), num_blocks, self.block_size,
                  "on" if self.graphs is not None else "off")
+        if self.parallel is not None:
+            p = self.parallel
+            log.info("%s: layers %d..%d of %d", p.config.describe(), p.layers[0], p.layers[1] - 1,
+                     cfg.num_layers)
+
+    @property
+    def parallel_info(self) -> dict:
+        """This rank's place in the replica (the worker's "info" reply; the scheduler checks it)."""
+        pc = self.parallel.config if self.parallel is not None else None
+        if pc is None:
+            return {"rank": 0, "world_size": 1, "tp": 1, "pp": 1}
+        return {"rank": pc.rank, "world_size": pc.world_size, "tp": pc.tp, "pp": pc.pp,
+                "layers": list(self.parallel.layers)}
 
     def _auto_num_blocks(self, cfg, kv_heads: int) -> int:
         """cache.num_blocks == 0: DEFAULT_CPU_BLOCKS on a CPU; on CUDA sized from free memory
         after a profiling pass at the largest batch (worker_svc.kv_sizing)."""
         if self.backend.device.type != "cuda":
             return DEFAULT_CPU_BLOCKS
+        if self.parallel is not None:   # the profiling pass would run one stage alone
+            raise ValueError("with --tp/--pp > 1 on CUDA give --num-blocks (the same on every rank)")
         from worker_svc import kv_sizing
         c = self.config
         tokens = max(1, c.max_num_batched_tokens)
@@ -144,29 +173,44 @@ class Executor:
         logprobs for those that asked)."""
         t0 = time.perf_counter()
         self.free(batch.freed_req_ids)
-        self.sampler.observe(batch.seqs)
+        par = self.parallel
+        if par is None or par.is_last:   # token histories (penalties) only where tokens are drawn
+            self.sampler.observe(batch.seqs)
+        wall0 = time.time()
         due, logits, t1, t2 = self._forward(batch)
         ds = self.device_sampler
-        if ds is not None and all(ds.supports(s.sampling) for s in due):   # only ids cross to the host
+        # TP: every rank of the last stage draws, TP rank 0's tokens are kept (broadcast)
+        agree = par.broadcast_tokens if par is not None else None
+        if logits is None:       # a pipeline stage before the last: its activations were sent
+            due, out = [], SamplerOutput([])
+        elif ds is not None and all(ds.supports(s.sampling) for s in due):   # only ids cross to the host
             out = SamplerOutput(ds.sample(logits, [s.sampling for s in due], [s.output_index for s in due]))
+            if agree is not None:
+                out.tokens = agree(out.tokens)
         else:  # penalties, min_tokens, logprobs: the host sampler (it keeps the token histories)
-            out = self.sampler.sample_chunks(logits.cpu(), due)
+            out = self.sampler.sample_chunks(logits.cpu(), due, agree=agree)
         t3 = time.perf_counter()
-        return BatchOutput(batch.batch_id, {s.req_id: tok for s, tok in zip(due, out.tokens)},
-                           {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2,
-                            "total_s": t3 - t0},
+        timings = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2, "total_s": t3 - t0}
+        if par is not None:
+            # time.time() seconds: busy = [start, end] minus the wait for the previous stage
+            timings.update(rank=par.rank, stage=par.stage, start=wall0,
+                           end=wall0 + (t3 - t0), recv_wait_s=self._recv_wait_s)
+        return BatchOutput(batch.batch_id, {s.req_id: tok for s, tok in zip(due, out.tokens)}, timings,
                            {due[i].req_id: lp for i, lp in out.logprobs.items()})
 
     def compute_logits(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Like execute (K/V are written) but return the float32 logits [V] of each seq with
         sample=True instead of sampling (tests, scoring)."""
         due, logits, _, _ = self._forward(batch)
+        if logits is None:
+            return {}
         logits = logits.cpu()
         return {s.req_id: logits[i] for i, s in enumerate(due)}
 
     def _forward(self, batch: Batch):
         t0 = time.perf_counter()
         due = [s for s in batch.seqs if s.sample]
+        self._recv_wait_s = 0.0
         if not batch.seqs:
             return due, torch.empty(0, self.model_info.vocab_size), t0, t0
         for s in batch.seqs:
@@ -187,9 +231,16 @@ class Executor:
             if s.sample:
                 rows.append(row - 1)       # the chunk's last token predicts the next one
         t1 = time.perf_counter()
-        logits = self.model(ids.to(dev), positions.to(dev), self.cache, meta,
-                            torch.tensor(rows, dtype=torch.int64, device=dev))
-        return due, logits, t1, time.perf_counter()    # logits stay on the device
+        par, hidden = self.parallel, None
+        if par is not None and not par.is_first:
+            hidden, self._recv_wait_s = par.recv_hidden(batch.batch_id, len(ids),
+                                                        self.model_cfg.hidden_size, self.dtype)
+        out = self.model(ids.to(dev), positions.to(dev), self.cache, meta,
+                         torch.tensor(rows, dtype=torch.int64, device=dev), hidden)
+        if par is not None and not par.is_last:
+            par.send_hidden(out, batch.batch_id)
+            return due, None, t1, time.perf_counter()
+        return due, out, t1, time.perf_counter()    # logits stay on the device
 
     def _graph_forward(self, batch: Batch, specs, ids, positions, due) -> torch.Tensor | None:
         """Logits of the due rows through a captured CUDA graph, or None (run eagerly) when the

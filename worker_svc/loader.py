@@ -84,6 +84,31 @@ def load_weights(source: ModelSource, dtype: torch.dtype | None = None,
     return cfg, weights
 
 
+def read_config(source: ModelSource) -> ModelConfig:
+    """The model's architecture only (config.json, or GGUF metadata without dequantizing any
+    tensor): cheap, so start-up checks (e.g. tensor-parallel divisibility) run before the weights
+    are read."""
+    try:
+        if source.kind != "gguf":
+            path = source.path / "config.json"
+            gen_path = source.path / "generation_config.json"
+            return ModelConfig.from_hf(json.loads(path.read_text()),
+                                       json.loads(gen_path.read_text()) if gen_path.is_file() else None)
+        import gguf
+
+        reader = gguf.GGUFReader(str(source.path))
+        meta = {k: f.contents() for k, f in reader.fields.items() if k not in _BIG_ARRAYS}
+        if "tokenizer.ggml.tokens" in reader.fields:
+            meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
+        return ModelConfig.from_gguf(meta, has_output_weight=any(t.name == "output.weight"
+                                                                 for t in reader.tensors))
+    except ModelConfigError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"cannot read the config of model {str(source.path)!r}: "
+                             f"{type(e).__name__}: {e}") from e
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor the model needs."""
     h, hd = cfg.hidden_size, cfg.head_dim

@@ -21,6 +21,7 @@ logprob numbers leave it (as Python numbers).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -59,9 +60,12 @@ class Sampler:
         for c in chunks:
             self.history.observe(c)
 
-    def sample_chunks(self, logits: torch.Tensor, due: list[SeqChunk]) -> SamplerOutput:
+    def sample_chunks(self, logits: torch.Tensor, due: list[SeqChunk],
+                      agree: Callable[[list[int]], list[int]] | None = None) -> SamplerOutput:
         """logits [S, V] of the rows due a token (one per chunk of `due`, observed first) ->
-        tokens (and logprobs where asked)."""
+        tokens (and logprobs where asked). agree: maps the drawn tokens to the ones kept (tensor
+        parallelism: TP rank 0's, broadcast to every rank of the last stage); the logprobs are
+        those of the kept tokens."""
         params = [s.sampling for s in due]
         steps = [i for i, s in enumerate(due)
                  if s.sampling.has_penalties or s.output_index < s.sampling.min_tokens]
@@ -70,6 +74,8 @@ class Sampler:
             for i in steps:
                 self._process(logits[i], due[i])
         tokens = self.sample(logits, params, [s.output_index for s in due])
+        if agree is not None:
+            tokens = agree(tokens)
         out = SamplerOutput(tokens)
         for i, p in enumerate(params):
             if p.logprobs is not None:

@@ -6,7 +6,8 @@ Requests are msgpack dicts with an "op" and a client-chosen "seq" number that th
 and its KV cache (the content of every block) is gone.
 
 * {"op": "ping"} -> {"ok": True}
-* {"op": "info"} -> {"ok": True, "model_info": {...ModelInfo fields...}}
+* {"op": "info"} -> {"ok": True, "model_info": {...ModelInfo fields...},
+  "parallel": {"rank", "world_size", "tp", "pp"}} (this rank's place in a TP x PP replica)
 * {"op": "batch", "epoch", "batch_id", "seqs", "freed"} (see shared.wire) ->
   {"ok": True, "batch_id", "sampled": {req_id: token_id}, "timings": {name: seconds},
   "logprobs": {req_id: [logprob, [top ids], [top logprobs]]} (only when a request asked)}
@@ -14,7 +15,10 @@ and its KV cache (the content of every block) is gone.
 Any failure is a reply, never silence: {"ok": False, "error": kind, "message": text}, with kind
 "unknown_request" (a diff for a request this worker holds no state for: resend in full),
 "bad_request" (malformed message), "execute_failed" (the executor raised; the worker forgets all
-per-request state, so the client must start a new epoch) or "unknown_op".
+per-request state, so the client must start a new epoch) or "unknown_op". An executor error
+marked `fatal` (another rank of the replica is lost: worker_svc.parallel.RankLostError) is
+replied as "rank_lost", then the server stops: the process group cannot be repaired, the
+launcher restarts the replica.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ from shared.messages import Batch, BatchOutput
 from shared.wire import BatchDecoder, UnknownRequestError, error_reply, output_reply, pack, unpack
 
 log = logging.getLogger("sarathi.worker")
+
+SINGLE_RANK = {"rank": 0, "world_size": 1, "tp": 1, "pp": 1}
 
 
 class ExecutorLike(Protocol):
@@ -56,11 +62,12 @@ class WorkerServer:
         self.sock.bind(address)
         # the address actually bound (resolves tcp://*:0 to a real port)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.fatal: str | None = None   # set when a fatal executor error stopped the server
 
     def serve_forever(self, stop: threading.Event | None = None, poll_ms: int = 100) -> None:
         """Answer requests until `stop` is set (checked every poll_ms milliseconds)."""
         stop = stop or threading.Event()
-        while not stop.is_set():
+        while not stop.is_set() and self.fatal is None:
             if self.sock.poll(poll_ms, zmq.POLLIN):
                 frames = self.sock.recv_multipart()
                 # frames: [client identity, (envelope...), payload]; reply on the same envelope
@@ -84,7 +91,8 @@ class WorkerServer:
         if op == "ping":
             return {"ok": True}
         if op == "info":
-            return {"ok": True, "model_info": dataclasses.asdict(self.executor.model_info)}
+            return {"ok": True, "model_info": dataclasses.asdict(self.executor.model_info),
+                    "parallel": getattr(self.executor, "parallel_info", None) or SINGLE_RANK}
         if op == "batch":
             return self._batch(msg)
         return error_reply("unknown_op", f"unknown op {op!r}; expected ping, info or batch")
@@ -104,6 +112,10 @@ class WorkerServer:
         try:
             output = self.executor.execute(batch)
         except Exception as e:
+            if getattr(e, "fatal", False):
+                log.error("batch %s: %s; stopping this rank", batch.batch_id, e)
+                self.fatal = str(e)
+                return error_reply("rank_lost", str(e))
             log.exception("executor failed on batch %s", batch.batch_id)
             self._forget_all()
             return error_reply("execute_failed", f"{type(e).__name__}: {e}")
@@ -130,7 +142,7 @@ def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
                kv_cache_dtype: str = "auto", weight_quant: str = "auto",
                executor: ExecutorLike | None = None,
                stop: threading.Event | None = None,
-               ready: threading.Event | None = None) -> None:
+               ready: threading.Event | None = None, parallel=None) -> None:
     """Load the model and serve it on `address` until `stop` is set (forever when None).
 
     address: where to bind (tcp://host:port, ipc://path, inproc://name). model: GGUF file or HF
@@ -141,7 +153,9 @@ def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
     (profiling pass): CUDA only, see WorkerConfig. kv_cache_dtype, weight_quant: see
     WorkerConfig. executor: serve this object instead
     of loading a model (tests, the simulated worker). ready: set once the socket is bound and the
-    model is loaded.
+    model is loaded. parallel: this rank's worker_svc.parallel.ParallelConfig in a TP x PP
+    replica (None: one rank); rank r binds shared.config.rank_address(address, r). Raises
+    SystemExit(3) when a fatal error (a lost rank) stopped the server.
     """
     if executor is None:
         from shared.config import CacheConfig, WorkerConfig
@@ -151,7 +165,10 @@ def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
                            gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant)
-        executor = Executor(cfg)
+        executor = Executor(cfg, parallel=parallel)
+    if parallel is not None:
+        from shared.config import rank_address
+        address = rank_address(address, parallel.rank)
     server = WorkerServer(executor, address)
     log.info("worker serving %s on %s", executor.model_info.name, server.address)
     if ready is not None:
@@ -160,3 +177,6 @@ def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
         server.serve_forever(stop)
     finally:
         server.close()
+    if server.fatal is not None:
+        log.error("worker stopped: %s", server.fatal)
+        raise SystemExit(3)

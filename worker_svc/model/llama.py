@@ -70,32 +70,60 @@ class DecoderLayer(torch.nn.Module):
 class LlamaForCausalLM(torch.nn.Module):
     """Embedding -> num_layers x DecoderLayer -> final norm -> LM head (tied or not).
 
-    The vocabulary is not sharded (every rank keeps the whole embedding and LM head)."""
+    parallel (worker_svc.parallel.Parallel, None = one rank): this rank holds only its stage's
+    layers [start, end) (the embedding on the first stage, norm + LM head on the last), sharded
+    by its TP group, with the vocabulary split by rows; the communication is parallel's."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 backend: DeviceBackend, tp: TensorParallel = TensorParallel()):
+                 backend: DeviceBackend, tp: TensorParallel = TensorParallel(), parallel=None):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = torch.nn.Parameter(weights["model.embed_tokens.weight"].to(dtype), requires_grad=False)
+        self.parallel = parallel
+        if parallel is not None:
+            tp = parallel.tp
+        start, end = (0, cfg.num_layers) if parallel is None else parallel.layers
+        first = parallel is None or parallel.is_first
+        last = parallel is None or parallel.is_last
+        vocab = (lambda w: w) if parallel is None else parallel.shard_vocab
+        embed = weights["model.embed_tokens.weight"]
+        self.embed = torch.nn.Parameter(vocab(embed).to(dtype), requires_grad=False) \
+            if first or (last and cfg.tie_word_embeddings) else None
+        # local layer i of this stage is model layer start + i (and layer i of the stage's cache)
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(cfg, weights, f"model.layers.{i}.", i, tp, dtype, backend) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps, dtype)
-        if cfg.tie_word_embeddings:
+            DecoderLayer(cfg, weights, f"model.layers.{i}.", i - start, tp, dtype, backend)
+            for i in range(start, end))
+        self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps, dtype) if last else None
+        if not last:
+            self.lm_head = None
+        elif cfg.tie_word_embeddings:
             self.lm_head = self.embed
         else:
-            self.lm_head = torch.nn.Parameter(weights["lm_head.weight"].to(dtype), requires_grad=False)
-        self.head = ReplicatedLinear(self.lm_head, backend.linear)   # the backend's linear method
+            self.lm_head = torch.nn.Parameter(vocab(weights["lm_head.weight"]).to(dtype), requires_grad=False)
+        # the backend's linear method (int8 for small batches on CPU); only the last stage has one
+        self.head = ReplicatedLinear(self.lm_head, backend.linear) if last else None
         self.rope = RotaryEmbedding(cfg, cfg.max_position_embeddings)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                meta, logit_rows: torch.Tensor) -> torch.Tensor:
+                meta, logit_rows: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T] int64; meta: the backend's attention metadata of the batch;
-        logit_rows: [S] row indices -> logits [S, V] float32."""
-        x = F.embedding(input_ids, self.embed)
+        logit_rows: [S] row indices -> logits [S, V] float32. On a pipeline stage: hidden [T, H]
+        from the previous stage replaces the embedding, and a stage that is not the last returns
+        its hidden states [T, H] instead of logits."""
+        par = self.parallel
+        if hidden is not None:
+            x = hidden
+        elif par is None:
+            x = F.embedding(input_ids, self.embed)
+        else:
+            x = par.embed(input_ids, self.embed, self.cfg.vocab_size)
         cos_sin = self.rope.tables(positions, self.dtype)    # once per batch, not per layer
         for layer in self.layers:
             x = layer(x, cos_sin, cache, meta)
+        if self.norm is None:
+            return x
         x = self.norm(x.index_select(0, logit_rows))     # norm is per row: do it only where needed
-        return self.head(x).float()
+        if par is None:
+            return self.head(x).float()
+        return par.lm_head(x, self.head, self.cfg.vocab_size)

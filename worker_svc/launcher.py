@@ -1,0 +1,103 @@
+"""Start every rank of a tensor/pipeline-parallel worker replica on this machine.
+
+`sarathi worker --tp T --pp P` (without --rank and without RANK in the environment) runs
+`launch_local`: it checks the layout against the model's config (before any weight is read),
+picks a free rendezvous port, and spawns T x P processes, one per rank, each serving its
+ZeroMQ socket at shared.config.rank_address(bind, rank). Like torchrun, the replica lives and
+dies as one: when any rank exits (crash, or a rank that saw a peer die and stopped), the others
+are terminated and the launcher exits with that rank's code, so a supervisor (compose restart
+policy, a Kubernetes pod) restarts the whole replica. SIGTERM / Ctrl-C stop every rank.
+
+For several machines, start one process per rank instead (`sarathi worker --tp T --pp P --rank
+R --master-addr A`, or under torchrun, which sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import replace
+from multiprocessing.connection import wait
+
+log = logging.getLogger("sarathi.worker")
+
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(worker_kw: dict, parallel) -> int:
+    """Run all ranks of `parallel` (a ParallelConfig; rank ignored) with run_worker(**worker_kw);
+    returns the exit code of the first rank to exit (0 when stopped by a signal)."""
+    from shared.model_source import resolve_model
+    from worker_svc import parallel as par
+    from worker_svc.loader import read_config
+
+    par.check(read_config(resolve_model(worker_kw.get("model"))), parallel)
+    if not parallel.master_port:
+        parallel = replace(parallel, master_port=free_port())
+    ctx = mp.get_context("spawn")   # not fork: each rank starts clean (threads, torch state)
+    procs = [ctx.Process(target=_rank_main, name=f"sarathi-rank{r}", daemon=False,
+                         args=(worker_kw, replace(parallel, rank=r), os.getpid()))
+             for r in range(parallel.world_size)]
+    for p in procs:
+        p.start()
+    log.info("started %d ranks (tp %d x pp %d): pids %s", len(procs), parallel.tp, parallel.pp,
+             [p.pid for p in procs])
+    stopping = threading.Event()
+
+    def on_signal(signum, _frame):
+        stopping.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    code = 0
+    try:
+        while not stopping.is_set():
+            done = wait([p.sentinel for p in procs], timeout=0.5)
+            if done:
+                dead = next(p for p in procs if p.sentinel in done)
+                dead.join()
+                code = dead.exitcode if dead.exitcode else 1
+                log.error("%s (pid %d) exited with code %s: stopping the replica", dead.name,
+                          dead.pid, dead.exitcode)
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + 10
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for s, h in old.items():
+            signal.signal(s, h)
+    return code
+
+
+def _rank_main(worker_kw: dict, parallel, parent_pid: int) -> None:
+    """One rank: serve until stopped; exit when the launcher is gone (even if SIGKILLed)."""
+    from worker_svc.service import run_worker
+
+    logging.basicConfig(level="INFO", format=f"%(asctime)s rank{parallel.rank} %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+
+    def watch_parent() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        stop.set()
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if worker_kw.get("device") == "cuda":    # one GPU per rank of this machine
+        worker_kw = {**worker_kw, "device": f"cuda:{parallel.rank}"}
+    run_worker(stop=stop, parallel=parallel, **worker_kw)
