@@ -26,7 +26,10 @@ class Replica:
                  timeout_s: float = 30, **extra):
         self.address = f"ipc://{tmp}/w{tp}x{pp}.sock"
         self.log = tmp / f"replica{tp}x{pp}.log"
+        # exactness against one rank is a property of the float path: fp32 KV, float weights (int8
+        # per-channel scales of a row-parallel shard differ from the whole weight's)
         opts = dict(bind=self.address, tp=tp, pp=pp, threads=1, dtype="float32",
+                    kv_cache_dtype="float32", weight_quant="none",
                     num_blocks=num_blocks, block_size=BS, dist_timeout=timeout_s, **extra)
         if model is not None:
             opts["model"] = model

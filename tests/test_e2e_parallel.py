@@ -46,7 +46,8 @@ def model_dir(tmp_path_factory):
 def offline(model_dir):
     from sarathi.llm import LLM
 
-    llm = LLM(str(model_dir), num_blocks=256, dtype="float32")
+    # exactness across ranks holds on the float path (fp32 KV, float weights): see parallel_helpers
+    llm = LLM(str(model_dir), num_blocks=256, dtype="float32", kv_cache_dtype="float32", weight_quant="none")
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     ref = {p: llm.generate([p], greedy)[0].text for p in PROMPTS}
     ref["chat"] = llm.chat([CHAT], greedy)[0].text
@@ -64,7 +65,8 @@ def stack(model_dir, tmp_path_factory, redis_server_url):
     addr = f"ipc://{tmp}/worker.sock"
     logs = [tmp / "worker.log", tmp / "scheduler.log", tmp / "gateway.log"]
     procs = [
-        spawn("worker", dict(model=model_dir, bind=addr, tp=2, num_blocks=256, threads=1, dtype="float32"), logs[0]),
+        spawn("worker", dict(model=model_dir, bind=addr, tp=2, num_blocks=256, threads=1, dtype="float32",
+                            kv_cache_dtype="float32", weight_quant="none"), logs[0]),
         spawn("scheduler", dict(redis_url=redis_server_url, worker_addr=addr, metrics_port=metrics_port,
                                 queue_prefix=prefix, max_model_len=MAX_MODEL_LEN), logs[1]),
         spawn("gateway", dict(model=model_dir, redis_url=redis_server_url, port=gw_port,
