@@ -116,6 +116,7 @@ def test_torchrun_starts_one_rank_per_process(tmp_path, tiny, reference):
         [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2",
          "--master-port", str(free_port()), "-m", "sarathi.cli", "worker", "--tp", "2",
          "--model", str(tiny), "--bind", addr, "--threads", "1", "--dtype", "float32",
+         "--kv-cache-dtype", "float32", "--weight-quant", "none",    # the float path, as Replica
          "--num-blocks", str(NUM_BLOCKS)],
         cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     remote = RemoteExecutor([addr, f"{addr}.rank1"], timeout_s=30)
