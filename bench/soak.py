@@ -10,10 +10,11 @@ flat (mean of the last 5 minutes within --rss-tolerance of the first 5; for runs
 15 minutes, the first and last fifth), no request that ran to its end got an error, and Redis
 holds no request entries (stream empty, nothing pending).
 
-    python -m bench.soak [--minutes 30] [--qps 1.0] [--redis-url URL] [--label NAME]
+    python -m bench.soak [--minutes 30] [--qps 1.0 | auto] [--redis-url URL] [--label NAME]
 
 Writes bench/results/soak[_LABEL].json and .png. Use about 80% of the capacity measured for the
-same server options (an overloaded server's queue grows without bound, which is not a leak).
+same server options (an overloaded server's queue grows without bound, which is not a leak):
+`--qps auto` measures it first on the same server (find_capacity) and soaks at --capacity-fraction.
 """
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ class Load:
                        "rejected_429": 0}
         self.errors: list[str] = []
         self.tokens = 0
+        self.ttfts: list[float] = []      # seconds to the first token, streams that ran to the end
 
     def prompt(self) -> str:
         n = self.rng.randint(self.args.prompt_words[0], self.args.prompt_words[1])
@@ -131,16 +133,20 @@ class Load:
                 except openai.APITimeoutError:
                     self.counts["aborted"] += 1
             else:
+                t_sent = time.monotonic()
                 stream = await client.completions.create(stream=True, **body)
-                n, reason = 0, None
+                n, reason, ttft = 0, None, None
                 async for ch in stream:
                     if ch.choices:
+                        if ttft is None:
+                            ttft = time.monotonic() - t_sent
                         n += 1
                         reason = ch.choices[0].finish_reason or reason
                 if reason != "length":
                     raise RuntimeError(f"ended with finish_reason {reason!r}")
                 self.tokens += n
                 self.counts["completed"] += 1
+                self.ttfts.append(ttft)
         except openai.RateLimitError:
             self.counts["rejected_429"] += 1
         except Exception as e:  # noqa: BLE001 - every other failure is an error of the server
@@ -217,7 +223,9 @@ def plot(result: dict, path: Path) -> None:
     ax[1, 1].set(title="Redis", xlabel="minutes")
     ax[1, 1].legend()
     v = result["verdict"]
-    fig.suptitle(f"soak {result['label']}: {result['minutes']:g} min at {result['qps']} QPS; "
+    cap = result.get("capacity")
+    cap_txt = f" ({result['args']['capacity_fraction']:.0%} of a measured {cap['capacity_qps']} QPS)" if cap else ""
+    fig.suptitle(f"soak {result['label']}: {result['minutes']:g} min at {result['qps']} QPS{cap_txt}; "
                  f"{result['counts']['completed']} completed, {result['counts']['disconnected']} disconnected, "
                  f"{result['counts']['aborted']} aborted, {result['counts']['errors']} errors; "
                  f"pass={v['pass']}", fontsize=10)
@@ -225,10 +233,74 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def wait_idle(base: str, timeout: float) -> bool:
+    """Until the scheduler runs and queues nothing and every KV block is free (True), or timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = scrape(base + "/metrics")
+        if m["running_requests"] == 0 and m["waiting_requests"] == 0 and m["kv_free_blocks"] == m["kv_total_blocks"]:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def probe(base: str, model: str, args, qps: float) -> dict:
+    """--probe-s seconds of the soak's prompts at `qps`, every client staying to the end (no
+    disconnects or aborts), then up to --probe-s more to finish. Passes when every request
+    completed without error and the median TTFT is within --ttft-p50-bound: a server past its
+    capacity queues, and its TTFT grows with the queue."""
+    pa = argparse.Namespace(**{**vars(args), "qps": qps, "disconnect_frac": 0.0, "abort_frac": 0.0,
+                               "drain_timeout": args.probe_s, "seed": args.seed + int(qps * 1000)})
+    load = Load(base + "/v1", model, pa)
+    t0 = time.monotonic()
+    asyncio.run(load.run(args.probe_s))
+    wall = time.monotonic() - t0
+    ttfts = sorted(t for t in load.ttfts if t is not None)
+    pct = lambda f: ttfts[min(len(ttfts) - 1, int(f * len(ttfts)))] if ttfts else float("inf")
+    c = load.counts
+    # errors here include streams still open when the probe stopped waiting (cancelled by the client)
+    row = {"qps": qps, "sent": c["sent"], "completed": c["completed"], "errors_or_unfinished": c["errors"],
+           "ttft_p50_s": round(pct(0.5), 3), "ttft_p90_s": round(pct(0.9), 3),
+           "tokens_per_s": round(load.tokens / wall, 2), "wall_s": round(wall, 1),
+           "passed": c["errors"] == 0 and c["completed"] == c["sent"] and pct(0.5) <= args.ttft_p50_bound}
+    print(f"probe {qps:.3f} QPS: {row}", flush=True)
+    if not wait_idle(base, 300):
+        raise RuntimeError("the server did not go idle after a capacity probe")
+    return row
+
+
+def find_capacity(base: str, model: str, args) -> dict:
+    """The highest QPS of this workload the server sustains (see probe): QPS doubles from
+    --probe-start until a probe fails, then --probe-bisect bisection steps between the last
+    pass and the first failure. Returns the probes and the capacity (0 if the first fails)."""
+    rows, lo, hi, q = [], 0.0, None, args.probe_start
+    while hi is None and q <= 64:
+        rows.append(probe(base, model, args, q))
+        if rows[-1]["passed"]:
+            lo, q = q, 2 * q
+        else:
+            hi = q
+    for _ in range(args.probe_bisect if hi is not None else 0):
+        q = round((lo + hi) / 2, 3)
+        rows.append(probe(base, model, args, q))
+        lo, hi = (q, hi) if rows[-1]["passed"] else (lo, q)
+    return {"capacity_qps": lo, "first_failing_qps": hi, "probe_s": args.probe_s,
+            "criterion": f"every request completes, no error, median TTFT <= {args.ttft_p50_bound} s",
+            "probes": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=30.0)
-    ap.add_argument("--qps", type=float, default=1.0, help="Poisson arrival rate (about 80%% of capacity)")
+    ap.add_argument("--qps", default="1.0",
+                    help="Poisson arrival rate, or 'auto': first measure this server's capacity for this "
+                         "workload (find_capacity), then soak at --capacity-fraction of it")
+    ap.add_argument("--capacity-fraction", type=float, default=0.8)
+    ap.add_argument("--probe-s", type=float, default=60.0, help="seconds of arrivals per capacity probe")
+    ap.add_argument("--probe-start", type=float, default=0.25, help="first QPS probed (doubled until it fails)")
+    ap.add_argument("--probe-bisect", type=int, default=2, help="bisection steps after the first failure")
+    ap.add_argument("--ttft-p50-bound", type=float, default=2.0,
+                    help="a probe passes when every request completes and the median TTFT is within this (s)")
     ap.add_argument("--prompt-words", type=int, nargs=2, default=[10, 100])
     ap.add_argument("--max-tokens", type=int, nargs=2, default=[16, 64])
     ap.add_argument("--disconnect-frac", type=float, default=0.1, help="clients that leave mid-stream")
@@ -243,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="", help="suffix of the result files (e.g. short_validation)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
+    if args.qps != "auto":
+        args.qps = float(args.qps)
 
     import redis
 
@@ -278,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
         wait_http(base + "/ready", proc)
         with urllib.request.urlopen(base + "/v1/models", timeout=5) as resp:
             model = json.loads(resp.read())["data"][0]["id"]
+        capacity = None
+        if args.qps == "auto":
+            capacity = find_capacity(base, model, args)
+            args.qps = round(args.capacity_fraction * capacity["capacity_qps"], 3)
+            print(f"capacity {capacity['capacity_qps']} QPS -> soak at {args.qps} QPS", flush=True)
         load = Load(base + "/v1", model, args)
         samples: list[dict] = []
         t0 = time.monotonic()
@@ -356,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         "completion_tokens_completed": load.tokens,
         "kv_total_blocks": final["kv_total_blocks"], "kv_free_blocks_after": final["kv_free_blocks"],
         "rss_window_s": window, "rss_first_mb": rss_first, "rss_last_mb": rss_last,
-        "redis_after": final_redis, "duration_s": total_s, "verdict": verdict, "samples": samples,
+        "redis_after": final_redis, "duration_s": total_s, "verdict": verdict,
+        "capacity": capacity, "samples": samples,
     }
     json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
     json_path.write_text(json.dumps(result, indent=1))

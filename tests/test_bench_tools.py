@@ -299,3 +299,28 @@ def test_peer_analysis_counts_unfinished_runs_as_misses_under_every_condition():
     assert c["llama-server"]["strict/tbt"]["capacity_qps"] == 0.1
     assert c["llama-server"]["relaxed/tbt"]["capacity_qps"] == 0.2
     assert r["sarathi_over_llama_server"]["strict/tbt"] == pytest.approx(7.0)
+
+
+# ---- soak: capacity of the soak workload before soaking at a fraction of it -----------------
+
+def test_soak_capacity_search_doubles_then_bisects(monkeypatch):
+    """find_capacity against a fake server that sustains up to 1.3 QPS: 0.25, 0.5, 1 pass, 2
+    fails, then two bisections (1.5 fails, 1.25 passes) -> 1.25, the highest passing probe."""
+    import argparse
+
+    import bench.soak as soak
+
+    probed = []
+
+    def fake_probe(base, model, args, qps):
+        probed.append(qps)
+        return {"qps": qps, "passed": qps <= 1.3}
+
+    monkeypatch.setattr(soak, "probe", fake_probe)
+    args = argparse.Namespace(probe_start=0.25, probe_bisect=2, probe_s=1.0, ttft_p50_bound=2.0)
+    cap = soak.find_capacity("http://x", "m", args)
+    assert probed == [0.25, 0.5, 1.0, 2.0, 1.5, 1.25]
+    assert cap["capacity_qps"] == 1.25 and cap["first_failing_qps"] == 1.5
+    probed.clear()
+    monkeypatch.setattr(soak, "probe", lambda b, m, a, q: probed.append(q) or {"qps": q, "passed": False})
+    assert soak.find_capacity("http://x", "m", args)["capacity_qps"] == 0.0 and probed == [0.25]
