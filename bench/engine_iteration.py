@@ -103,7 +103,7 @@ def make_executor(spec: str) -> Executor:
 
 def step_bytes(ex: Executor, series: str, size: int) -> int:
     """Bytes one step must read at least: every linear weight once (int8 + scales when the
-    variant's int8 path runs at this token count, else the float weight), the LM head for the
+    variant's int8 path runs at this token count, else the dense weight it multiplies), the LM head for the
     sampled rows, and the K and V of every cached token attended over."""
     batch = make_batch(series, size)
     T = batch.num_tokens
@@ -116,7 +116,8 @@ def step_bytes(ex: Executor, series: str, size: int) -> int:
             n, k = m.weight.shape
             rows = sum(s.sample for s in batch.seqs) if isinstance(m, ReplicatedLinear) else T
             int8 = hasattr(m, "qweight") and rows <= getattr(method, "max_tokens", -1)
-            weights += n * k + 4 * n if int8 else n * k * m.weight.element_size()
+            dense = m.weight_large if hasattr(m, "weight_large") else m.weight   # bf16 copy for large T
+            weights += n * k + 4 * n if int8 else n * k * dense.element_size()
     cfg = ex.model_cfg
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * ex.cache.k[0].element_size()
     kv = sum(s.start_pos + len(s.token_ids) for s in batch.seqs) * per_token

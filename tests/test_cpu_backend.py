@@ -173,24 +173,63 @@ def test_int8_kernel_equals_float_linear_on_the_dequantized_weight(T, N, K, thre
 
 
 @needs_native
-def test_int8_method_switches_by_token_count_and_both_paths_agree(monkeypatch):
+@pytest.mark.parametrize("large", [torch.float32, torch.bfloat16])
+def test_int8_method_switches_by_token_count_and_both_paths_agree(monkeypatch, large):
     from worker_svc.model.linear import ColumnParallelLinear, TensorParallel
     from worker_svc.quant import Int8LinearMethod
 
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
-    method = Int8LinearMethod(max_tokens=4)
+    method = Int8LinearMethod(max_tokens=4, large=large)
     layer = ColumnParallelLinear([w], [b], TensorParallel(), torch.float32, method)
-    assert method.name == "int8 for <= 4 tokens"
+    assert method.name == "int8 for <= 4 tokens" + (", bf16 GEMM above" if large == torch.bfloat16 else "")
     calls = []
     real = native.int8_linear_unchecked
     monkeypatch.setattr(native, "int8_linear_unchecked", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     x = torch.randn(9, 24, generator=g)
-    small, large = layer(x[:4]), layer(x)
-    assert calls == [4]                                     # 9 rows: the float GEMM
-    # the float path multiplies the dequantized weight: the same function as the kernel
-    assert (small - large[:4]).abs().max().item() <= 1e-5
-    assert (large - F.linear(x, w, b)).abs().max().item() < 0.05 * F.linear(x, w, b).abs().max().item()
+    small, large_out = layer(x[:4]), layer(x)
+    assert calls == [4]                                     # 9 rows: the dense GEMM
+    assert small.dtype == large_out.dtype == torch.float32
+    ref = F.linear(x, w, b)
+    if large == torch.float32:
+        # the float path multiplies the dequantized weight: the same function as the kernel
+        assert (small - large_out[:4]).abs().max().item() <= 1e-5
+    else:
+        # bf16 GEMM on the bf16 copy of the dequantized weight: bf16 rounding of x, w and y
+        assert layer.weight_large.dtype == torch.bfloat16 and layer.bias_large.dtype == torch.bfloat16
+        d = (small - large_out[:4]).abs().max().item()
+        assert 0 < d <= 0.02 * small.abs().max().item(), d
+    assert (large_out - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+
+
+@needs_native
+def test_the_lm_head_never_takes_the_bf16_path():
+    """Logits keep the compute dtype's precision: ReplicatedLinear (the LM head) has no bf16 copy
+    and its large batches run the float GEMM on the dequantized weight."""
+    from worker_svc.model.linear import ReplicatedLinear
+    from worker_svc.quant import Int8LinearMethod
+
+    g = torch.Generator().manual_seed(2)
+    head = ReplicatedLinear(torch.nn.Parameter(torch.randn(50, 16, generator=g), requires_grad=False),
+                            Int8LinearMethod(max_tokens=2, large=torch.bfloat16))
+    assert not hasattr(head, "weight_large")
+    x = torch.randn(7, 16, generator=g)
+    assert torch.equal(head(x), F.linear(x, head.weight))
+
+
+@needs_native
+def test_large_path_and_threshold_follow_the_cpu(monkeypatch):
+    import worker_svc.quant as quant
+
+    monkeypatch.setattr(quant, "cpu_has_bf16_dot", lambda: True)
+    m = quant.Int8LinearMethod()
+    assert m.large == torch.bfloat16
+    assert m.max_tokens == quant.INT8_MAX_TOKENS.get((native.int8_isa(), "bfloat16"), 0)
+    monkeypatch.setattr(quant, "cpu_has_bf16_dot", lambda: False)
+    m = quant.Int8LinearMethod()
+    assert m.large == torch.float32 and "bf16" not in m.name
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        quant.Int8LinearMethod(large=torch.float16)
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,24 @@ kernel (worker_svc/csrc/int8_linear.c) widens int8 to fp32 and accumulates in fp
 Which path runs is chosen per call by the token count T of the batch:
 * T <= max_tokens: the int8 kernel. It reads a quarter of the fp32 weight bytes, and decode-
   sized batches are weight-bandwidth bound, so it is ~3x faster there;
-* T > max_tokens: F.linear on a float copy of the *dequantized* weight (q * scale): the float
-  GEMM is faster once the step is compute-bound (prefill chunks), and because it multiplies the
-  same quantized weights, both paths compute the same function up to fp32 summation order: a
-  request's output does not depend on how many tokens shared its batch, any more than in fp32.
-  Memory cost: the int8 copy beside the float one, +25% of the fp32 weight bytes (SmolLM2-135M:
-  +135 MB on 538 MB). Dequantizing per large batch instead would save that but re-expand
-  every weight on every prefill step (~540 MB written per step).
+* T > max_tokens: a dense GEMM on the *dequantized* weight (q * scale), where the step is
+  compute-bound (prefill chunks, Sarathi's budget-sized hybrid batches). Its dtype (`large`):
+  - "bfloat16" on CPUs with native bf16 dot products (AVX512_BF16 or AMX-BF16: oneDNN runs
+    bf16 GEMMs 2-2.7x faster than fp32 there, Zen 4 measured in bench/results/linear_paths_*):
+    activations are rounded to bf16 for the multiply, products accumulate in fp32, the output
+    returns to the compute dtype. The bf16 copy of a dequantized int8 weight is exact up to bf16
+    rounding of q * scale (q has 8 significant bits, bf16 keeps 8). Measured on SmolLM2 against
+    HF with every linear call on this path: top-1 agreement and logit error equal to the int8
+    path's (tests/test_cpu_backend.py);
+  - "float32" elsewhere: F.linear on a float copy of the dequantized weight, the same function
+    as the int8 kernel up to fp32 summation order.
+  Memory cost: the int8 copy beside the float weight (+25% of the fp32 bytes) and, with bf16,
+  a bf16 copy (+50%; SmolLM2-135M: +135 MB and +270 MB on 538 MB). Dequantizing per large
+  batch instead would re-expand every weight on every prefill step.
 
-The threshold comes from a measurement on each CPU class, recorded in INT8_MAX_TOKENS by the
-int8 kernel's SIMD path (bench/int8_linear.py -> bench/results/int8_linear_amd.json): a start-up
-measurement would make the chosen path, and so the numerics, depend on machine load at start-up.
+The threshold comes from a measurement per CPU class, recorded in INT8_MAX_TOKENS by (int8
+kernel SIMD path, large path): a start-up measurement would make the chosen path, and so the
+numerics, depend on machine load at start-up.
 A tied LM head shares its weight with the embedding table, so in int8 mode the embedding rows
 are the dequantized ones too (the same quantized model throughout).
 """
@@ -29,10 +36,27 @@ import torch.nn.functional as F
 from worker_svc import native
 from worker_svc.backends.base import LinearMethod
 
-# int8 kernel path -> largest token count at which int8 beats the float GEMM over a whole
-# SmolLM2 step (bench/results/int8_linear_amd.json, 2 threads, AMD EPYC Zen 3: faster at every
-# T <= 64, slower at 128; torch's sgemm is slow for skinny matrices on this CPU). "scalar": never.
-INT8_MAX_TOKENS = {"avx2": 64, "scalar": 0}
+# (int8 kernel path, large path) -> largest token count at which int8 beats the dense GEMM over
+# a whole SmolLM2 step. ("avx2", "float32"): bench/results/int8_linear_amd.json, 2 threads, AMD
+# EPYC Zen 3: faster at every T <= 64, slower at 128 (torch's sgemm is slow for skinny matrices
+# there). ("avx2", "bfloat16"): bench/results/linear_paths_zen4.json, AMD EPYC Zen 4 (AVX-512 +
+# AVX512_BF16), 2 threads. "scalar": never int8.
+INT8_MAX_TOKENS = {("avx2", "float32"): 64, ("avx2", "bfloat16"): 8}
+
+
+def cpu_has_bf16_dot() -> bool:
+    """Native bf16 dot products (AVX512_BF16 or AMX-BF16), where oneDNN's bf16 GEMM beats fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_large_dtype() -> torch.dtype:
+    """The dense-GEMM dtype for batches above the int8 threshold on this CPU."""
+    return torch.bfloat16 if cpu_has_bf16_dot() else torch.float32
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,21 +68,30 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.contiguous()
 
 
-def default_max_tokens() -> int:
-    """The recorded threshold for this CPU's int8 kernel (0 when the kernel is unavailable)."""
-    return INT8_MAX_TOKENS.get(native.int8_isa(), 0) if native.available() else 0
+def default_max_tokens(large: torch.dtype = torch.float32) -> int:
+    """The recorded threshold for this CPU's int8 kernel next to `large` (0 when the kernel is
+    unavailable or scalar)."""
+    if not native.available():
+        return 0
+    return INT8_MAX_TOKENS.get((native.int8_isa(), str(large).removeprefix("torch.")), 0)
 
 
 class Int8LinearMethod(LinearMethod):
-    """Weight-only int8 for batches of at most max_tokens rows; float GEMM on the dequantized
-    weight above (see module docstring). process() adds layer.qweight [N, K] int8 and
-    layer.wscale [N] fp32 and replaces layer.weight's values by their dequantized form."""
+    """Weight-only int8 for batches of at most max_tokens rows; a dense GEMM in `large` dtype on
+    the dequantized weight above (see module docstring). process() adds layer.qweight [N, K]
+    int8 and layer.wscale [N] fp32, replaces layer.weight's values by their dequantized form and,
+    when large is bf16, adds layer.weight_large (and bias_large) in bf16, except on layers with
+    full_precision_output (the LM head: logits are not rounded to bf16)."""
 
-    def __init__(self, max_tokens: int | None = None):
+    def __init__(self, max_tokens: int | None = None, large: torch.dtype | None = None):
         if not native.available():
             raise ValueError(f"weight quantization int8 needs the native kernels: {native.unavailable_reason()}")
-        self.max_tokens = default_max_tokens() if max_tokens is None else max_tokens
-        self.name = f"int8 for <= {self.max_tokens} tokens"
+        self.large = default_large_dtype() if large is None else large
+        if self.large not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"large-batch GEMM dtype must be float32 or bfloat16, got {self.large}")
+        self.max_tokens = default_max_tokens(self.large) if max_tokens is None else max_tokens
+        self.name = f"int8 for <= {self.max_tokens} tokens" + (
+            ", bf16 GEMM above" if self.large == torch.bfloat16 else "")
 
     def process(self, layer: torch.nn.Module) -> None:
         if hasattr(layer, "qweight"):          # a weight shared by two layers: quantized once
@@ -70,11 +103,20 @@ class Int8LinearMethod(LinearMethod):
             layer.weight.copy_((q.float() * scale[:, None]).to(layer.weight.dtype))
         if layer.bias is not None:
             layer.register_buffer("bias_f32", layer.bias.detach().float().contiguous(), persistent=False)
+        if self.large == torch.bfloat16 and not getattr(layer, "full_precision_output", False):
+            layer.register_buffer("weight_large", layer.weight.detach().to(torch.bfloat16).contiguous(),
+                                  persistent=False)
+            if layer.bias is not None:
+                layer.register_buffer("bias_large", layer.bias.detach().to(torch.bfloat16), persistent=False)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if rows.shape[0] > self.max_tokens or x.device.type != "cpu":
+            if self.large == torch.bfloat16 and hasattr(layer, "weight_large"):
+                b = None if bias is None else (
+                    layer.bias_large if bias is layer.bias and hasattr(layer, "bias_large") else bias.bfloat16())
+                return F.linear(x.to(torch.bfloat16), layer.weight_large, b).to(x.dtype)
             return F.linear(x, layer.weight, bias)
         b = None
         if bias is not None:

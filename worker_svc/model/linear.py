@@ -79,6 +79,10 @@ class ReplicatedLinear(torch.nn.Module):
     """y = x @ W.T with the whole weight on every rank (the LM head). `weight` is an existing
     Parameter, kept as is (shared with the embedding when the model ties them)."""
 
+    # its outputs are logits (sampling, logprobs): a linear method must not round them below the
+    # compute dtype (e.g. Int8LinearMethod's bf16 GEMM for large batches is not used here)
+    full_precision_output = True
+
     def __init__(self, weight: torch.nn.Parameter, method: LinearMethod = LinearMethod()):
         super().__init__()
         self.weight = weight
