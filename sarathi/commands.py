@@ -233,15 +233,18 @@ def _header(a: argparse.Namespace, target, w=None) -> dict:
     return h
 
 
+def _prepare(a: argparse.Namespace):
+    """What bench and capacity share: (SLO, token budget, target, workload, result header)."""
+    slo, tau, target = _slo(a), _tau(a), _target(a)
+    w = _workload(a, target.max_model_len)
+    return slo, tau, target, w, _header(a, target, w)
+
+
 def bench(a: argparse.Namespace) -> int:
     from bench.tools import run_once
 
     qps = _qps_list(a.qps)
-    slo = _slo(a)
-    tau = _tau(a)
-    target = _target(a)
-    w = _workload(a, target.max_model_len)
-    result = _header(a, target, w)
+    slo, tau, target, w, result = _prepare(a)
     result.update(tbt_slo_s=slo, runs=[])
     for q in qps:
         run = run_once(target, w, q, policy=a.policy, token_budget=tau, progress=a.progress,
@@ -258,13 +261,9 @@ def bench(a: argparse.Namespace) -> int:
 def capacity(a: argparse.Namespace) -> int:
     from bench.tools import capacity as search
 
-    slo = _slo(a)
-    if slo is None:
+    if _slo(a) is None:
         raise ValueError("capacity needs a TBT SLO: --tbt-slo SECONDS, or --slo strict|relaxed with --profile")
-    tau = _tau(a)
-    target = _target(a)
-    w = _workload(a, target.max_model_len)
-    result = _header(a, target, w)
+    slo, tau, target, w, result = _prepare(a)
     result.update(search(target, w, slo, policy=a.policy, token_budget=tau, qps_start=a.qps_start,
                          resolution=a.resolution, max_sched_delay_s=a.max_sched_delay,
                          max_ttft_p50_s=a.max_ttft_p50 or None, progress=a.progress))

@@ -24,7 +24,6 @@ import multiprocessing as mp
 import os
 import tempfile
 import threading
-import time
 
 log = logging.getLogger("sarathi.serve")
 
@@ -179,15 +178,8 @@ def _start_worker(kind: str, worker_kw: dict, tmp: str):
 
 def _worker_main(address: str, worker_kw: dict, parent_pid: int) -> None:
     """The worker child: serve until the parent is gone (even if it was SIGKILLed)."""
-    from worker_svc.service import run_worker
+    from worker_svc.service import run_worker, stop_when_parent_exits
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    stop = threading.Event()
-
-    def watch_parent() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        stop.set()
-
-    threading.Thread(target=watch_parent, daemon=True).start()
+    stop = stop_when_parent_exits(parent_pid)
     run_worker(address=address, stop=stop, **worker_kw)

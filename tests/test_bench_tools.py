@@ -321,6 +321,10 @@ def test_soak_capacity_search_doubles_then_bisects(monkeypatch):
     cap = soak.find_capacity("http://x", "m", args)
     assert probed == [0.25, 0.5, 1.0, 2.0, 1.5, 1.25]
     assert cap["capacity_qps"] == 1.25 and cap["first_failing_qps"] == 1.5
+    # a first probe that fails bisects below it; nothing passing gives 0
+    probed.clear()
+    monkeypatch.setattr(soak, "probe", lambda b, m, a, q: probed.append(q) or {"qps": q, "passed": q <= 0.1})
+    assert soak.find_capacity("http://x", "m", args)["capacity_qps"] == 0.062 and probed == [0.25, 0.125, 0.062]
     probed.clear()
     monkeypatch.setattr(soak, "probe", lambda b, m, a, q: probed.append(q) or {"qps": q, "passed": False})
-    assert soak.find_capacity("http://x", "m", args)["capacity_qps"] == 0.0 and probed == [0.25]
+    assert soak.find_capacity("http://x", "m", args)["capacity_qps"] == 0.0 and len(probed) == 3

@@ -86,17 +86,10 @@ def launch_local(worker_kw: dict, parallel) -> int:
 
 def _rank_main(worker_kw: dict, parallel, parent_pid: int) -> None:
     """One rank: serve until stopped; exit when the launcher is gone (even if SIGKILLed)."""
-    from worker_svc.service import run_worker
+    from worker_svc.service import run_worker, stop_when_parent_exits
 
     logging.basicConfig(level="INFO", format=f"%(asctime)s rank{parallel.rank} %(name)s %(levelname)s %(message)s")
-    stop = threading.Event()
-
-    def watch_parent() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        stop.set()
-
-    threading.Thread(target=watch_parent, daemon=True).start()
+    stop = stop_when_parent_exits(parent_pid)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if worker_kw.get("device") == "cuda":    # one GPU per rank of this machine
         worker_kw = {**worker_kw, "device": f"cuda:{parallel.rank}"}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 import uuid
@@ -132,6 +133,21 @@ class WorkerServer:
             self.executor.free(ids)
         except Exception:
             log.exception("free after a failed execute")
+
+
+def stop_when_parent_exits(parent_pid: int, poll_s: float = 0.5) -> threading.Event:
+    """An Event set once this process's parent (pid parent_pid) is gone, SIGKILLed included
+    (the process is re-parented, so getppid() changes): a worker child started by `sarathi
+    serve` or a rank started by the TP/PP launcher must not outlive what started it."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        while os.getppid() == parent_pid and not stop.is_set():
+            time.sleep(poll_s)
+        stop.set()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    return stop
 
 
 def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
