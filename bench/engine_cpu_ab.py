@@ -6,13 +6,21 @@ path on AVX2-only CPUs); after = the CPU defaults (bf16 KV, int8 weights for <= 
 Per case: one warm-up, then `reps` interleaved before/after executions; medians and minima.
 Results print as they come (a partial run still says something).
 
-    python -m bench.engine_cpu_ab THREADS OUT   (e.g. 1 bench/results/engine_cpu_amd_contended_1t)
+    python -m bench.engine_cpu_ab THREADS OUT [MEMBW_JSON]   (e.g. 2 bench/results/engine_cpu_zen4_2t
+                                                              bench/results/membw_zen4.json)
+
+MEMBW_JSON: the read bandwidth of this machine (python -m bench.membw --out ...), default
+bench/results/membw_amd.json (Zen 3). When llama.cpp's llama-bench is built
+(bench/build_llama_server.sh) it runs in the same hold on the same GGUF (`-p 512 -n 128 -t
+THREADS`) and its decode step and 512-token prefill sit beside the engine's.
 """
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +37,8 @@ def main() -> None:
     torch.set_num_threads(threads)
     exs = {"before": ei.make_executor("float32:float32:none:auto"),
            "after": ei.make_executor("float32:auto:auto:auto")}
-    bw = json.loads(Path("bench/results/membw_amd.json").read_text())["results"][f"{threads}t"]["read_gb_per_s"]
+    membw = Path(sys.argv[3] if len(sys.argv) > 3 else "bench/results/membw_amd.json")
+    bw = json.loads(membw.read_text())["results"][f"{threads}t"]["read_gb_per_s"]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     res = {}
     for s, n in [("decode", 1), ("decode", 32), ("decode_short", 32), ("decode_short", 1), ("prefill", 512)]:
@@ -50,7 +59,9 @@ def main() -> None:
                                    "x_bound": round(med / bound, 2),
                                    "samples_ms": [round(x * 1e3, 2) for x in ts[v]]}
             print(v, s, n, res[f"{v} {s}:{n}"], flush=True)
-    result = {"command": f"python -m bench.engine_cpu_ab {threads} {out}",
+    llama = llama_bench(threads)
+    result = {"command": "python -m bench.engine_cpu_ab " + " ".join(sys.argv[1:]), "membw_file": str(membw),
+              "llama_bench": llama,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": ei.machine(), "threads": threads, "membw_read_gb_per_s": bw,
               "backends": {v: ex.backend.describe() for v, ex in exs.items()},
@@ -58,6 +69,29 @@ def main() -> None:
               "results": res}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
+
+
+def llama_bench(threads: int) -> dict | None:
+    """llama.cpp's own benchmark on the default GGUF (Q4_1): prefill 512 and 128 decode steps,
+    as ms per 512-token prefill and ms per decode step; None when llama-bench is not built."""
+    from shared.model_source import default_gguf_path
+
+    binary = Path(os.environ.get("SARATHI_PEER_CACHE", Path.home() / ".cache/sarathi-peer")) / \
+        "build-11434.0.0/bin/llama-bench"
+    if not binary.exists():
+        print(f"llama-bench not built ({binary}): bench/build_llama_server.sh builds it", file=sys.stderr)
+        return None
+    cmd = [str(binary), "-m", str(default_gguf_path()), "-p", "512", "-n", "128", "-t", str(threads),
+           "-r", "3", "-o", "json"]
+    runs = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout)
+    res = {"command": " ".join(cmd)}
+    for r in runs:
+        kind = "prefill:512" if r["n_prompt"] else "decode:1 (tg128)"
+        res[kind] = {"tokens_per_s": round(r["avg_ts"], 2),
+                     "ms": round((512 if r["n_prompt"] else 1) * 1e3 / r["avg_ts"], 2),
+                     "model_type": r.get("model_type"), "build": r.get("build_commit")}
+    print("llama-bench", res, flush=True)
+    return res
 
 
 def plot(result: dict, path: Path) -> None:
@@ -74,6 +108,13 @@ def plot(result: dict, path: Path) -> None:
         ax.bar(xs, [p["median_ms"] for p in r], 0.38, label=f"{v}: {result['backends'][v]}")
         ax.scatter(xs, [p["bound_ms"] for p in r], marker="_", s=250, color="k", zorder=3,
                    label="bound: bytes / read bandwidth" if i == 0 else None)
+    llama = result.get("llama_bench") or {}
+    for j, k in enumerate(keys):
+        # tg128 decodes from an empty context: closest to the engine's decode at 128 tokens
+        lk = "decode:1 (tg128)" if k == "decode_short:1" else k
+        if lk in llama:
+            ax.scatter([j], [llama[lk]["ms"]], marker="*", s=120, color="tab:red", zorder=4,
+                       label="llama.cpp (llama-bench, Q4_1)" if k == "decode_short:1" else None)
     ax.set_xticks(range(len(keys)), [k.replace("decode_short", "decode@128").replace("decode:", "decode@1k:")
                                      for k in keys])
     ax.set(yscale="log", ylabel="step time (ms)",
