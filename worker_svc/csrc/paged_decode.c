@@ -6,20 +6,25 @@
  * given); sequence b reads/writes row rows[b] (or b when rows is NULL). Query head h uses kv
  * head h / G with G = Hq / Hkv (GQA).
  *
- * Each (sequence, kv head) is one work unit: its G query heads stream over the context once,
- * in tiles of at most 16 tokens inside one block, with an online softmax (running max m,
- * running sum l, accumulator acc rescaled when m grows). So every K/V byte is read exactly
- * once, and all arithmetic is fp32 whatever the storage dtype.
+ * A work unit is one sequence's kv heads (all of them: each block's K and V are then two
+ * contiguous runs) over a run of its context: the unit's query rows stream over it in tiles of
+ * at most 16 tokens inside one block, with an online softmax (running max m, running sum l,
+ * accumulator acc rescaled when m grows). So every K/V byte is read exactly once, and all
+ * arithmetic is fp32 whatever the storage dtype. A sequence is one run, unless there are fewer
+ * than UNITS_PER_THREAD units per thread: then long contexts are split (flash-decoding) and a
+ * second pass merges the runs' (m, l, acc).
  *
  * Three code paths, chosen at compile time by the -march=native macros (paged_decode_isa()
  * names the one built): AVX-512 (16 floats per vector), AVX2+FMA (8 per vector; Zen 2/3,
- * Haswell..Alder Lake) and a portable scalar path (correct, ~10x slower). Both SIMD paths: the
- * next tile's K/V rows are prefetched by hand because block tables jump around memory; q.k
- * partial sums of a tile's tokens are reduced together (hsum16 / hsum8 transpose-add trees); the
- * V accumulators of up to 4 query rows stay in registers across a tile. On a shared 2-core
- * Sapphire Rapids the AVX-512 path reads fp32 K/V at ~9-10 GB/s per core, near a plain
- * streaming sum's 11-13 GB/s. The AVX-512 path cannot run on the AVX2 machines it was last
- * edited on: tests compile it (-march=skylake-avx512) but only the AVX2 and scalar paths ran.
+ * Haswell..Alder Lake) and a portable scalar path (correct, ~10x slower). The two SIMD paths
+ * share one body written with vector macros (vf, vload2, vfmadd, ...). In it: bf16 K/V widen as
+ * even/odd lanes (q and acc are stored in that order, perm_pos); q.k partial sums of W tokens
+ * are reduced together (hsum8 / hsum16 trees); P.V runs token-outer with a register block of
+ * accumulators; later tiles' K/V rows are prefetched into L2 a row per token (PD_PF).
+ * Zen 3, 1 thread, bf16 SmolLM2 shapes: ~14 GB/s with K/V in cache, and about a plain read of
+ * the same randomly placed blocks from DRAM (bench/results/attention_kernel_amd_*.json). The
+ * AVX-512 path cannot run on the AVX2 machines it was last edited on: tests compile it
+ * (-march=skylake-avx512) but only the AVX2 and scalar paths ran.
  *
  * KV storage dtypes: fp32, bf16 (widened by a 16-bit shift) and fp16 (F16C vcvtph2ps / AVX-512
  * vcvtph2ps; a bit-exact scalar conversion otherwise). q and out: fp32 or bf16.
@@ -304,8 +309,15 @@ static inline int perm_pos(int d, int D, int dt) {
     return d;
 }
 
+/* Software prefetch, measured on Zen 3 (bf16, 1 and 32 x 1k context, 1 thread): into L2 (T1),
+ * PD_PF = 2 tiles ahead, one token row per score-loop token rather than a burst per tile: 2.5-3
+ * GB/s -> 6-7 GB/s, about a plain read of the same random blocks. Into L1 (T0) it was 2x slower:
+ * a burst of L1 prefetches fills the miss buffers that the loads of the math need. */
 #ifndef PD_PF
-#define PD_PF 2      /* prefetch distance in tiles */
+#define PD_PF 2      /* prefetch distance in tiles, >= 1 */
+#endif
+#ifndef PD_PF_HINT
+#define PD_PF_HINT _MM_HINT_T1
 #endif
 
 /* K/V rows of tokens [p, p + n) for kv heads [h0, h0 + nh) into the caches, ahead of use: the
@@ -318,8 +330,8 @@ prefetch_tokens(const void *kc, const void *vc, int esz, const int32_t *table, i
         const int64_t e = ((int64_t)table[t / bs] * bs + t % bs) * tok_stride + head_off;
         const char *kp = (const char *)kc + e * esz, *vp = (const char *)vc + e * esz;
         for (int b = 0; b < nh * D * esz; b += 64) {
-            _mm_prefetch(kp + b, _MM_HINT_T0);
-            _mm_prefetch(vp + b, _MM_HINT_T0);
+            _mm_prefetch(kp + b, PD_PF_HINT);
+            _mm_prefetch(vp + b, PD_PF_HINT);
         }
     }
 #else
@@ -335,12 +347,18 @@ prefetch_tokens(const void *kc, const void *vc, int esz, const int32_t *table, i
  * j >= n get 0. */
 static inline __attribute__((always_inline)) void
 scores(const float *q, const void *kc, const int dt, int64_t k0, int64_t tok_stride, int n,
-       const int gn, const int D, float (*s)[TILE]) {
+       const int gn, const int D, float (*s)[TILE], const char *pk, const char *pv, int pn, int pbytes) {
     const int NP = D / (2 * SIMD_W), NT = (D / SIMD_W) % 2;
+    const int64_t pstride = tok_stride * (dt == DT_F32 ? 4 : 2);
     for (int j0 = 0; j0 < n; j0 += SIMD_W) {
         vf part[QK_ROWS][SIMD_W];
         for (int jj = 0; jj < SIMD_W; jj++) {
             const int64_t kj = k0 + (int64_t)(j0 + jj) * tok_stride;
+            if (j0 + jj < pn)   /* a later tile's K/V rows, spread over this tile's work */
+                for (int b = 0; b < pbytes; b += 64) {
+                    _mm_prefetch(pk + (j0 + jj) * pstride + b, PD_PF_HINT);
+                    _mm_prefetch(pv + (j0 + jj) * pstride + b, PD_PF_HINT);
+                }
             vf a[QK_ROWS], b[QK_ROWS];   /* two chains per row: half the FMA latency per token */
             for (int g = 0; g < gn; g++) a[g] = b[g] = vzero();
             if (j0 + jj < n) {
@@ -438,10 +456,16 @@ unit(const float *qs, const void *kc, const void *vc, const int dt, const int32_
         /* element index of token (block, off) at kv head h0 */
         const int64_t base = ((int64_t)table[pos / bs] * bs + off) * tok_stride + head_off;
 #if defined(SIMD_W)
-        {
-            const int pf = pos + PD_PF * TILE;
-            if (pf < p1) prefetch_tokens(kc, vc, esz, table, pf, p1 - pf < n ? p1 - pf : n, bs,
-                                         tok_stride, head_off, nh, D);
+        /* the tile PD_PF tiles ahead (clipped to its block and the range), prefetched a token
+         * row at a time inside the score loop */
+        const int pfp = pos + PD_PF * TILE;
+        int pn = 0;
+        int64_t pfb = 0;
+        if (pfp < p1) {
+            pn = bs - pfp % bs;
+            if (pn > TILE) pn = TILE;
+            if (pn > p1 - pfp) pn = p1 - pfp;
+            pfb = (((int64_t)table[pfp / bs] * bs + pfp % bs) * tok_stride + head_off) * esz;
         }
 #endif
 
@@ -450,16 +474,19 @@ unit(const float *qs, const void *kc, const void *vc, const int dt, const int32_
             const int64_t k0 = base + (int64_t)hh * D;
 #if defined(SIMD_W)
             if (simd) {
+                /* K and V rows of head hh in the tile ahead; the first row group issues them */
+#define PFARGS (const char *)kc + pfb + hh * D * esz, (const char *)vc + pfb + hh * D * esz, g0 ? 0 : pn, D * esz
                 for (int g0 = 0; g0 < G; g0 += QK_ROWS) {
                     const float *qh = qs + (int64_t)(hh * G + g0) * D;
                     float (*sh)[TILE] = s + hh * G + g0;
                     switch (G - g0 < QK_ROWS ? G - g0 : QK_ROWS) {   /* constant row counts */
-                    case 1: scores(qh, kc, dt, k0, tok_stride, n, 1, D, sh); break;
-                    case 2: scores(qh, kc, dt, k0, tok_stride, n, 2, D, sh); break;
-                    case 3: scores(qh, kc, dt, k0, tok_stride, n, 3, D, sh); break;
-                    default: scores(qh, kc, dt, k0, tok_stride, n, 4, D, sh); break;
+                    case 1: scores(qh, kc, dt, k0, tok_stride, n, 1, D, sh, PFARGS); break;
+                    case 2: scores(qh, kc, dt, k0, tok_stride, n, 2, D, sh, PFARGS); break;
+                    case 3: scores(qh, kc, dt, k0, tok_stride, n, 3, D, sh, PFARGS); break;
+                    default: scores(qh, kc, dt, k0, tok_stride, n, 4, D, sh, PFARGS); break;
                     }
                 }
+#undef PFARGS
                 continue;
             }
 #endif
