@@ -14,7 +14,7 @@ so background load on this shared machine hits both alike; medians over rounds a
 and the speedup is the ratio of the two medians.
 
 --baseline REV also times the kernel of git revision REV (paged_decode.c built beside this one,
-same flags), and "read": a plain AVX2 read of the same K/V blocks in block-table order (16-bit
+with native.py's flags: SARATHI_NATIVE_MARCH=znver3 A/Bs the AVX2 path on an AVX-512 machine), and "read": a plain AVX2 read of the same K/V blocks in block-table order (16-bit
 caches only), the memory bound for this access pattern on one thread.
 
     python -m bench.attention_kernel [--rounds 7] [--threads 1,2] [--baseline HEAD~1] [--out bench/results/attention_kernel.json]
@@ -113,8 +113,8 @@ def build_extra(baseline: str | None) -> tuple[ctypes.CDLL | None, ctypes.CDLL]:
         src = tmp / "base.c"
         src.write_text(subprocess.run(["git", "show", f"{baseline}:worker_svc/csrc/paged_decode.c"],
                                       check=True, capture_output=True, text=True).stdout)
-        subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o",
-                        str(tmp / "base.so"), str(src), "-lm"], check=True)
+        subprocess.run([native._compiler(), *native._flags(), "-o", str(tmp / "base.so"), str(src), "-lm"],
+                       check=True)   # the flags native.py builds with ($SARATHI_NATIVE_MARCH included)
         base = ctypes.CDLL(str(tmp / "base.so"))
         P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         base.paged_decode_attention.argtypes = [P, I, L, P, P, I, P, I, P, P, I, I, I, I, I,
