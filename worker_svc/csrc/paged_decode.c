@@ -21,10 +21,9 @@
  * even/odd lanes (q and acc are stored in that order, perm_pos); q.k partial sums of W tokens
  * are reduced together (hsum8 / hsum16 trees); P.V runs token-outer with a register block of
  * accumulators; later tiles' K/V rows are prefetched into L2 a row per token (PD_PF).
- * Zen 3, 1 thread, bf16 SmolLM2 shapes: ~14 GB/s with K/V in cache, and about a plain read of
- * the same randomly placed blocks from DRAM (bench/results/attention_kernel_amd_*.json). The
- * AVX-512 path cannot run on the AVX2 machines it was last edited on: tests compile it
- * (-march=skylake-avx512) but only the AVX2 and scalar paths ran.
+ * AMD EPYC Zen 4, 1 thread, bf16 SmolLM2 shapes: ~14 GB/s with K/V in cache, and 1.0-1.4x the
+ * time of a plain read of the same randomly placed blocks from DRAM, on both the AVX-512 path
+ * and the AVX2 one (-march=znver3) (bench/results/attention_kernel_amd_memory_bound_*.json).
  *
  * KV storage dtypes: fp32, bf16 (widened by a 16-bit shift) and fp16 (F16C vcvtph2ps / AVX-512
  * vcvtph2ps; a bit-exact scalar conversion otherwise). q and out: fp32 or bf16.
@@ -309,7 +308,7 @@ static inline int perm_pos(int d, int D, int dt) {
     return d;
 }
 
-/* Software prefetch, measured on Zen 3 (bf16, 1 and 32 x 1k context, 1 thread): into L2 (T1),
+/* Software prefetch, measured on Zen 4 (AVX-512 path, bf16, 1 and 32 x 1k context, 1 thread): into L2 (T1),
  * PD_PF = 2 tiles ahead, one token row per score-loop token rather than a burst per tile: 2.5-3
  * GB/s -> 6-7 GB/s, about a plain read of the same random blocks. Into L1 (T0) it was 2x slower:
  * a burst of L1 prefetches fills the miss buffers that the loads of the math need. */
