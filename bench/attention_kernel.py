@@ -13,7 +13,11 @@ Each round times one pass of every variant back to back (torch then native, per 
 so background load on this shared machine hits both alike; medians over rounds are reported
 and the speedup is the ratio of the two medians.
 
-    python -m bench.attention_kernel [--rounds 7] [--threads 1,2] [--out bench/results/attention_kernel.json]
+--baseline REV also times the kernel of git revision REV (paged_decode.c built beside this one,
+with native.py's flags: SARATHI_NATIVE_MARCH=znver3 A/Bs the AVX2 path on an AVX-512 machine), and "read": a plain AVX2 read of the same K/V blocks in block-table order (16-bit
+caches only), the memory bound for this access pattern on one thread.
+
+    python -m bench.attention_kernel [--rounds 7] [--threads 1,2] [--baseline HEAD~1] [--out bench/results/attention_kernel.json]
 """
 from __future__ import annotations
 
@@ -22,8 +26,11 @@ import datetime
 import json
 import math
 import shlex
+import ctypes
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,7 +84,66 @@ def native_threads(threads: int, kv_bytes: int) -> int:
     return min(threads, 1 + kv_bytes // (4 << 20))
 
 
-def run_case(batch: int, ctx: int, dtype_name: str, threads: list[int], rounds: int) -> list[dict]:
+READ_C = r"""
+#include <immintrin.h>
+#include <stdint.h>
+/* sum of every 16-bit K and V element of the tables' blocks (widened like bf16): a plain read */
+float read_blocks(const uint16_t *kc, const uint16_t *vc, const int32_t *tab, int n, int64_t blk) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    for (int i = 0; i < n; i++) {
+        const uint16_t *k = kc + tab[i] * blk, *v = vc + tab[i] * blk;
+        for (int64_t e = 0; e < blk; e += 16) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(k + e)), y = _mm256_loadu_si256((const __m256i *)(v + e));
+            s0 = _mm256_add_ps(s0, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
+            s1 = _mm256_add_ps(s1, _mm256_castsi256_ps(_mm256_slli_epi32(y, 16)));
+        }
+    }
+    float f[8];
+    _mm256_storeu_ps(f, _mm256_add_ps(s0, s1));
+    return f[0];
+}
+"""
+
+
+def build_extra(baseline: str | None) -> tuple[ctypes.CDLL | None, ctypes.CDLL]:
+    """(the baseline revision's kernel or None, the read_blocks library), in a temp dir."""
+    tmp = Path(tempfile.mkdtemp(prefix="attn_bench_"))
+    base = None
+    if baseline:
+        src = tmp / "base.c"
+        src.write_text(subprocess.run(["git", "show", f"{baseline}:worker_svc/csrc/paged_decode.c"],
+                                      check=True, capture_output=True, text=True).stdout)
+        subprocess.run([native._compiler(), *native._flags(), "-o", str(tmp / "base.so"), str(src), "-lm"],
+                       check=True)   # the flags native.py builds with ($SARATHI_NATIVE_MARCH included)
+        base = ctypes.CDLL(str(tmp / "base.so"))
+        P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        base.paged_decode_attention.argtypes = [P, I, L, P, P, I, P, I, P, P, I, I, I, I, I,
+                                                ctypes.c_float, P, I, L, I]
+    (tmp / "read.c").write_text(READ_C)
+    subprocess.run(["gcc", "-O3", "-mavx2", "-shared", "-fPIC", "-o", str(tmp / "read.so"),
+                    str(tmp / "read.c")], check=True)
+    rd = ctypes.CDLL(str(tmp / "read.so"))
+    rd.read_blocks.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    rd.read_blocks.restype = ctypes.c_float
+    return base, rd
+
+
+def baseline_pass(lib, layers, q, tables, lens, out, scale, threads) -> None:
+    code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+    for kc, vc in layers:
+        lib.paged_decode_attention(q.data_ptr(), code[q.dtype], q.stride(0), kc.data_ptr(), vc.data_ptr(),
+                                   code[kc.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(), None,
+                                   tables.shape[0], HQ, HKV, DIM, BS, scale, out.data_ptr(), code[out.dtype],
+                                   out.stride(0), threads)
+
+
+def read_pass(rd, layers, tables) -> None:
+    for kc, vc in layers:
+        rd.read_blocks(kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), tables.numel(), BS * HKV * DIM)
+
+
+def run_case(batch: int, ctx: int, dtype_name: str, threads: list[int], rounds: int,
+             base=None, rd=None) -> list[dict]:
     dtype = DTYPES[dtype_name]
     layers, q, tables, lens, meta = make_case(batch, ctx, dtype)
     scale = 1 / math.sqrt(DIM)
@@ -87,17 +153,26 @@ def run_case(batch: int, ctx: int, dtype_name: str, threads: list[int], rounds: 
         torch_pass(layers, q, meta, out_t, scale)
         native_pass(layers, q, tables, lens, out_n, scale)
     diff = (out_t.float() - out_n.float()).abs().max().item()
-    times = {(t, v): [] for t in threads for v in ("torch", "native")}
+    variants = ["torch", "native"] + (["baseline"] if base else []) + (["read"] if rd and dtype != torch.float32 else [])
+    out_b = torch.empty_like(q)
+    if base:
+        baseline_pass(base, layers, q, tables, lens, out_b, scale, threads[0])
+        diff_b = (out_b.float() - out_n.float()).abs().max().item()
+    times = {(t, v): [] for t in threads for v in variants}
     for _ in range(rounds):
         for t in threads:
             torch.set_num_threads(t)
-            t0 = time.perf_counter()
-            torch_pass(layers, q, meta, out_t, scale)
-            t1 = time.perf_counter()
-            native_pass(layers, q, tables, lens, out_n, scale)
-            t2 = time.perf_counter()
-            times[(t, "torch")].append((t1 - t0) / len(layers))
-            times[(t, "native")].append((t2 - t1) / len(layers))
+            for v in variants:
+                t0 = time.perf_counter()
+                if v == "torch":
+                    torch_pass(layers, q, meta, out_t, scale)
+                elif v == "native":
+                    native_pass(layers, q, tables, lens, out_n, scale)
+                elif v == "baseline":
+                    baseline_pass(base, layers, q, tables, lens, out_b, scale, t)
+                else:
+                    read_pass(rd, layers, tables)
+                times[(t, v)].append((time.perf_counter() - t0) / len(layers))
     kv_bytes = 2 * batch * ctx * HKV * DIM * layers[0][0].element_size()
     rows = []
     for t in threads:
@@ -110,9 +185,22 @@ def run_case(batch: int, ctx: int, dtype_name: str, threads: list[int], rounds: 
                      "max_abs_diff_vs_torch": diff,
                      "torch_samples_ms": [round(x * 1e3, 4) for x in times[(t, "torch")]],
                      "native_samples_ms": [round(x * 1e3, 4) for x in times[(t, "native")]]})
+        extra = ""
+        if "baseline" in variants:
+            tb = statistics.median(times[(t, "baseline")])
+            rows[-1].update(baseline_ms_per_layer=round(tb * 1e3, 4), speedup_vs_baseline=round(tb / tn, 2),
+                            baseline_kv_gb_per_s=round(kv_bytes / tb / 1e9, 2), max_abs_diff_vs_baseline=diff_b,
+                            baseline_samples_ms=[round(x * 1e3, 4) for x in times[(t, "baseline")]])
+            extra += f"  baseline {tb * 1e3:7.3f} ms ({kv_bytes / tb / 1e9:4.1f} GB/s) x{tb / tn:4.2f}"
+        if "read" in variants:
+            tr = statistics.median(times[(t, "read")])
+            rows[-1].update(read_ms_per_layer=round(tr * 1e3, 4), read_gb_per_s=round(kv_bytes / tr / 1e9, 2),
+                            native_time_over_read=round(tn / tr, 2),
+                            read_samples_ms=[round(x * 1e3, 4) for x in times[(t, "read")]])
+            extra += f"  read {kv_bytes / tr / 1e9:4.1f} GB/s (native/read x{tn / tr:4.2f})"
         print(f"{dtype_name:8s} ctx {ctx:5d} B {batch:4d} {t}t: torch {tt * 1e3:8.3f} ms  "
               f"native {tn * 1e3:7.3f} ms  x{tt / tn:5.2f}  ({kv_bytes / tn / 1e9:5.1f} GB/s, "
-              f"diff {diff:.1e})", file=sys.stderr, flush=True)
+              f"diff {diff:.1e}){extra}", file=sys.stderr, flush=True)
     del layers
     return rows
 
@@ -126,15 +214,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     ap.add_argument("--out", default="bench/results/attention_kernel.json")
     ap.add_argument("--note", default="")
+    ap.add_argument("--baseline", default=None, help="git revision whose paged_decode.c to time beside this one")
     args = ap.parse_args(argv)
     if not native.available():
         sys.exit(f"native kernel unavailable: {native.unavailable_reason()}")
     threads = [int(t) for t in args.threads.split(",")]
+    base, rd = build_extra(args.baseline)
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     results = [row for d in args.dtypes.split(",") for ctx in map(int, args.contexts.split(","))
                for b in map(int, args.sizes.split(","))
-               for row in run_case(b, ctx, d, threads, args.rounds)]
+               for row in run_case(b, ctx, d, threads, args.rounds, base, rd)]
     report = {
         "command": "python -m bench.attention_kernel " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(), "date_utc": started,
@@ -145,7 +235,9 @@ def main(argv: list[str] | None = None) -> None:
                   "back to back per thread count; speedup = torch median / native median; "
                   "native_threads_used: the kernel runs 1 thread per 4 MiB of K/V, at most the "
                   "torch thread count",
-        "note": args.note, "results": results}
+        "baseline": args.baseline and subprocess.run(["git", "rev-parse", args.baseline], capture_output=True,
+                                                      text=True).stdout.strip(),
+        "native_isa": native.isa(), "note": args.note, "results": results}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
 

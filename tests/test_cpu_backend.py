@@ -66,6 +66,80 @@ def test_native_decode_equals_torch_path_on_each_kv_dtype(kv_dtype, dim, hq, hkv
     assert (out_native - out_torch).abs().max().item() <= 2e-5
 
 
+def reference_decode(q, kc, vc, tables, lens, scale):
+    """fp64 softmax(q K^T) V per sequence, K/V gathered through the block table."""
+    bs, hkv, dim = kc.shape[1:]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens.tolist()):
+        if n == 0:
+            continue
+        idx = tables[b, :(n + bs - 1) // bs].long()
+        k = kc[idx].reshape(-1, hkv, dim)[:n].double().repeat_interleave(q.shape[1] // hkv, 1)
+        v = vc[idx].reshape(-1, hkv, dim)[:n].double().repeat_interleave(q.shape[1] // hkv, 1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double() * scale, k), -1)
+        out[b] = torch.einsum("hn,nhd->hd", w, v)
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split_blocks", [1, 2, 3, 64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_context_splits_merge_to_the_unsplit_result(kv_dtype, split_blocks, threads):
+    """Split contexts (flash-decoding runs of split_blocks blocks, merged after) give the same
+    attention as one run: lengths 0 (zero output), 1, one block, a block + 1, non-multiples of
+    the split, and splits of more blocks than the context has (64)."""
+    lens = torch.tensor([0, 1, 16, 17, 47, 100, 300], dtype=torch.int32)
+    hq, hkv, dim, bs = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(7)
+    nb = [(n + bs - 1) // bs for n in lens.tolist()]
+    num_blocks = sum(nb) + 3
+    kc = torch.randn(num_blocks, bs, hkv, dim, generator=g).to(kv_dtype)
+    vc = torch.randn(num_blocks, bs, hkv, dim, generator=g).to(kv_dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(nb), max(nb)), -1, dtype=torch.int32)   # unused entries stay invalid
+    used = 0
+    for b, k in enumerate(nb):
+        tables[b, :k] = perm[used:used + k].to(torch.int32)
+        used += k
+    q = torch.randn(len(nb), hq, dim, generator=g)
+    whole, split = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    native.paged_decode_attention(q, kc, vc, tables, lens, 0.125, whole, num_threads=1)
+    native.paged_decode_attention(q, kc, vc, tables, lens, 0.125, split, num_threads=threads,
+                                  split_blocks=split_blocks)
+    ref = reference_decode(q, kc, vc, tables, lens, 0.125)
+    assert split[0].abs().max().item() == 0                 # length 0: zeros, not NaN
+    assert (whole.double() - ref).abs().max().item() <= 1e-5
+    assert (split.double() - ref).abs().max().item() <= 1e-5
+    assert (split - whole).abs().max().item() <= 2e-6        # merging only reorders fp32 sums
+
+
+@needs_native
+@pytest.mark.parametrize("dim", [64, 72, 20])
+def test_context_splits_with_bf16_out_rows_and_odd_dims(dim):
+    """Split runs write the merged rows through the rows index, in bf16 out, for the SIMD,
+    SIMD-with-tail and scalar head dims."""
+    lens = torch.tensor([33, 5, 250], dtype=torch.int32)
+    bs, hkv, hq = 8, 2, 8
+    g = torch.Generator().manual_seed(9)
+    nb = [(n + bs - 1) // bs for n in lens.tolist()]
+    kc = torch.randn(sum(nb), bs, hkv, dim, generator=g).bfloat16()
+    vc = torch.randn(sum(nb), bs, hkv, dim, generator=g).bfloat16()
+    tables = torch.zeros(3, max(nb), dtype=torch.int32)
+    perm, used = torch.randperm(sum(nb), generator=g), 0
+    for b, k in enumerate(nb):
+        tables[b, :k] = perm[used:used + k].to(torch.int32)
+        used += k
+    q = torch.randn(5, hq, dim, generator=g)
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32)
+    out = torch.zeros(5, hq, dim, dtype=torch.bfloat16)
+    native.paged_decode_attention(q, kc, vc, tables, lens, dim ** -0.5, out, rows=rows, num_threads=2,
+                                  split_blocks=3)
+    ref = reference_decode(q[rows.long()], kc, vc, tables, lens, dim ** -0.5)
+    assert (out[rows.long()].double() - ref).abs().max().item() <= 2 ** -8 * ref.abs().max().item()
+    assert out[[1, 3]].abs().max().item() == 0
+
+
 @needs_native
 def test_cache_write_rounds_to_the_cache_dtype_once():
     from worker_svc.kv_cache import PagedKVCache

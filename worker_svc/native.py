@@ -104,9 +104,9 @@ def _load() -> ctypes.CDLL:
     if not path.exists():
         _build(path)
     lib = ctypes.CDLL(str(path))    # CDLL releases the GIL during calls
-    fn = lib.paged_decode_attention
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [P, I, L, P, P, I, P, I, P, P, I, I, I, I, I, ctypes.c_float, P, I, L, I]
+    fn = lib.paged_decode_attention_split
+    fn.argtypes = [P, I, L, P, P, I, P, I, P, P, I, I, I, I, I, ctypes.c_float, P, I, L, I, I]
     fn.restype = I
     for name in ("paged_decode_isa", "int8_linear_isa"):
         getattr(lib, name).restype = ctypes.c_char_p
@@ -175,7 +175,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor, rows: torch.Tensor | None = None,
-                           num_threads: int | None = None) -> torch.Tensor:
+                           num_threads: int | None = None, split_blocks: int = 0) -> torch.Tensor:
     """out[rows[b]] = softmax(scale * q[rows[b]] . K_b^T) V_b for every sequence b.
 
     q, out: [T, Hq, D] fp32 or bf16, heads/dims contiguous (any row stride); without rows,
@@ -183,7 +183,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bf16 or fp16 (same dtype; independent of q's). block_tables [B, nb] int32: sequence b's keys are positions
     0 .. context_lens[b] - 1 in blocks block_tables[b, :ceil(len / bs)] (the rest is ignored).
     context_lens [B] int32. rows [B] int32 or None. scale: softmax scale (1/sqrt(D) usually).
-    Accumulation is fp32. Threads: torch.get_num_threads() unless given. Call available()
+    Accumulation is fp32. Threads: torch.get_num_threads() unless given (the kernel uses fewer
+    on little K/V). split_blocks > 0 cuts every context into runs of that many blocks, merged
+    after (tests; 0: the kernel splits only when threads outnumber sequences). Call available()
     first: this raises RuntimeError when the kernel is not loaded. Returns out.
     """
     if not available():
@@ -208,14 +210,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("context_lens and rows must be [B]")
     if rows is None and q.shape[0] != B:
         raise ValueError(f"q has {q.shape[0]} rows for {B} sequences and no rows index")
-    rc = _lib.paged_decode_attention(
+    rc = _lib.paged_decode_attention_split(
         q.data_ptr(), _DTYPE_CODE[q.dtype], q.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), _KV_DTYPE_CODE[k_cache.dtype],
         block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
         rows.data_ptr() if rows is not None else None,
         B, num_heads, hkv, dim, bs, float(scale),
         out.data_ptr(), _DTYPE_CODE[out.dtype], out.stride(0),
-        num_threads if num_threads is not None else torch.get_num_threads())
+        num_threads if num_threads is not None else torch.get_num_threads(), int(split_blocks))
     if rc != 0:
         raise ValueError(f"kernel rejected the shapes (rc={rc})")
     return out
