@@ -19,14 +19,21 @@ The three choices, each made once per worker and printed by the executor:
   --kv-cache-dtype float16;
 * weight quantization "auto": int8 for small batches (worker_svc/quant.py) when the int8 kernel
   has a SIMD path; "none" keeps the float weights (what HF-exactness tests use).
+
+Besides: the layers' elementwise glue (RMSNorm + residual add, rotary, silu * up) runs fused
+native ops (NativeCpuOps, csrc/cpu_ops.c) when the library has their AVX2 path, and the native
+attention writes each layer's K/V to the paged cache in one native call. SARATHI_NATIVE_OPS=0
+keeps both on the torch reference (worker_svc/backends/base.py Ops; for A/B measurements).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 from worker_svc import native
-from worker_svc.attention import TorchAttention
-from worker_svc.backends.base import DeviceBackend, LinearMethod
+from worker_svc.attention import TorchAttention, _chunk_attention
+from worker_svc.backends.base import DeviceBackend, LinearMethod, Ops
 
 # native kernel SIMD paths measured faster than the torch decode path (bench/attention_kernel.py:
 # avx512 on Sapphire Rapids 1.7-2x, attention_kernel.json; avx2 on Zen 3 1.6-2.6x,
@@ -36,10 +43,32 @@ AUTO_KV_DTYPE = torch.bfloat16
 
 
 class NativeCpuAttention(TorchAttention):
-    """TorchAttention with the decodes of a batch in one native kernel call per layer."""
+    """TorchAttention with the decodes of a batch in one native kernel call per layer, and (when
+    fused_write) the layer's K/V written to the cache by one native call (native.write_kv: the
+    cast and both index copies of PagedKVCache.write, same values)."""
 
-    def __init__(self):
+    def __init__(self, fused_write: bool = False):
         self.name = f"native {native.isa()}"
+        self.fused_write = fused_write
+        self._write_ok: dict[tuple, bool] = {}     # (k dtype, cache dtype) -> write_kv casts it
+
+    def forward(self, q, k, v, cache, layer, meta, scale):
+        """TorchAttention.forward, with the K/V write fused when the dtypes allow."""
+        kc, vc = cache.k[layer], cache.v[layer]
+        key = (k.dtype, kc.dtype)
+        ok = self._write_ok.get(key)
+        if ok is None:
+            ok = self._write_ok[key] = self.fused_write and native.write_kv_supports(*key)
+        if ok:
+            native.write_kv(k, v, kc, vc, meta.slot_mapping)
+        else:
+            cache.write(layer, meta.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        if meta.native_decode is not None:
+            self._decodes(q, kc, vc, meta, out, scale)
+        for c in meta.chunks:
+            _chunk_attention(q, kc, vc, c, out, scale)
+        return out
 
     def _decodes(self, q, kc, vc, meta, out, scale) -> None:
         nd = meta.native_decode
@@ -48,6 +77,52 @@ class NativeCpuAttention(TorchAttention):
             native.paged_decode_attention(q, kc, vc, nd.tables, nd.lens, scale, out, rows=nd.rows)
         else:
             super()._decodes(q, kc, vc, meta, out, scale)
+
+
+class NativeCpuOps(Ops):
+    """Ops on the fused native kernels (csrc/cpu_ops.c) for fp32/bf16 tensors laid out as the
+    model makes them (rows of contiguous elements); anything else takes the torch reference.
+    Differs from Ops only in place: add_rms_norm stores r into residual, rotary rotates q and k
+    in place (both allowed by Ops' contract)."""
+
+    def __init__(self):
+        self.name = f"native {native.ops_isa()}"
+
+    @staticmethod
+    def _ok(x: torch.Tensor) -> bool:
+        return x.dtype in _NATIVE_OPS_DTYPES and x.dim() == 2 and x.stride(-1) == 1
+
+    def rms_norm(self, x, weight, eps):
+        if self._ok(x):
+            return native.rms_norm(x, weight, eps)[0]
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if self._ok(x) and residual.dtype == x.dtype:
+            return native.rms_norm(x, weight, eps, residual)
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def rotary(self, q, k, cos_sin):
+        cos, sin = cos_sin
+        if q.dtype in _NATIVE_OPS_DTYPES and cos.dtype == q.dtype and q.stride(-1) == 1 and k.stride(-1) == 1:
+            native.rotary_(q, k, cos, sin)
+            return q, k
+        return super().rotary(q, k, cos_sin)
+
+    def silu_mul(self, gate_up):
+        if self._ok(gate_up):
+            return native.silu_mul(gate_up)
+        return super().silu_mul(gate_up)
+
+
+_NATIVE_OPS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def native_ops_enabled() -> bool:
+    """Fused native ops and KV write: the library loads, its ops have the AVX2 path (the scalar
+    exp of silu would lose to torch), and SARATHI_NATIVE_OPS is not "0"."""
+    return (os.environ.get("SARATHI_NATIVE_OPS", "1") != "0" and native.available()
+            and native.ops_isa() == "avx2")
 
 
 def cpu_backend(compute_dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None,
@@ -70,5 +145,7 @@ def cpu_backend(compute_dtype: torch.dtype, kv_cache_dtype: torch.dtype | None =
                                   and native.int8_isa() != "scalar"):
         from worker_svc.quant import Int8LinearMethod
         linear = Int8LinearMethod()
-    return DeviceBackend(torch.device("cpu"), NativeCpuAttention() if use_native else TorchAttention(),
-                         linear, kv_cache_dtype)
+    fused = native_ops_enabled()
+    return DeviceBackend(torch.device("cpu"),
+                         NativeCpuAttention(fused_write=fused) if use_native else TorchAttention(),
+                         linear, kv_cache_dtype, ops=NativeCpuOps() if fused else Ops())
