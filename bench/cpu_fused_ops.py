@@ -126,8 +126,8 @@ def plot(result: dict, path: Path) -> None:
         for i, v in enumerate(vs):
             ax.scatter([i] * len(r[v]["samples_ms"]), r[v]["samples_ms"], s=5, color="k", zorder=3)
             sp = [x for k, x in r[v].items() if k.startswith("speedup_vs_")][0]
-            ax.annotate(f"{r[v]['median_ms']:.1f} ms\n{sp}x", (i, r[v]["median_ms"]), ha="center",
-                        va="bottom", fontsize=8)
+            ax.annotate(f"{r[v]['median_ms']:.1f} ms\n{sp}x", (i, 0.04 * r[v]["median_ms"]), ha="center",
+                        va="bottom", fontsize=9, color="white", weight="bold")
         ax.set(title=case.replace("decode:", "decode @1k, batch "), ylabel="step time (ms): median, samples")
     fig.suptitle(f"{result['machine'][:48]}, {result['threads']} thread(s), {result['date'][:10]}", fontsize=9)
     fig.tight_layout()
