@@ -161,3 +161,29 @@ def test_large_batches_split_across_threads_give_the_same_rows(dtype):
     assert torch.equal(one, two)
     gu = torch.randn(64, 2 * 1536).to(dtype)
     assert torch.equal(native.silu_mul(gu, num_threads=1), native.silu_mul(gu, num_threads=2))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_attention_fused_write_fills_the_cache_like_the_torch_path(cache_dtype):
+    """A hybrid batch (a chunk with a cached prefix, two decodes) through NativeCpuAttention with
+    the fused KV write and through TorchAttention: the same cache bytes and the same output."""
+    from worker_svc.attention import TorchAttention
+    from worker_svc.backends.cpu import NativeCpuAttention
+
+    if not native.write_kv_supports(torch.float32, cache_dtype):
+        pytest.skip("no F16C on this build")
+    hq, hkv, D, bs = 4, 2, 16, 4
+    seqs = [(3, 5, [6, 2, 9]), (10, 1, [1, 4, 7]), (0, 1, [3])]
+    T = sum(n for _, n, _ in seqs)
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(T, (hq + 2 * hkv) * D, generator=g).view(T, -1, D)   # the model's views
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    caches, outs = [], []
+    for att in (NativeCpuAttention(fused_write=True), TorchAttention()):
+        cache = PagedKVCache(1, 10, bs, hkv, D, cache_dtype)
+        cache.k[0].normal_(generator=torch.Generator().manual_seed(5))   # an earlier prefix
+        cache.v[0].normal_(generator=torch.Generator().manual_seed(6))
+        outs.append(att.forward(q, k, v, cache, 0, att.build_metadata(seqs, bs), D ** -0.5))
+        caches.append(cache)
+    assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(caches[0].v[0], caches[1].v[0])
+    assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)

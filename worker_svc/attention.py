@@ -181,7 +181,7 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
                 layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens (already rotated) -> out [T, Hq, D]."""
-        cache.write(layer, meta.slot_mapping, k, v)
+        self._write(cache, layer, meta, k, v)
         out = torch.empty_like(q)
         kc, vc = cache.k[layer], cache.v[layer]
         if meta.native_decode is not None:
@@ -189,6 +189,10 @@ class TorchAttention:
         for c in meta.chunks:
             _chunk_attention(q, kc, vc, c, out, scale)
         return out
+
+    def _write(self, cache: PagedKVCache, layer: int, meta: AttentionMetadata, k, v) -> None:
+        """Store this step's K/V at their slots (a subclass may fuse the cast and copies)."""
+        cache.write(layer, meta.slot_mapping, k, v)
 
     def _decodes(self, q, kc, vc, meta: AttentionMetadata, out, scale) -> None:
         for group in meta.decodes:

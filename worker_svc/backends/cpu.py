@@ -32,7 +32,7 @@ import os
 import torch
 
 from worker_svc import native
-from worker_svc.attention import TorchAttention, _chunk_attention
+from worker_svc.attention import TorchAttention
 from worker_svc.backends.base import DeviceBackend, LinearMethod, Ops
 
 # native kernel SIMD paths measured faster than the torch decode path (bench/attention_kernel.py:
@@ -52,8 +52,8 @@ class NativeCpuAttention(TorchAttention):
         self.fused_write = fused_write
         self._write_ok: dict[tuple, bool] = {}     # (k dtype, cache dtype) -> write_kv casts it
 
-    def forward(self, q, k, v, cache, layer, meta, scale):
-        """TorchAttention.forward, with the K/V write fused when the dtypes allow."""
+    def _write(self, cache, layer, meta, k, v) -> None:
+        """PagedKVCache.write in one native call when the dtypes and layouts allow."""
         kc, vc = cache.k[layer], cache.v[layer]
         key = (k.dtype, kc.dtype)
         ok = self._write_ok.get(key)
@@ -65,12 +65,6 @@ class NativeCpuAttention(TorchAttention):
             native.write_kv_unchecked(k, v, kc, vc, meta.slot_mapping)
         else:
             cache.write(layer, meta.slot_mapping, k, v)
-        out = torch.empty_like(q)
-        if meta.native_decode is not None:
-            self._decodes(q, kc, vc, meta, out, scale)
-        for c in meta.chunks:
-            _chunk_attention(q, kc, vc, c, out, scale)
-        return out
 
     def _decodes(self, q, kc, vc, meta, out, scale) -> None:
         nd = meta.native_decode
