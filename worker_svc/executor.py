@@ -216,8 +216,10 @@ class Executor:
         for s in batch.seqs:
             self._check(s)
         ids = torch.tensor([t for s in batch.seqs for t in s.token_ids], dtype=torch.int64)
-        positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids))
-                               for s in batch.seqs])
+        pos: list[int] = []         # Python ranges, one tensor: not one arange per sequence
+        for s in batch.seqs:
+            pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+        positions = torch.tensor(pos, dtype=torch.int64)
         dev = self.backend.device
         specs = [(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs]
         if self.graphs is not None:
@@ -267,10 +269,12 @@ class Executor:
         if len(s.block_table) < need:
             raise BatchError(f"request {s.req_id}: block table has {len(s.block_table)} blocks, "
                              f"{need} needed for {end} tokens of block_size {self.block_size}")
-        bad = [b for b in s.block_table[:need] if not 0 <= b < self.model_info.num_blocks]
+        blocks, nblk = s.block_table[:need], self.model_info.num_blocks
+        # min/max first (C loops): the per-id scan below runs only to name the bad ids
+        bad = [b for b in blocks if not 0 <= b < nblk] if min(blocks) < 0 or max(blocks) >= nblk else []
         if bad:
             raise BatchError(f"request {s.req_id}: block ids {bad[:5]} outside the cache's "
                              f"{self.model_info.num_blocks} blocks")
         vocab = self.model_info.vocab_size
-        if any(not 0 <= t < vocab for t in s.token_ids):
+        if min(s.token_ids) < 0 or max(s.token_ids) >= vocab:
             raise BatchError(f"request {s.req_id}: token id outside the vocabulary [0, {vocab})")

@@ -34,7 +34,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-SOURCES = [SOURCE, Path(__file__).parent / "csrc" / "int8_linear.c"]
+SOURCES = [SOURCE, Path(__file__).parent / "csrc" / "int8_linear.c",
+           Path(__file__).parent / "csrc" / "cpu_ops.c"]        # cpu_ops: see the fused-ops section
 MAX_D, MAX_G = 256, 64                      # MAX_D and MAX_ROWS of the kernel
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}                        # q and out
 _KV_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the KV cache
@@ -113,6 +114,7 @@ def _load() -> ctypes.CDLL:
     fn = lib.int8_linear
     fn.argtypes = [P, L, P, P, P, P, L, I, I, I, I]
     fn.restype = I
+    _bind_cpu_ops(lib)
     return lib
 
 
@@ -253,3 +255,168 @@ def int8_linear_unchecked(x: torch.Tensor, qweight: torch.Tensor, scale: torch.T
                      bias.data_ptr() if bias is not None else None, out.data_ptr(), N,
                      x.shape[0], N, K, num_threads or torch.get_num_threads())
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused CPU ops (csrc/cpu_ops.c): RMSNorm (+ residual add), rotary in place, silu(gate) * up,
+# the paged KV write. Used through worker_svc.backends.cpu.NativeCpuOps; each function equals
+# the torch reference in worker_svc.backends.base.Ops (see cpu_ops.c for the exact numerics).
+# Arguments are checked here (dtypes, layouts, shapes) at a few hundred ns per call; the C side
+# trusts them.
+# ---------------------------------------------------------------------------------------------
+
+_OPS_DTYPE = {torch.float32: 0, torch.bfloat16: 1}      # compute dtypes of the ops
+
+
+def _bind_cpu_ops(lib: ctypes.CDLL) -> None:
+    P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.cpu_ops_isa.restype = ctypes.c_char_p
+    for name, args in (("cpu_rms_norm", [P, L, P, L, P, L, P, L, P, I, I, F, I, I]),
+                       ("cpu_rotary", [P, L, P, L, P, P, I, I, I, I, I, I]),
+                       ("cpu_silu_mul", [P, L, P, L, I, I, I, I]),
+                       ("cpu_write_kv", [P, L, P, L, I, P, P, I, P, L, I, I, I]),
+                       ("cpu_write_kv_supports", [I, I])):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, I
+
+
+def ops_isa() -> str:
+    """The SIMD path of the fused ops: "avx2" or "scalar" ("" when the library is unavailable)."""
+    return _lib.cpu_ops_isa().decode() if available() else ""
+
+
+def _rows(t: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> None:
+    """t is a CPU [T, N] tensor of an ops dtype with contiguous rows (any row stride)."""
+    if (t.dim() != 2 or t.device.type != "cpu" or t.dtype not in _OPS_DTYPE
+            or (dtype is not None and t.dtype != dtype) or (t.shape[1] > 1 and t.stride(1) != 1)):
+        raise ValueError(f"{name} must be a CPU fp32/bf16 [T, N] tensor with contiguous rows"
+                         f"{'' if dtype is None else f' of {dtype}'}, got {tuple(t.shape)} {t.dtype} "
+                         f"strides {t.stride()}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             num_threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, H] fp32/bf16 (contiguous rows, any row stride), weight [H] contiguous, same dtype.
+    Without residual: (rmsnorm(x) * weight, None). With residual [T, H]: r = residual + x is
+    written into residual (in place) and the result is (rmsnorm(r) * weight, residual).
+    rmsnorm(r) = r / sqrt(mean(r^2) + eps), computed in fp32 like HF. Returns a new [T, H]."""
+    if not available():
+        raise RuntimeError(f"native kernels unavailable: {_reason}")
+    _rows(x, "x")
+    T, H = x.shape
+    if weight.dtype != x.dtype or weight.shape != (H,) or not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous [{H}] {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    if residual is not None:
+        _rows(residual, "residual", x.dtype)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    return rms_norm_unchecked(x, weight, float(eps), residual, num_threads)
+
+
+def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None, num_threads: int | None = None):
+    """rms_norm without the argument checks (each costs a few hundred ns; together about half
+    of a decode-size call): for callers whose tensors are what rms_norm accepts by construction
+    (NativeCpuOps, after checking dtype and layout)."""
+    T, H = x.shape
+    out = torch.empty(T, H, dtype=x.dtype)
+    if residual is None:
+        _lib.cpu_rms_norm(x.data_ptr(), x.stride(0), None, 0, None, 0, out.data_ptr(), H,
+                          weight.data_ptr(), T, H, eps, _OPS_DTYPE[x.dtype], num_threads or torch.get_num_threads())
+        return out, None
+    rp, rs = residual.data_ptr(), residual.stride(0)
+    _lib.cpu_rms_norm(x.data_ptr(), x.stride(0), rp, rs, rp, rs, out.data_ptr(), H,
+                      weight.data_ptr(), T, H, eps, _OPS_DTYPE[x.dtype], num_threads or torch.get_num_threads())
+    return out, residual
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            num_threads: int | None = None) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (HF rotate_half: q * cos + rotate_half(q) *
+    sin), heads and dims contiguous (any row stride); cos, sin [T, D] or [T, 1, D] contiguous of
+    q's dtype (fp32/bf16), D even."""
+    if not available():
+        raise RuntimeError(f"native kernels unavailable: {_reason}")
+    T, hq, D = q.shape
+    for name, t in (("q", q), ("k", k)):
+        if (t.dim() != 3 or t.device.type != "cpu" or t.dtype != q.dtype or q.dtype not in _OPS_DTYPE
+                or t.shape[0] != T or t.shape[2] != D or t.stride(2) != 1 or t.stride(1) != D):
+            raise ValueError(f"{name} must be a CPU fp32/bf16 [T={T}, H, D={D}] tensor with contiguous "
+                             f"heads, got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != q.dtype or t.numel() != T * D or t.shape[-1] != D or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [T, D] {q.dtype}, got {tuple(t.shape)} {t.dtype}")
+    if D % 2:
+        raise ValueError(f"rotary needs an even head dim, got {D}")
+    rotary_unchecked(q, k, cos, sin, num_threads)
+
+
+def rotary_unchecked(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     num_threads: int | None = None) -> None:
+    """rotary_ without the argument checks (see rms_norm_unchecked)."""
+    T, hq, D = q.shape
+    _lib.cpu_rotary(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(), sin.data_ptr(),
+                    T, hq, k.shape[1], D, _OPS_DTYPE[q.dtype], num_threads or torch.get_num_threads())
+
+
+def silu_mul(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+    """x [T, 2 * I] fp32/bf16 (contiguous rows) -> silu(x[:, :I]) * x[:, I:], a new [T, I]."""
+    if not available():
+        raise RuntimeError(f"native kernels unavailable: {_reason}")
+    _rows(x, "x")
+    T, two_i = x.shape
+    if two_i % 2:
+        raise ValueError(f"x must have an even number of columns (gate, up), got {two_i}")
+    return silu_mul_unchecked(x, num_threads)
+
+
+def silu_mul_unchecked(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+    """silu_mul without the argument checks (see rms_norm_unchecked)."""
+    T, two_i = x.shape
+    out = torch.empty(T, two_i // 2, dtype=x.dtype)
+    _lib.cpu_silu_mul(x.data_ptr(), x.stride(0), out.data_ptr(), two_i // 2, T, two_i // 2,
+                      _OPS_DTYPE[x.dtype], num_threads or torch.get_num_threads())
+    return out
+
+
+def write_kv_supports(src_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether write_kv casts src_dtype (fp32/bf16) to cache_dtype on this build."""
+    return (available() and src_dtype in _OPS_DTYPE and cache_dtype in _KV_DTYPE_CODE
+            and bool(_lib.cpu_write_kv_supports(_OPS_DTYPE[src_dtype], _KV_DTYPE_CODE[cache_dtype])))
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k_cache.view(-1, Hkv, D)[slots] = k.to(cache dtype), same for v (PagedKVCache.write):
+    k, v [T, Hkv, D] fp32/bf16 with contiguous heads (any row stride); caches contiguous
+    [num_blocks, bs, Hkv, D] fp32/bf16/fp16; slots [T] int64 contiguous. A slot outside the
+    cache raises ValueError before anything is written."""
+    if not write_kv_supports(k.dtype, k_cache.dtype):
+        raise ValueError(f"write_kv does not cast {k.dtype} to {k_cache.dtype} here")
+    T, hkv, D = k.shape
+    for name, t in (("k", k), ("v", v)):
+        if (t.dim() != 3 or t.dtype != k.dtype or t.shape != k.shape or t.stride(2) != 1
+                or t.stride(1) != D or t.device.type != "cpu"):
+            raise ValueError(f"{name} must be [T, Hkv, D] {k.dtype} with contiguous heads, got "
+                             f"{tuple(t.shape)} {t.dtype} strides {t.stride()}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype != k_cache.dtype or c.shape != k_cache.shape or not c.is_contiguous() \
+                or c.dim() != 4 or c.shape[2:] != (hkv, D):
+            raise ValueError(f"{name} must be contiguous [blocks, bs, {hkv}, {D}], got {tuple(c.shape)}")
+    if slots.dtype != torch.int64 or slots.shape != (T,) or not slots.is_contiguous():
+        raise ValueError(f"slots must be contiguous int64 [{T}]")
+    write_kv_unchecked(k, v, k_cache, v_cache, slots)
+
+
+def write_kv_unchecked(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slots: torch.Tensor) -> None:
+    """write_kv without the layout checks (see rms_norm_unchecked); the slots are still checked
+    (in C, before anything is written)."""
+    T, hkv, D = k.shape
+    rc = _lib.cpu_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), _OPS_DTYPE[k.dtype],
+                           k_cache.data_ptr(), v_cache.data_ptr(), _KV_DTYPE_CODE[k_cache.dtype],
+                           slots.data_ptr(), k_cache.shape[0] * k_cache.shape[1], T, hkv, D)
+    if rc == -2:
+        raise ValueError("a slot is outside the KV cache")
+    if rc != 0:
+        raise ValueError(f"cpu_write_kv rejected the arguments (rc={rc})")

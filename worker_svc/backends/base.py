@@ -9,14 +9,17 @@ never asks which device it runs on; it calls
   prefix and single-token decodes in the same batch);
 * backend.linear.process(layer) once after a linear layer's weights are set (quantize, repack)
   and backend.linear.apply(layer, x) per call;
-* backend.kv_cache_dtype for the paged KV tensors (independent of the compute dtype).
+* backend.kv_cache_dtype for the paged KV tensors (independent of the compute dtype);
+* backend.ops for the elementwise glue of a layer (RMSNorm with the residual add, rotary,
+  silu * up): Ops below is the torch reference (CUDA, fallbacks); the CPU backend's fused native
+  versions equal it (worker_svc/backends/cpu.py, csrc/cpu_ops.c).
 
 Adding a device (or a faster kernel for one) means adding a backend, not `if cuda` branches in
 the model. describe() is the one line a worker prints at start-up so an operator knows what runs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
@@ -60,6 +63,50 @@ class LinearMethod:
         return F.linear(x, layer.weight, bias)
 
 
+class Ops:
+    """The elementwise ops between a decoder layer's linear layers and attention, written as Hugging
+    Face's Llama computes them (the reference; what any device runs). A backend may replace them
+    with fused kernels that compute the same function (fp32: the same roundings up to summation
+    order and exp; see csrc/cpu_ops.c) and may work in place where stated.
+
+    Tensors: x, residual [T, H]; weight [H]; q [T, Hq, D], k [T, Hkv, D]; cos, sin [T, 1, D] in
+    the compute dtype (RotaryEmbedding.tables); gate_up [T, 2 * I] (gate, then up)."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * (x / sqrt(mean(x^2) + eps)), the normalisation in fp32, then cast to x's
+        dtype before the weight multiply (HF LlamaRMSNorm)."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """r = residual + x (in x's dtype, as HF adds the residual); returns (rms_norm(r), r).
+        An implementation may store r into residual's storage: callers use the returned r and
+        never the residual they passed."""
+        r = residual + x
+        return self.rms_norm(r, weight, eps), r
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor,
+               cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q * cos + rotate_half(q) * sin, the same for k); rotate_half(x) = cat(-x2, x1) of
+        the two halves of a head (HF convention). An implementation may rotate in place."""
+        cos, sin = cos_sin
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the fused gate_up projection's output [T, 2 * I] -> [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
 @dataclass
 class DeviceBackend:
     """The per-device choices of one worker (see module docstring)."""
@@ -76,6 +123,7 @@ class DeviceBackend:
     # (model, cache, attention, sizes, scratch_block, device) -> a graph runner, or None
     make_graph_runner: Callable[..., Any] | None = None
     note: str = ""              # e.g. why a fallback was taken; printed by describe()
+    ops: Ops = field(default_factory=Ops)     # the layers' elementwise glue (see Ops)
 
     def bind(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype,
              scale: float, max_pages: int) -> None:
@@ -90,5 +138,6 @@ class DeviceBackend:
         kv = str(self.kv_cache_dtype).removeprefix("torch.")
         return (f"device {self.device}: attention {self.attention.name}, kv {kv}, "
                 f"linear {self.linear.name}"
+                + (f", ops {self.ops.name}" if self.ops.name != "torch" else "")
                 + (", sampling on device" if self.sample_on_device else "")
                 + (f" ({self.note})" if self.note else ""))

@@ -19,14 +19,21 @@ The three choices, each made once per worker and printed by the executor:
   --kv-cache-dtype float16;
 * weight quantization "auto": int8 for small batches (worker_svc/quant.py) when the int8 kernel
   has a SIMD path; "none" keeps the float weights (what HF-exactness tests use).
+
+Besides: the layers' elementwise glue (RMSNorm + residual add, rotary, silu * up) runs fused
+native ops (NativeCpuOps, csrc/cpu_ops.c) when the library has their AVX2 path, and the native
+attention writes each layer's K/V to the paged cache in one native call. SARATHI_NATIVE_OPS=0
+keeps both on the torch reference (worker_svc/backends/base.py Ops; for A/B measurements).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 from worker_svc import native
 from worker_svc.attention import TorchAttention
-from worker_svc.backends.base import DeviceBackend, LinearMethod
+from worker_svc.backends.base import DeviceBackend, LinearMethod, Ops
 
 # native kernel SIMD paths measured faster than the torch decode path (bench/attention_kernel.py:
 # avx512 on Sapphire Rapids 1.7-2x, attention_kernel.json; avx2 on Zen 3 1.6-2.6x,
@@ -36,10 +43,28 @@ AUTO_KV_DTYPE = torch.bfloat16
 
 
 class NativeCpuAttention(TorchAttention):
-    """TorchAttention with the decodes of a batch in one native kernel call per layer."""
+    """TorchAttention with the decodes of a batch in one native kernel call per layer, and (when
+    fused_write) the layer's K/V written to the cache by one native call (native.write_kv: the
+    cast and both index copies of PagedKVCache.write, same values)."""
 
-    def __init__(self):
+    def __init__(self, fused_write: bool = False):
         self.name = f"native {native.isa()}"
+        self.fused_write = fused_write
+        self._write_ok: dict[tuple, bool] = {}     # (k dtype, cache dtype) -> write_kv casts it
+
+    def _write(self, cache, layer, meta, k, v) -> None:
+        """PagedKVCache.write in one native call when the dtypes and layouts allow."""
+        kc, vc = cache.k[layer], cache.v[layer]
+        key = (k.dtype, kc.dtype)
+        ok = self._write_ok.get(key)
+        if ok is None:
+            ok = self._write_ok[key] = self.fused_write and native.write_kv_supports(*key)
+        # k, v are views of the qkv output: heads contiguous ([T, Hkv, D] with stride(1) == D)
+        if ok and k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2] \
+                and k.shape == v.shape and kc.shape[2:] == k.shape[1:]:
+            native.write_kv_unchecked(k, v, kc, vc, meta.slot_mapping)
+        else:
+            cache.write(layer, meta.slot_mapping, k, v)
 
     def _decodes(self, q, kc, vc, meta, out, scale) -> None:
         nd = meta.native_decode
@@ -48,6 +73,61 @@ class NativeCpuAttention(TorchAttention):
             native.paged_decode_attention(q, kc, vc, nd.tables, nd.lens, scale, out, rows=nd.rows)
         else:
             super()._decodes(q, kc, vc, meta, out, scale)
+
+
+class NativeCpuOps(Ops):
+    """Ops on the fused native kernels (csrc/cpu_ops.c) for fp32/bf16 tensors laid out as the
+    model makes them (rows of contiguous elements); anything else takes the torch reference.
+    Differs from Ops only in place: add_rms_norm stores r into residual, rotary rotates q and k
+    in place (both allowed by Ops' contract)."""
+
+    def __init__(self):
+        self.name = f"native {native.ops_isa()}"
+
+    # The guards below check what the kernels need (dtype, element layout, matching sizes) in
+    # the fewest tensor attribute reads: the full checks of native.rms_norm etc. cost about as
+    # much as the kernel at decode sizes. Tensors are CPU tensors on a CPU backend.
+
+    def rms_norm(self, x, weight, eps):
+        if x.dtype in _NATIVE_OPS_DTYPES and x.dim() == 2 and x.stride(1) == 1 \
+                and weight.dtype == x.dtype and weight.shape == x.shape[1:] and weight.stride(0) == 1:
+            return native.rms_norm_unchecked(x, weight, eps)[0]
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if x.dtype in _NATIVE_OPS_DTYPES and x.dim() == 2 and x.stride(1) == 1 \
+                and residual.dtype == x.dtype and residual.shape == x.shape and residual.stride(1) == 1 \
+                and weight.dtype == x.dtype and weight.shape == x.shape[1:] and weight.stride(0) == 1:
+            return native.rms_norm_unchecked(x, weight, eps, residual)
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def rotary(self, q, k, cos_sin):
+        cos, sin = cos_sin
+        D = q.shape[-1]
+        if q.dtype in _NATIVE_OPS_DTYPES and k.dtype == q.dtype and cos.dtype == q.dtype \
+                and sin.dtype == q.dtype and q.dim() == 3 and k.dim() == 3 and D % 2 == 0 \
+                and q.stride(2) == 1 and q.stride(1) == D and k.stride(2) == 1 and k.stride(1) == D \
+                and k.shape[0] == q.shape[0] and k.shape[2] == D \
+                and cos.shape == sin.shape == (q.shape[0], 1, D) and cos.is_contiguous() and sin.is_contiguous():
+            native.rotary_unchecked(q, k, cos, sin)
+            return q, k
+        return super().rotary(q, k, cos_sin)
+
+    def silu_mul(self, gate_up):
+        if gate_up.dtype in _NATIVE_OPS_DTYPES and gate_up.dim() == 2 and gate_up.stride(1) == 1 \
+                and gate_up.shape[1] % 2 == 0:
+            return native.silu_mul_unchecked(gate_up)
+        return super().silu_mul(gate_up)
+
+
+_NATIVE_OPS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def native_ops_enabled() -> bool:
+    """Fused native ops and KV write: the library loads, its ops have the AVX2 path (the scalar
+    exp of silu would lose to torch), and SARATHI_NATIVE_OPS is not "0"."""
+    return (os.environ.get("SARATHI_NATIVE_OPS", "1") != "0" and native.available()
+            and native.ops_isa() == "avx2")
 
 
 def cpu_backend(compute_dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None,
@@ -70,5 +150,7 @@ def cpu_backend(compute_dtype: torch.dtype, kv_cache_dtype: torch.dtype | None =
                                   and native.int8_isa() != "scalar"):
         from worker_svc.quant import Int8LinearMethod
         linear = Int8LinearMethod()
-    return DeviceBackend(torch.device("cpu"), NativeCpuAttention() if use_native else TorchAttention(),
-                         linear, kv_cache_dtype)
+    fused = native_ops_enabled()
+    return DeviceBackend(torch.device("cpu"),
+                         NativeCpuAttention(fused_write=fused) if use_native else TorchAttention(),
+                         linear, kv_cache_dtype, ops=NativeCpuOps() if fused else Ops())

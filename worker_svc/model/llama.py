@@ -21,17 +21,13 @@ from worker_svc.model.rope import RotaryEmbedding
 
 
 class RMSNorm(torch.nn.Module):
-    """x / rms(x) * w, computed in float32 like HF (matters for bf16)."""
+    """The weight [H] and eps of an RMSNorm; the arithmetic is the backend's (ops.rms_norm,
+    ops.add_rms_norm: fp32 normalisation like HF, which matters for bf16)."""
 
     def __init__(self, weight: torch.Tensor, eps: float, dtype: torch.dtype):
         super().__init__()
         self.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 class DecoderLayer(torch.nn.Module):
@@ -47,6 +43,7 @@ class DecoderLayer(torch.nn.Module):
                                             None, tp, dtype, lin)
         self.down = RowParallelLinear(w[m + "down_proj.weight"], None, tp, dtype, lin)
         self.attention = backend.attention
+        self.ops = backend.ops
         self.input_norm = RMSNorm(w[prefix + "input_layernorm.weight"], cfg.rms_norm_eps, dtype)
         self.post_norm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], cfg.rms_norm_eps, dtype)
         self.index = index
@@ -55,16 +52,26 @@ class DecoderLayer(torch.nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                cache: PagedKVCache, meta) -> torch.Tensor:
-        T, hd = x.shape[0], self.head_dim
-        q, k, v = self.qkv(self.input_norm(x)).split(
-            [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], dim=-1)
-        q, k = RotaryEmbedding.apply(cos_sin, q.view(T, -1, hd), k.view(T, -1, hd))
-        attn = self.attention.forward(q, k, v.reshape(T, -1, hd), cache, self.index, meta, self.scale)
-        x = x + self.o_proj(attn.view(T, -1))
-        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                cos_sin: tuple[torch.Tensor, torch.Tensor], cache: PagedKVCache,
+                meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on hidden state residual + x (vLLM style: the residual add is deferred into
+        the next norm, so add + norm is one fused op). residual None: x is the whole hidden state
+        (the first layer). Returns (mlp output, residual): the layer's output hidden state is
+        their sum. The residual passed in may be overwritten (ops.add_rms_norm)."""
+        T, hd, ops = x.shape[0], self.head_dim, self.ops
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, self.input_norm.weight, self.input_norm.eps)
+        # heads of q, k, v as strided views of the fused output (one view + 3 slices: cheaper
+        # than split + 3 views, ~4 us a layer)
+        qkv, nq, nkv = self.qkv(h).view(T, -1, hd), self.num_heads, self.num_kv_heads
+        q, k = ops.rotary(qkv[:, :nq], qkv[:, nq:nq + nkv], cos_sin)
+        attn = self.attention.forward(q, k, qkv[:, nq + nkv:], cache, self.index, meta, self.scale)
+        h, residual = ops.add_rms_norm(self.o_proj(attn.view(T, -1)), residual,
+                                       self.post_norm.weight, self.post_norm.eps)
+        return self.down(ops.silu_mul(self.gate_up(h))), residual
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -103,6 +110,7 @@ class LlamaForCausalLM(torch.nn.Module):
         # the backend's linear method (int8 for small batches on CPU); only the last stage has one
         self.head = ReplicatedLinear(self.lm_head, backend.linear) if last else None
         self.rope = RotaryEmbedding(cfg, cfg.max_position_embeddings)
+        self.ops = backend.ops
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
@@ -119,11 +127,18 @@ class LlamaForCausalLM(torch.nn.Module):
         else:
             x = par.embed(input_ids, self.embed, self.cfg.vocab_size)
         cos_sin = self.rope.tables(positions, self.dtype)    # once per batch, not per layer
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos_sin, cache, meta)
+            x, residual = layer(x, residual, cos_sin, cache, meta)
         if self.norm is None:
-            return x
-        x = self.norm(x.index_select(0, logit_rows))     # norm is per row: do it only where needed
+            return x if residual is None else x + residual    # the stage's hidden states
+        # the final norm is per row: only where logits are needed
+        x = x.index_select(0, logit_rows)
+        if residual is None:
+            x = self.ops.rms_norm(x, self.norm.weight, self.norm.eps)
+        else:
+            x, _ = self.ops.add_rms_norm(x, residual.index_select(0, logit_rows),
+                                         self.norm.weight, self.norm.eps)
         if par is None:
             return self.head(x).float()
         return par.lm_head(x, self.head, self.cfg.vocab_size)

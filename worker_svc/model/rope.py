@@ -43,7 +43,8 @@ def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 class RotaryEmbedding(torch.nn.Module):
     """cos/sin tables [max_positions, head_dim] (float32). Look them up once per batch with
-    tables(), then rotate q [T, Hq, D] and k [T, Hkv, D] in every layer with apply()."""
+    tables(); every layer rotates q [T, Hq, D] and k [T, Hkv, D] with the backend's
+    ops.rotary (worker_svc/backends/base.py Ops: the HF rotate_half reference)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -56,13 +57,3 @@ class RotaryEmbedding(torch.nn.Module):
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D] in `dtype` for positions [T] (int64)."""
         return (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
-
-    @staticmethod
-    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-        cos, sin = cos_sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
