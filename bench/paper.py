@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import subprocess
 import sys
 from pathlib import Path

@@ -240,7 +240,7 @@ def _workspace(cache: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torc
 
 def _chunk_attention(q, kc, vc, c: ChunkMeta, out, scale) -> None:
     _, bs, hkv, dim = kc.shape
-    ctx, n = c.context_len, c.row_end - c.row_start
+    ctx = c.context_len
     group = q.shape[1] // hkv
     keys = kc.index_select(0, c.blocks).view(-1, hkv, dim)[:ctx]
     vals = vc.index_select(0, c.blocks).view(-1, hkv, dim)[:ctx]
