@@ -28,8 +28,15 @@
 #define I8_AVX2 1
 #endif
 
+/* Software prefetch of the tile PREFETCH_TILES ahead into L2 (T1), not L1: an L1 prefetch
+ * burst competes with the FMAs' own loads for the L1 fill buffers. AMD EPYC Zen 4, 2 threads, a
+ * whole SmolLM2 step at T=1 (bench/int8_prefetch.py -> bench/results/int8_prefetch_zen4.json):
+ * L1 x4 (before) 12.3 ms, none 14.7 ms, L2 x4 / x8 / x16 7.7 / 7.8 / 7.9 ms. */
 #ifndef PREFETCH_TILES
-#define PREFETCH_TILES 4
+#define PREFETCH_TILES 8
+#endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T1
 #endif
                  /* tiles of 4 rows prefetched ahead */
 #define MIN_WEIGHTS_PER_THREAD (1 << 16)
@@ -185,12 +192,12 @@ int int8_linear(const float *x, int64_t x_stride, const int8_t *w, const float *
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tiles > 1)
     for (int i = 0; i < tiles; i++) {
         const int n0 = i * 4;
-#if defined(I8_AVX2)
+#if defined(I8_AVX2) && PREFETCH_TILES > 0
         /* the tile PREFETCH_TILES ahead: each tile is a short run of 4 * K bytes, too short for
          * the hardware prefetchers to ramp up on while the FMAs keep the core busy */
         if (n0 + 4 * (PREFETCH_TILES + 1) <= N) {
             const char *p = (const char *)(w + (int64_t)(n0 + 4 * PREFETCH_TILES) * K);
-            for (int64_t b = 0; b < 4 * (int64_t)K; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+            for (int64_t b = 0; b < 4 * (int64_t)K; b += 64) _mm_prefetch(p + b, PREFETCH_HINT);
         }
 #endif
         if (n0 + 4 <= N && T >= BUFFERED_MIN_T) {
