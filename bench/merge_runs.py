@@ -1,0 +1,13 @@
+"""Merge `sarathi bench` result files (their "runs", sorted by QPS) into one, e.g. the QPS points of
+one server taken in several holds:  python -m bench.merge_runs OUT.json A.json B.json ..."""
+import json, sys
+out, parts = sys.argv[1], sys.argv[2:]
+ds = [json.load(open(p)) for p in parts]
+m = {"command": [c for d in ds for c in (d["command"] if isinstance(d["command"], list) else [d["command"]])],
+     "machine": [x for d in ds for x in (d["machine"] if isinstance(d["machine"], list) else [d["machine"]])],
+     "target": ds[0].get("target"), "workload": ds[0].get("workload"), "tbt_slo_s": ds[0].get("tbt_slo_s"),
+     "server_per_point": [x for d in ds for x in d.get("server_per_point", [])],
+     "merged_from": parts,
+     "runs": sorted([r for d in ds for r in d["runs"]], key=lambda r: r["qps"])}
+json.dump(m, open(out, "w"), indent=1)
+print(out, [r["qps"] for r in m["runs"]])
