@@ -1,8 +1,8 @@
 """Quick A/B of the CPU engine before/after issue 11 on the issue's target cases, each next to
 its bandwidth bound (bench.engine_iteration.step_bytes / bench.membw read bandwidth).
 
-before = fp32 weights, fp32 KV (the native kernel's new AVX2 path; the old build ran its scalar
-path on AVX2-only CPUs); after = the CPU defaults (bf16 KV, int8 weights for <= 64 tokens).
+before = fp32 weights, fp32 KV; after = the CPU defaults (bf16 KV, int8 weights for small
+batches, fp32 GEMM above); int8-bf16 = the opt-in `--weight-quant int8-bf16` (bf16 GEMM above).
 Per case: one warm-up, then `reps` interleaved before/after executions; medians and minima.
 Results print as they come (a partial run still says something).
 
@@ -36,7 +36,9 @@ def main() -> None:
     ei.NUM_BLOCKS = 32 * (ei.CONTEXT // ei.BLOCK_SIZE + 1) + 512 // ei.BLOCK_SIZE
     torch.set_num_threads(threads)
     exs = {"before": ei.make_executor("float32:float32:none:auto"),
-           "after": ei.make_executor("float32:auto:auto:auto")}
+           "after": ei.make_executor("float32:auto:auto:auto"),
+           # opt-in: bf16 GEMM above the int8 threshold (not batch-invariant; worker_svc/quant.py)
+           "int8-bf16": ei.make_executor("float32:auto:int8-bf16:auto")}
     membw = Path(sys.argv[3] if len(sys.argv) > 3 else "bench/results/membw_amd.json")
     bw = json.loads(membw.read_text())["results"][f"{threads}t"]["read_gb_per_s"]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
@@ -102,10 +104,12 @@ def plot(result: dict, path: Path) -> None:
     keys = sorted({k.split(" ", 1)[1] for k in result["results"]}, key=list(
         k.split(" ", 1)[1] for k in result["results"]).index)
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    for i, v in enumerate(("before", "after")):
-        xs = [j + (i - 0.5) * 0.38 for j in range(len(keys))]
+    variants = list(result["backends"])
+    w = 0.8 / len(variants)
+    for i, v in enumerate(variants):
+        xs = [j + (i - (len(variants) - 1) / 2) * w for j in range(len(keys))]
         r = [result["results"][f"{v} {k}"] for k in keys]
-        ax.bar(xs, [p["median_ms"] for p in r], 0.38, label=f"{v}: {result['backends'][v]}")
+        ax.bar(xs, [p["median_ms"] for p in r], w, label=f"{v}: {result['backends'][v]}")
         ax.scatter(xs, [p["bound_ms"] for p in r], marker="_", s=250, color="k", zorder=3,
                    label="bound: bytes / read bandwidth" if i == 0 else None)
     llama = result.get("llama_bench") or {}

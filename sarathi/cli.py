@@ -47,7 +47,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     _add(p, "kv-cache-dtype", "auto", "KV cache dtype, independent of --dtype (auto: 16-bit on CPU, "
          "--dtype on CUDA)", choices=["auto", "float32", "bfloat16", "float16"])
     _add(p, "weight-quant", "auto", "weight-only quantization of the linear layers (auto: int8 for "
-         "small batches on CPUs where it pays; none: float weights)", choices=["auto", "none", "int8"])
+         "small batches on CPUs where it pays; none: float weights; int8-bf16: int8 for small batches, "
+         "bf16 GEMM above: ~2x faster prefill on CPUs with bf16 dot products, but outputs then depend on "
+         "batch composition)", choices=["auto", "none", "int8", "int8-bf16"])
 
 
 def _sched_args(p: argparse.ArgumentParser) -> None:

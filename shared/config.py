@@ -74,8 +74,9 @@ class WorkerConfig:
         FlashInfer only).
     kv_cache_dtype: "auto" (the device's default: 16-bit on CPU, the compute dtype on CUDA),
         "float32", "bfloat16" or "float16"; independent of dtype (exactness tests use float32).
-    weight_quant: "auto" (CPU: int8 for small batches where the int8 kernel pays), "none" or
-        "int8" (weight-only, per output channel; worker_svc/quant.py).
+    weight_quant: "auto" (CPU: int8 for small batches where the int8 kernel pays), "none",
+        "int8" (weight-only, per output channel; worker_svc/quant.py) or "int8-bf16" (int8 for
+        small batches, bf16 GEMM above; not batch-invariant).
     """
 
     model: str | None = None

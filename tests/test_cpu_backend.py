@@ -256,7 +256,7 @@ def test_int8_method_switches_by_token_count_and_both_paths_agree(monkeypatch, l
     w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
     method = Int8LinearMethod(max_tokens=4, large=large)
     layer = ColumnParallelLinear([w], [b], TensorParallel(), torch.float32, method)
-    assert method.name == "int8 for <= 4 tokens" + (", bf16 GEMM above" if large == torch.bfloat16 else "")
+    assert method.name.startswith("int8 for <= 4 tokens" + (", bf16 GEMM above" if large == torch.bfloat16 else ""))
     calls = []
     real = native.int8_linear_unchecked
     monkeypatch.setattr(native, "int8_linear_unchecked", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
@@ -292,18 +292,26 @@ def test_the_lm_head_never_takes_the_bf16_path():
 
 
 @needs_native
-def test_large_path_and_threshold_follow_the_cpu(monkeypatch):
+def test_bf16_large_path_is_opt_in_and_says_when_it_is_emulated(monkeypatch):
+    """The default keeps the fp32 dense path whatever the CPU (batch-invariant greedy output);
+    int8-bf16 takes the bf16 threshold and says so when this CPU has no bf16 dot products."""
     import worker_svc.quant as quant
+    from worker_svc.backends.cpu import cpu_backend
 
-    monkeypatch.setattr(quant, "cpu_has_bf16_dot", lambda: True)
-    m = quant.Int8LinearMethod()
-    assert m.large == torch.bfloat16
-    assert m.max_tokens == quant.INT8_MAX_TOKENS.get((native.int8_isa(), "bfloat16"), 0)
-    monkeypatch.setattr(quant, "cpu_has_bf16_dot", lambda: False)
-    m = quant.Int8LinearMethod()
-    assert m.large == torch.float32 and "bf16" not in m.name
+    for has_bf16 in (True, False):
+        monkeypatch.setattr(quant, "cpu_has_bf16_dot", lambda: has_bf16)
+        m = quant.Int8LinearMethod()
+        assert m.large == torch.float32 and "bf16" not in m.name
+        assert m.max_tokens == quant.INT8_MAX_TOKENS.get((native.int8_isa(), "float32"), 0)
+        b = quant.Int8LinearMethod(large=torch.bfloat16)
+        assert b.max_tokens == quant.INT8_MAX_TOKENS.get((native.int8_isa(), "bfloat16"), 0)
+        assert ("emulated" in b.name) is (not has_bf16)
+    assert "bf16 GEMM above" in cpu_backend(torch.float32, weight_quant="int8-bf16").describe()
+    assert "bf16" not in cpu_backend(torch.float32, weight_quant="auto").linear.name
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         quant.Int8LinearMethod(large=torch.float16)
+    with pytest.raises(ValueError, match="int8-bf16"):
+        cpu_backend(torch.float32, weight_quant="int4")
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,18 @@ Which path runs is chosen per call by the token count T of the batch:
   sized batches are weight-bandwidth bound, so it is ~3x faster there;
 * T > max_tokens: a dense GEMM on the *dequantized* weight (q * scale), where the step is
   compute-bound (prefill chunks, Sarathi's budget-sized hybrid batches). Its dtype (`large`):
-  - "bfloat16" on CPUs with native bf16 dot products (AVX512_BF16 or AMX-BF16: oneDNN runs
+  - float32 by default: F.linear on a float copy of the dequantized weight, the same function
+    as the int8 kernel up to fp32 summation order, so a request's greedy output does not depend
+    on how many tokens shared its batch (tests/test_offline_api.py: every policy, token budget
+    and preemption gives the same tokens);
+  - bfloat16 when asked for (`--weight-quant int8-bf16`), worth it on CPUs with native bf16 dot products (AVX512_BF16 or AMX-BF16: oneDNN runs
     bf16 GEMMs 2-2.7x faster than fp32 there, Zen 4 measured in bench/results/linear_paths_*):
     activations are rounded to bf16 for the multiply, products accumulate in fp32, the output
     returns to the compute dtype. The bf16 copy of a dequantized int8 weight is exact up to bf16
     rounding of q * scale (q has 8 significant bits, bf16 keeps 8). Measured on SmolLM2 against
     HF with every linear call on this path: top-1 agreement and logit error equal to the int8
-    path's (tests/test_cpu_backend.py);
-  - "float32" elsewhere: F.linear on a float copy of the dequantized weight, the same function
-    as the int8 kernel up to fp32 summation order.
+    path's. The price: bf16 rounding differs from the int8 kernel's fp32 arithmetic, so which
+    batch carried a token can change a near-tie (greedy outputs then depend on load).
   Memory cost: the int8 copy beside the float weight (+25% of the fp32 bytes) and, with bf16,
   a bf16 copy (+50%; SmolLM2-135M: +135 MB and +270 MB on 538 MB). Dequantizing per large
   batch instead would re-expand every weight on every prefill step.
@@ -54,9 +57,9 @@ def cpu_has_bf16_dot() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def default_large_dtype() -> torch.dtype:
-    """The dense-GEMM dtype for batches above the int8 threshold on this CPU."""
-    return torch.bfloat16 if cpu_has_bf16_dot() else torch.float32
+def bf16_large_note() -> str:
+    """'' on CPUs with native bf16 dot products; else why int8-bf16 will be slow here."""
+    return "" if cpu_has_bf16_dot() else "no AVX512_BF16/AMX on this CPU: the bf16 GEMM is emulated, slower than fp32"
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,12 +89,13 @@ class Int8LinearMethod(LinearMethod):
     def __init__(self, max_tokens: int | None = None, large: torch.dtype | None = None):
         if not native.available():
             raise ValueError(f"weight quantization int8 needs the native kernels: {native.unavailable_reason()}")
-        self.large = default_large_dtype() if large is None else large
+        self.large = torch.float32 if large is None else large
         if self.large not in (torch.float32, torch.bfloat16):
             raise ValueError(f"large-batch GEMM dtype must be float32 or bfloat16, got {self.large}")
         self.max_tokens = default_max_tokens(self.large) if max_tokens is None else max_tokens
+        note = bf16_large_note() if self.large == torch.bfloat16 else ""
         self.name = f"int8 for <= {self.max_tokens} tokens" + (
-            ", bf16 GEMM above" if self.large == torch.bfloat16 else "")
+            ", bf16 GEMM above" if self.large == torch.bfloat16 else "") + (f" ({note})" if note else "")
 
     def process(self, layer: torch.nn.Module) -> None:
         if hasattr(layer, "qweight"):          # a weight shared by two layers: quantized once

@@ -134,22 +134,24 @@ def cpu_backend(compute_dtype: torch.dtype, kv_cache_dtype: torch.dtype | None =
                 attention: str = "auto", weight_quant: str = "auto") -> DeviceBackend:
     """attention: "auto" (native when built and measured faster here, else torch), "native" or
     "torch". kv_cache_dtype: None = AUTO_KV_DTYPE (the compute dtype when that is 16-bit).
-    weight_quant: "auto" (int8 when its kernel has a SIMD path here), "none" or "int8"."""
+    weight_quant: "auto" (int8 when its kernel has a SIMD path here), "none", "int8", or
+    "int8-bf16" (int8 for small batches, bf16 GEMM above: faster prefill on CPUs with bf16 dot
+    products, but a request's output then depends on which batch carried it; see quant.py)."""
     if attention not in ("auto", "native", "torch"):
         raise ValueError(f"unknown CPU attention {attention!r}; choose auto, native or torch")
     if attention == "native" and not native.available():
         raise ValueError(f"attention 'native' requested but {native.unavailable_reason()}")
-    if weight_quant not in ("auto", "none", "int8"):
-        raise ValueError(f"unknown weight quantization {weight_quant!r}; choose auto, none or int8")
+    if weight_quant not in ("auto", "none", "int8", "int8-bf16"):
+        raise ValueError(f"unknown weight quantization {weight_quant!r}; choose auto, none, int8 or int8-bf16")
     use_native = attention == "native" or (attention == "auto" and native.available()
                                            and native.isa() in NATIVE_FASTER)
     if kv_cache_dtype is None:
         kv_cache_dtype = compute_dtype if compute_dtype.itemsize == 2 else AUTO_KV_DTYPE
     linear = LinearMethod()
-    if weight_quant == "int8" or (weight_quant == "auto" and native.available()
-                                  and native.int8_isa() != "scalar"):
+    if weight_quant in ("int8", "int8-bf16") or (weight_quant == "auto" and native.available()
+                                                 and native.int8_isa() != "scalar"):
         from worker_svc.quant import Int8LinearMethod
-        linear = Int8LinearMethod()
+        linear = Int8LinearMethod(large=torch.bfloat16 if weight_quant == "int8-bf16" else torch.float32)
     fused = native_ops_enabled()
     return DeviceBackend(torch.device("cpu"),
                          NativeCpuAttention(fused_write=fused) if use_native else TorchAttention(),
