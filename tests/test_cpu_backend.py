@@ -152,16 +152,6 @@ def test_cache_write_rounds_to_the_cache_dtype_once():
     assert torch.equal(cache.v[0].view(-1, 2, 8)[[0, 5, 17]], (-k).half())
 
 
-@pytest.fixture
-def fresh_native(monkeypatch, tmp_path):
-    monkeypatch.setenv("SARATHI_CACHE_DIR", str(tmp_path))
-    native._reset()
-    yield
-    monkeypatch.undo()
-    native._reset()
-    native.available()
-
-
 @needs_native
 def test_scalar_build_is_correct_and_not_picked_by_auto(fresh_native, monkeypatch):
     """A CPU without AVX2 (here: the x86-64 baseline build) runs the portable path: it matches

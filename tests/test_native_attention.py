@@ -121,17 +121,6 @@ def test_rejects_unsupported_shapes():
         native.paged_decode_attention(q[:, :8], kc, vc, tables, ctx, 0.1, torch.empty_like(q[:, :8]))
 
 
-@pytest.fixture
-def fresh_native(monkeypatch, tmp_path):
-    """A clean build state in an empty cache dir; restored afterwards."""
-    monkeypatch.setenv("SARATHI_CACHE_DIR", str(tmp_path))
-    native._reset()
-    yield
-    monkeypatch.undo()
-    native._reset()
-    native.available()
-
-
 def test_missing_compiler_falls_back(fresh_native, monkeypatch, caplog):
     monkeypatch.setenv("SARATHI_CC", "/nonexistent/cc")
     with caplog.at_level(logging.WARNING, logger="worker_svc.native"):
