@@ -20,10 +20,7 @@ from collections import OrderedDict
 
 from scheduler_svc.prefix_cache import PrefixCache, extend_block_hashes
 from scheduler_svc.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from shared.config import cdiv
 
 
 class BlockManager:
@@ -86,7 +83,7 @@ class BlockManager:
 
     def _missing_blocks(self, req: Request) -> int:
         # inlined arithmetic: called for every decode of every iteration
-        return max(0, -(-len(req.token_ids) // self.block_size) - len(req.block_table))
+        return max(0, cdiv(len(req.token_ids), self.block_size) - len(req.block_table))
 
     # -- release --------------------------------------------------------------------------------
     def free(self, req: Request) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from shared.config import ModelInfo, rank_address
+from shared.config import ModelInfo, rank_address, single_rank_layout
 from shared.messages import Batch, BatchOutput
 from shared.wire import BatchEncoder, pack, unpack
 
@@ -94,7 +94,7 @@ class RemoteExecutor:
         self._seq = itertools.count()
         self._model_info: ModelInfo | None = None
         self._instances: list[str | None] = [None] * len(self.addresses)
-        self.parallel: dict = {"rank": 0, "world_size": 1, "tp": 1, "pp": 1}
+        self.parallel: dict = single_rank_layout()
         self._inflight: deque[_InFlight] = deque()
 
     def _connect(self, i: int, address: str) -> zmq.Socket:
@@ -163,7 +163,7 @@ class RemoteExecutor:
     def _check_layout(self, replies: list[dict[str, Any]]) -> bool:
         """Check that address i is rank i of one replica; True if the addresses were expanded
         from rank 0's alone (then ask again)."""
-        layout = [r.get("parallel") or {"rank": 0, "world_size": 1, "tp": 1, "pp": 1} for r in replies]
+        layout = [r.get("parallel") or single_rank_layout() for r in replies]
         world = layout[0]["world_size"]
         if all(p["world_size"] == 1 for p in layout):
             return False   # independent one-rank workers, each sent every batch (as before)

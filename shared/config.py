@@ -93,6 +93,17 @@ class WorkerConfig:
     weight_quant: str = "auto"
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, e.g. the blocks that hold `a` tokens in blocks of `b`."""
+    return -(-a // b)
+
+
+def single_rank_layout() -> dict:
+    """The replica layout of a worker that is one process (no TP, no PP): what its "info" reply
+    names and what the scheduler assumes of a worker that names none. A fresh dict each call."""
+    return {"rank": 0, "world_size": 1, "tp": 1, "pp": 1}
+
+
 DEFAULT_CPU_BLOCKS = 2048      # KV blocks per layer when a CPU worker is asked for "auto" (0)
 
 

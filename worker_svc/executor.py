@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from shared.config import DEFAULT_CPU_BLOCKS, ModelInfo, WorkerConfig
+from shared.config import DEFAULT_CPU_BLOCKS, ModelInfo, WorkerConfig, cdiv, single_rank_layout
 from shared.messages import Batch, BatchOutput, SeqChunk
 from shared.model_source import resolve_model
 from worker_svc.backends import select_backend
@@ -101,7 +101,7 @@ class Executor:
         self.model_cfg = cfg
         self.block_size = config.cache.block_size
         kv_heads = cfg.num_kv_heads // tp.world_size
-        blocks_per_seq = -(-cfg.max_position_embeddings // self.block_size)
+        blocks_per_seq = cdiv(cfg.max_position_embeddings, self.block_size)
         self.backend.bind(cfg.num_heads // tp.world_size, kv_heads, cfg.head_dim, self.dtype,
                           cfg.head_dim ** -0.5, config.max_num_seqs * blocks_per_seq)
         num_blocks = config.cache.num_blocks or self._auto_num_blocks(cfg, kv_heads)
@@ -135,7 +135,7 @@ class Executor:
         """This rank's place in the replica (the worker's "info" reply; the scheduler checks it)."""
         pc = self.parallel.config if self.parallel is not None else None
         if pc is None:
-            return {"rank": 0, "world_size": 1, "tp": 1, "pp": 1}
+            return single_rank_layout()
         return {"rank": pc.rank, "world_size": pc.world_size, "tp": pc.tp, "pp": pc.pp,
                 "layers": list(self.parallel.layers)}
 
@@ -265,7 +265,7 @@ class Executor:
         if end > self.model_info.max_model_len:
             raise BatchError(f"request {s.req_id}: positions up to {end} exceed the model's "
                              f"context length max_model_len={self.model_info.max_model_len}")
-        need = -(-end // self.block_size)
+        need = cdiv(end, self.block_size)
         if len(s.block_table) < need:
             raise BatchError(f"request {s.req_id}: block table has {len(s.block_table)} blocks, "
                              f"{need} needed for {end} tokens of block_size {self.block_size}")

@@ -32,12 +32,11 @@ from typing import Any, Protocol
 
 import zmq
 
+from shared.config import single_rank_layout
 from shared.messages import Batch, BatchOutput
 from shared.wire import BatchDecoder, UnknownRequestError, error_reply, output_reply, pack, unpack
 
 log = logging.getLogger("sarathi.worker")
-
-SINGLE_RANK = {"rank": 0, "world_size": 1, "tp": 1, "pp": 1}
 
 
 class ExecutorLike(Protocol):
@@ -93,7 +92,7 @@ class WorkerServer:
             return {"ok": True}
         if op == "info":
             return {"ok": True, "model_info": dataclasses.asdict(self.executor.model_info),
-                    "parallel": getattr(self.executor, "parallel_info", None) or SINGLE_RANK}
+                    "parallel": getattr(self.executor, "parallel_info", None) or single_rank_layout()}
         if op == "batch":
             return self._batch(msg)
         return error_reply("unknown_op", f"unknown op {op!r}; expected ping, info or batch")
