@@ -7,7 +7,7 @@ once per (SLO, condition) binary search:
 
 * strict / relaxed: P99 TBT <= the profile's SLO (unfinished requests are misses);
 * "+ TTFT": additionally P50 TTFT <= 2 s (over HTTP scheduling delay is not observable, so
-  bench.metrics.meets_slo skips that condition; the TTFT bound is its client-side stand-in).
+  sarathi.measure.metrics.meets_slo skips that condition; the TTFT bound is its client-side stand-in).
 
 capacity_from_points: the highest probed QPS at which this and every lower probed QPS pass
 (a lower bound of the threshold, assuming pass/fail is monotone), with the bracket
@@ -23,8 +23,8 @@ import json
 import sys
 from pathlib import Path
 
-from bench.env import machine
-from bench.metrics import json_safe, meets_slo
+from sarathi.measure.env import machine
+from sarathi.measure.metrics import json_safe, meets_slo
 
 TTFT_P50_S = 2.0
 

@@ -1,10 +1,10 @@
 """Request-length traces: (prompt tokens, output tokens) per request.
 
 The default is the ShareGPT-4 length trace of the paper's evaluation, shipped as package data
-(bench/data/sharegpt_8k_filtered_stats_llama2_tokenizer.csv: 30,731 rows, Llama-2 tokenizer,
-prompt median 1730, output median 415, prompt + output <= 8192). A CPU serves a 135M model
-orders of magnitude slower than an A100 serves Mistral-7B, so runs here scale both lengths by
-a stated factor (`length_scale`): every length is rounded and kept >= 1 token.
+(sarathi/measure/data/sharegpt_8k_filtered_stats_llama2_tokenizer.csv: 30,731 rows, Llama-2
+tokenizer, prompt median 1730, output median 415, prompt + output <= 8192). A CPU serves a 135M
+model orders of magnitude slower than an A100 serves Mistral-7B, so runs here scale both lengths
+by a stated factor (`length_scale`): every length is rounded and kept >= 1 token.
 """
 from __future__ import annotations
 

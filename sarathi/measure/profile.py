@@ -1,5 +1,5 @@
 """`sarathi profile`: the iteration-time table of this machine and model, the SLOs it implies,
-and a cost model fitted to it (bench.costmodel).
+and a cost model fitted to it (sarathi.measure.costmodel).
 
 Cases (each through executor.execute, so prepare + forward + sampling count):
 * decode: B decodes of one token at context C (B in DECODE_BATCHES, C in {C_slo/4, C_slo});
@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
-from bench.costmodel import CostModel, Shape, fit
+from sarathi.measure.costmodel import CostModel, Shape, fit
 from shared.messages import Batch, SeqChunk
 from shared.sampling import SamplingParams
 

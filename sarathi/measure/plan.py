@@ -8,15 +8,12 @@ token gap of a running request stays within the SLO while no preemption happens.
 
 The decode batch B: given, or (with qps and the trace's mean output length) the fixed point of
 Little's law, B = qps x mean_output_tokens x iteration_time(tau, B), capped at max_num_seqs.
+
+Reading a plan file back (`--token-budget auto|FILE`) is configuration: shared.config.resolve_token_budget.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from bench.costmodel import CostModel
-
-DEFAULT_PLAN_FILE = "sarathi-plan.json"
+from sarathi.measure.costmodel import CostModel
 
 
 def iteration_time(model: CostModel, tau: int, decodes: int, context: int) -> float:
@@ -68,30 +65,3 @@ def plan_token_budget(model: CostModel, tbt_slo_s: float, *, context: int, tile:
             "tile": tile, "tbt_slo_s": tbt_slo_s, "margin": margin, "qps": qps,
             "curve": [{"tau": x, "iteration_s": iteration_time(model, x, batch_at(x), context)}
                       for x in range(tile, min(max_tau, 4 * tau) + 1, tile)]}
-
-
-def read_plan(path: str | Path) -> int:
-    """tau from a plan file written by `sarathi plan`."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"plan file not found: {p} (write one with `sarathi plan`)")
-    try:
-        tau = int(json.loads(p.read_text())["token_budget"])
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{p} is not a plan file (no integer token_budget)") from None
-    if tau < 1:
-        raise ValueError(f"{p}: token_budget must be >= 1, got {tau}")
-    return tau
-
-
-def resolve_token_budget(value: str | int) -> int:
-    """--token-budget: an integer, `auto` (the plan file ./sarathi-plan.json), or a plan file."""
-    if isinstance(value, int):
-        return value
-    v = str(value).strip()
-    if v == "auto":
-        return read_plan(DEFAULT_PLAN_FILE)
-    try:
-        return int(v)
-    except ValueError:
-        return read_plan(v)

@@ -64,7 +64,7 @@ class CostModel:
         return max(0.0, float(np.dot(self.coefs, features(shapes, self.knee))))
 
     def predict(self, tokens: int, kv: int, pairs: float, seqs: int) -> float:
-        """From a batch's aggregates (e.g. a logged iteration, bench.metrics.IterationRecord)."""
+        """From a batch's aggregates (e.g. a logged iteration, sarathi.measure.metrics.IterationRecord)."""
         return max(0.0, float(np.dot(self.coefs, features_of(tokens, kv, pairs, seqs, self.knee))))
 
     def __call__(self, batch: Batch) -> float:
@@ -89,7 +89,7 @@ def fit(points: list[tuple[list[Shape], float]]) -> CostModel:
 
 def fit_aggregates(rows: list[tuple[int, int, float, int, float]]) -> CostModel:
     """Fit to (tokens, decode KV tokens, prefill pairs, sequences, measured seconds) rows: the
-    profile's cases, or iterations logged by a real run (bench.metrics.IterationRecord)."""
+    profile's cases, or iterations logged by a real run (sarathi.measure.metrics.IterationRecord)."""
     if len(rows) < len(FEATURES):
         raise ValueError(f"need at least {len(FEATURES)} profile points to fit, got {len(rows)}")
     y = np.array([r[4] for r in rows])

@@ -1,13 +1,13 @@
 """An open-loop load generator with two targets.
 
-Workload: request lengths from a trace (bench.trace), arrivals from a Poisson process at `qps`
+Workload: request lengths from a trace (sarathi.measure.trace), arrivals from a Poisson process at `qps`
 (also gamma with a coefficient of variation, or fixed bursts), prompts of exactly the trace's
 token count (random token ids from a seeded generator), outputs of exactly the trace's length
 (greedy, `ignore_eos`). The same (trace, seed, qps, n) gives the same workload on every target.
 
 Open loop: a request is due at its arrival time whether or not the target keeps up; its TTFT
 and scheduling delay count from that time. The run stops at the last arrival + `drain_s`;
-requests not finished by then stay in the results as misses (bench.metrics).
+requests not finished by then stay in the results as misses (sarathi.measure.metrics).
 
 Targets:
 * run_inprocess(engine, ...): the real EngineLoop (scheduler + executor) driven directly, no
@@ -28,9 +28,9 @@ from typing import Callable
 
 import numpy as np
 
-from bench.costmodel import aggregates, batch_shapes
-from bench.metrics import IterationRecord, RequestRecord
-from bench.trace import Trace
+from sarathi.measure.costmodel import aggregates, batch_shapes
+from sarathi.measure.metrics import IterationRecord, RequestRecord
+from sarathi.measure.trace import Trace
 from scheduler_svc.engine_loop import EngineLoop, StalledError
 from scheduler_svc.sim_executor import SimClock
 from shared.sampling import SamplingParams

@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from bench import plots
-from bench.capacity import search_capacity
-from bench.loadgen import make_workload, run_http, run_inprocess
-from bench.metrics import meets_slo, summarize, json_safe
-from bench.trace import Trace
+from sarathi.measure import plots
+from sarathi.measure.capacity import search_capacity
+from sarathi.measure.loadgen import make_workload, run_http, run_inprocess
+from sarathi.measure.metrics import meets_slo, summarize, json_safe
+from sarathi.measure.trace import Trace
 from scheduler_svc.engine_loop import EngineLoop
 
 
@@ -38,7 +38,7 @@ class Target:
 
 @dataclass
 class Workload:
-    """The workload shape of a run (bench.loadgen.make_workload's arguments but qps)."""
+    """The workload shape of a run (sarathi.measure.loadgen.make_workload's arguments but qps)."""
 
     trace: Trace
     num_requests: int
@@ -62,9 +62,9 @@ def sim_target(profile: dict | None, *, block_size: int = 16, num_blocks: int = 
                max_num_seqs: int = 128, max_num_batched_tokens: int = 4096,
                enable_prefix_caching: bool = False) -> Target:
     """A simulated worker: the real scheduler, iteration times from the profile's cost model
-    (bench.costmodel), the model's limits from the profile; without a profile, the synthetic
+    (sarathi.measure.costmodel), the model's limits from the profile; without a profile, the synthetic
     linear_cost_model() (quick mode). The scheduler settings default to `sarathi serve`'s."""
-    from bench.profile import load_cost_model
+    from sarathi.measure.profile import load_cost_model
     from scheduler_svc.sim_executor import linear_cost_model, sim_engine
 
     cost, info = linear_cost_model(), SYNTHETIC_INFO
@@ -117,7 +117,8 @@ def capacity(target: Target, w: Workload, tbt_slo_s: float, *, policy: str = "sa
              token_budget: int = 512, qps_start: float = 1.0, resolution: float = 0.05,
              max_sched_delay_s: float = 2.0, max_ttft_p50_s: float | None = None,
              progress: bool = True) -> dict:
-    """Binary search on QPS for the paper's criterion (bench.capacity, bench.metrics.meets_slo)."""
+    """Binary search on QPS for the paper's criterion (sarathi.measure.capacity,
+    sarathi.measure.metrics.meets_slo)."""
     if not tbt_slo_s > 0:
         raise ValueError(f"--tbt-slo must be > 0 seconds, got {tbt_slo_s}")
     details = []

@@ -68,7 +68,7 @@ class IterationRecord:
     """One engine iteration: start time (s, run clock), duration (s), prefill tokens
     (prompt and recompute tokens), decodes (1-token sampled steps), sequences in the batch,
     decode_kv (KV tokens the decodes read), prefill_pairs (query x key pairs of the prefill
-    chunks): enough to evaluate a cost model (bench.costmodel) on the real batch."""
+    chunks): enough to evaluate a cost model (sarathi.measure.costmodel) on the real batch."""
 
     start: float
     duration: float
