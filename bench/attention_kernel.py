@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine_iteration import machine
+from bench.common import machine_line
 from worker_svc import attention, native
 
 HQ, HKV, DIM, BS = 9, 3, 64, 16
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
                for row in run_case(b, ctx, d, threads, args.rounds, base, rd)]
     report = {
         "command": "python -m bench.attention_kernel " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "machine": machine(), "date_utc": started,
+        "machine": machine_line(), "date_utc": started,
         "loadavg_before": load_before, "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
         "torch": torch.__version__, "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": DIM,
                                                 "block_size": BS},

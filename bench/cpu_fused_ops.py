@@ -32,15 +32,21 @@ WORKER = r"""
 import json, os, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[1]))
-import bench.engine_iteration as ei
-ei.DECODE_SIZES, ei.PREFILL_SIZES = [32], [512]
-ei.NUM_BLOCKS = 32 * (ei.CONTEXT // ei.BLOCK_SIZE + 1) + 512 // ei.BLOCK_SIZE
-ex = ei.make_executor("float32:auto:auto:auto")
-print(json.dumps({"ready": ex.backend.describe(), "machine": ei.machine()}), flush=True)
+try:
+    from bench import common as c
+    ex = c.make_executor("float32:auto:auto:auto", c.SMALL)
+    machine, make_batch = c.machine_line(), lambda s, n: c.make_batch(s, n, c.SMALL)
+except ImportError:   # a --base-tree from before bench/common.py: the helpers were engine_iteration's
+    import bench.engine_iteration as ei
+    ei.DECODE_SIZES, ei.PREFILL_SIZES = [32], [512]
+    ei.NUM_BLOCKS = 32 * (ei.CONTEXT // ei.BLOCK_SIZE + 1) + 512 // ei.BLOCK_SIZE
+    ex = ei.make_executor("float32:auto:auto:auto")
+    machine, make_batch = ei.machine(), ei.make_batch
+print(json.dumps({"ready": ex.backend.describe(), "machine": machine}), flush=True)
 batches = {}
 for line in sys.stdin:
     series, n = line.split()
-    batch = batches.get((series, n)) or batches.setdefault((series, n), ei.make_batch(series, int(n)))
+    batch = batches.get((series, n)) or batches.setdefault((series, n), make_batch(series, int(n)))
     t0 = time.perf_counter()
     out = ex.execute(batch)
     dt = time.perf_counter() - t0

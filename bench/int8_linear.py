@@ -30,20 +30,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.engine_iteration import machine
+from bench.common import HIDDEN, INTER, layer_shapes, machine_line
 from worker_svc import native
 from worker_svc.quant import quantize_int8
 
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
 SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128]
 TORCH_INT8_SIZES = [1, 4, 16]
-
-
-def layer_shapes() -> list[tuple[int, int]]:
-    """(out, in) of every linear layer of one step, in execution order."""
-    qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    per_layer = [(qkv, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
-    return per_layer * LAYERS + [(VOCAB, HIDDEN)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -115,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "command": "python -m bench.int8_linear " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(), "torch": torch.__version__, "threads": args.threads,
+        "machine": machine_line(), "torch": torch.__version__, "threads": args.threads,
         "int8_kernel_isa": native.int8_isa(),
         "loadavg_before_after": [load_before, Path("/proc/loadavg").read_text().split()[:3]],
         "weights_fp32_mb": round(fp32_bytes / 1e6, 1), "weights_int8_mb": round(int8_bytes / 1e6, 1),

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine_iteration import machine
-from bench.int8_linear import layer_shapes
+from bench.common import layer_shapes, machine_line
 
 SOURCE = Path(__file__).resolve().parent.parent / "worker_svc" / "csrc" / "int8_linear.c"
 VARIANTS = {
@@ -73,7 +72,7 @@ def main() -> None:
             print(f"T={T} {name:16s} {med * 1e3:7.2f} ms {nbytes / med / 1e9:5.1f} GB/s", flush=True)
     result = {"command": "python -m bench.int8_prefetch " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "threads": args.threads, "variants": VARIANTS,
+              "machine": machine_line(), "threads": args.threads, "variants": VARIANTS,
               "loadavg": Path("/proc/loadavg").read_text().split()[:3], "results": rows}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))

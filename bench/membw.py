@@ -47,7 +47,7 @@ def copy_gb_per_s(mb: int, passes: int, threads: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from bench.engine_iteration import machine
+    from bench.common import machine_line
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=1024, help="array size (MB); >> the L3 cache")
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
               file=sys.stderr)
     out = {"command": "python -m bench.membw " + " ".join(sys.argv[1:] if argv is None else argv),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": machine(), "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+           "machine": machine_line(), "loadavg": Path("/proc/loadavg").read_text().split()[:3],
            "array_mb": args.mb, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -23,7 +23,6 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import random
 import re
 import shlex
@@ -36,6 +35,8 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+
+from bench.common import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("river stone cloud lamp orange window garden silver engine paper music forest train "
@@ -183,16 +184,6 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"{url} did not become ready (server exit code {proc.poll()})")
         time.sleep(0.5)
-
-
-def machine() -> dict:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = re.search(r"Model name:\s*(.+)", lscpu)
-    flags = re.search(r"Flags:\s*(.+)", lscpu)
-    fl = set(flags.group(1).split()) if flags else set()
-    return {"cpu": model.group(1).strip() if model else platform.processor(), "cpus": os.cpu_count(),
-            "avx2": "avx2" in fl, "avx512f": "avx512f" in fl, "amx": any(f.startswith("amx") for f in fl),
-            "loadavg_start": os.getloadavg()}
 
 
 def window_mean(samples: list[dict], key: str, t0: float, t1: float) -> float:
