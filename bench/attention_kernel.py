@@ -17,7 +17,7 @@ and the speedup is the ratio of the two medians.
 with native.py's flags: SARATHI_NATIVE_MARCH=znver3 A/Bs the AVX2 path on an AVX-512 machine), and "read": a plain AVX2 read of the same K/V blocks in block-table order (16-bit
 caches only), the memory bound for this access pattern on one thread.
 
-    python -m bench.attention_kernel [--rounds 7] [--threads 1,2] [--baseline HEAD~1] [--out bench/results/attention_kernel.json]
+    python -m bench.attention_kernel [--rounds 7] [--threads 1,2] [--baseline HEAD~1] [--out bench/results/kernels/attention_kernel.json]
 """
 from __future__ import annotations
 
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
-    ap.add_argument("--out", default="bench/results/attention_kernel.json")
+    ap.add_argument("--out", default="bench/results/kernels/attention_kernel.json")
     ap.add_argument("--note", default="")
     ap.add_argument("--baseline", default=None, help="git revision whose paged_decode.c to time beside this one")
     args = ap.parse_args(argv)

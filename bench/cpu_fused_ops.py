@@ -13,7 +13,7 @@ hit all alike (the machine is shared); a step's time is measured inside its proc
 Executor.execute. Also records each variant's executor timings (prepare, forward, sample).
 
     taskset -c 1 python -m bench.cpu_fused_ops [--threads 1] [--reps 30] [--base-tree DIR]
-        [--out bench/results/cpu_fused_ops_amd]
+        [--out bench/results/engine_cpu/cpu_fused_ops_amd]
 
 Writes OUT.json (per case and variant: median/min ms, samples; ratios to base) and OUT.png.
 """
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--cases", default="decode:1,decode:32")
     ap.add_argument("--base-tree", default="", help="source tree of the 'base' variant (omit: no base)")
-    ap.add_argument("--out", default="bench/results/cpu_fused_ops_amd")
+    ap.add_argument("--out", default="bench/results/engine_cpu/cpu_fused_ops_amd")
     args = ap.parse_args()
     here = Path(__file__).resolve().parent.parent
     specs = ([("base", Path(args.base_tree).resolve(), {})] if args.base_tree else []) + [

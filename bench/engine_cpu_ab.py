@@ -6,11 +6,11 @@ batches, fp32 GEMM above); int8-bf16 = the opt-in `--weight-quant int8-bf16` (bf
 Per case: one warm-up, then `reps` interleaved before/after executions; medians and minima.
 Results print as they come (a partial run still says something).
 
-    python -m bench.engine_cpu_ab THREADS OUT [MEMBW_JSON]   (e.g. 2 bench/results/engine_cpu_zen4_2t
-                                                              bench/results/membw_zen4.json)
+    python -m bench.engine_cpu_ab THREADS OUT [MEMBW_JSON]   (e.g. 2 bench/results/engine_cpu/engine_cpu_zen4_2t
+                                                              bench/results/engine_cpu/membw_zen4.json)
 
 MEMBW_JSON: the read bandwidth of this machine (python -m bench.membw --out ...), default
-bench/results/membw_amd.json (Zen 3). When llama.cpp's llama-bench is built
+bench/results/engine_cpu/membw_amd.json (Zen 3). When llama.cpp's llama-bench is built
 (bench/build_llama_server.sh) it runs in the same hold on the same GGUF (`-p 512 -n 128 -t
 THREADS`) and its decode step and 512-token prefill sit beside the engine's.
 """
@@ -37,7 +37,7 @@ def main() -> None:
            "after": make_executor("float32:auto:auto:auto", SMALL),
            # opt-in: bf16 GEMM above the int8 threshold (not batch-invariant; worker_svc/quant.py)
            "int8-bf16": make_executor("float32:auto:int8-bf16:auto", SMALL)}
-    membw = Path(sys.argv[3] if len(sys.argv) > 3 else "bench/results/membw_amd.json")
+    membw = Path(sys.argv[3] if len(sys.argv) > 3 else "bench/results/engine_cpu/membw_amd.json")
     bw = json.loads(membw.read_text())["results"][f"{threads}t"]["read_gb_per_s"]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     res = {}
@@ -84,7 +84,9 @@ def llama_bench(threads: int) -> dict | None:
     cmd = [str(binary), "-m", str(default_gguf_path()), "-p", "512", "-n", "128", "-t", str(threads),
            "-r", "3", "-o", "json"]
     runs = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout)
-    res = {"command": " ".join(cmd)}
+    # recorded without this machine's paths: the binary under ~, the GGUF by name
+    shown = [str(binary).replace(str(Path.home()), "~", 1), "-m", default_gguf_path().name, *cmd[3:]]
+    res = {"command": " ".join(shown)}
     for r in runs:
         kind = "prefill:512" if r["n_prompt"] else "decode:1 (tg128)"
         res[kind] = {"tokens_per_s": round(r["avg_ts"], 2),

@@ -14,7 +14,7 @@ background load hits all variants alike. The KV cache holds
 zeros: attention cost depends on lengths, not on values.
 
     python -m bench.engine_iteration [--rounds 5] [--threads 1,2] [--dtypes float32,bfloat16]
-writes bench/results/engine_iteration.json and .png.
+writes bench/results/engine_cpu/engine_iteration.json and .png.
 
 --variants NAME=DTYPE:KV:WEIGHTS:ATTENTION,... replaces --dtypes with engine configurations
 (KV: kv_cache_dtype, WEIGHTS: weight_quant, ATTENTION: auto|torch), e.g. the issue-11 run
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", default="1,2", help="torch thread counts to compare, e.g. 1,2")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--out", default="bench/results/engine_iteration")
+    ap.add_argument("--out", default="bench/results/engine_cpu/engine_iteration")
     ap.add_argument("--note", default="", help="free text stored with the results (e.g. machine load)")
     ap.add_argument("--targets-only", action="store_true",
                     help="only the cases the issue's targets name (quick run in a quiet moment)")

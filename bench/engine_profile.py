@@ -1,7 +1,7 @@
 """Where a CPU engine step's time goes: torch.profiler over Executor.execute on the issue-11
 cases (decode batch 1 and 32 at 1k context), the CPU defaults (int8 weights, bf16 KV).
 
-    python -m bench.engine_profile [--threads 2] [--reps 10] [--out bench/results/engine_profile_amd]
+    python -m bench.engine_profile [--threads 2] [--reps 10] [--out bench/results/engine_cpu/engine_profile_amd]
 
 Writes OUT.json (per case: wall ms per step, and the ops by self CPU time per step) and OUT.txt
 (torch's own table). Self CPU time per op includes the op's Python-side dispatch, so the sum
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--variant", default="float32:auto:auto:auto")
     ap.add_argument("--cases", default="decode:1,decode:32")
-    ap.add_argument("--out", default="bench/results/engine_profile")
+    ap.add_argument("--out", default="bench/results/engine_cpu/engine_profile")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]

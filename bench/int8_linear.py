@@ -15,7 +15,7 @@ The thresholds: the largest T up to which int8-native beats each dense variant a
 Each round runs every (T, variant) once, variants of a T back to back; medians are reported.
 
     python -m bench.int8_linear [--rounds 5] [--threads 2] [--variants float32,int8-native,int8-torch,bfloat16]
-                                [--sizes 1,2,4,...] [--out bench/results/int8_linear_amd]
+                                [--sizes 1,2,4,...] [--out bench/results/kernels/int8_linear_amd]
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="bench/results/int8_linear_amd")
+    ap.add_argument("--out", default="bench/results/kernels/int8_linear_amd")
     ap.add_argument("--variants", default="float32,int8-native,int8-torch,bfloat16")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     args = ap.parse_args(argv)

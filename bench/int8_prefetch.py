@@ -3,7 +3,7 @@ PREFETCH_HINT), A/B in one run: each variant is the same source built with other
 timed over all linear layers of one SmolLM2-135M step (163 MB of int8 weights, more than the
 L3), variants interleaved per round, medians of --rounds.
 
-    python -m bench.int8_prefetch [--threads 2] [--sizes 1,2,8] [--rounds 7] [--out bench/results/int8_prefetch_zen4]
+    python -m bench.int8_prefetch [--threads 2] [--sizes 1,2,8] [--rounds 7] [--out bench/results/kernels/int8_prefetch_zen4]
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sizes", default="1,2,8")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--out", default="bench/results/int8_prefetch_zen4")
+    ap.add_argument("--out", default="bench/results/kernels/int8_prefetch_zen4")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="int8_prefetch_"))

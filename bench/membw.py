@@ -5,7 +5,7 @@ Read test: torch.sum over a float32 array much larger than the last-level cache 
 once per pass; torch's reduction is vectorised and split over the threads). Also a copy test
 (read + write, counted as 2x the array bytes, as STREAM does). Median of the passes.
 
-    python -m bench.membw [--mb 1024] [--passes 7] [--threads 1,2] [--out bench/results/membw_amd.json]
+    python -m bench.membw [--mb 1024] [--passes 7] [--threads 1,2] [--out bench/results/engine_cpu/membw_amd.json]
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--mb", type=int, default=1024, help="array size (MB); >> the L3 cache")
     ap.add_argument("--passes", type=int, default=7)
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--out", default="bench/results/membw_amd.json")
+    ap.add_argument("--out", default="bench/results/engine_cpu/membw_amd.json")
     args = ap.parse_args(argv)
     results = {}
     for t in (int(s) for s in args.threads.split(",")):

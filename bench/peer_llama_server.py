@@ -14,7 +14,7 @@ capacity_from_points: the highest probed QPS at which this and every lower probe
 [that QPS, the first failing QPS above it]. The true capacity lies in the bracket.
 
     python -m bench.peer_llama_server --sarathi-strict S.json [--sarathi-relaxed R.json] \
-        --llama L.json --out bench/results/paper/peer_llama_server
+        --llama L.json --out bench/results/peer/peer_llama_server
 """
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sarathi-relaxed", help="the same with the relaxed plan's tau (default: --sarathi-strict)")
     p.add_argument("--llama", required=True, help="`sarathi bench --url` result, llama-server")
     p.add_argument("--profile", default="bench/results/paper/profile.json", help="SLOs from this profile")
-    p.add_argument("--out", default="bench/results/paper/peer_llama_server")
+    p.add_argument("--out", default="bench/results/peer/peer_llama_server")
     a = p.parse_args(argv)
     slos = {k: json.loads(Path(a.profile).read_text())["slo"][f"{k}_s"] for k in ("strict", "relaxed")}
     s_strict = _load(a.sarathi_strict)

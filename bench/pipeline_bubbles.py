@@ -13,7 +13,7 @@ variance per policy (what makes bubbles: a stage waits whenever its neighbour's 
 longer than its own) and a per-stage timeline (the shape of the SARATHI paper's Figure 8).
 
     python -m bench.pipeline_bubbles --policies sarathi [--requests 48 --qps 4 --scale 8]
-        [--out bench/results/pipeline_bubbles]   # one JSON per policy; --plot merges them
+        [--out bench/results/bubbles/pipeline_bubbles]   # one JSON per policy; --plot merges them
 
 Run under the exclusive CPU lock; one policy per invocation keeps each under a few minutes.
 """
@@ -205,7 +205,7 @@ def main() -> None:
     ap.add_argument("--pp-layers", default="", help="layers per stage, e.g. 16,14 (default: balanced)")
     ap.add_argument("--tag", default="", help="suffix of the per-policy JSON names")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="bench/results/pipeline_bubbles")
+    ap.add_argument("--out", default="bench/results/bubbles/pipeline_bubbles")
     ap.add_argument("--plot", action="store_true", help="merge the per-policy JSONs into one JSON + PNG")
     args = ap.parse_args()
     out = Path(args.out)

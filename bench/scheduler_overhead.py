@@ -6,7 +6,7 @@ torch-free SimExecutor, then times schedule() (and, separately, update()) over `
 decode iterations in which nobody finishes. Goal: median under 1 ms at 256 running.
 
     python -m bench.scheduler_overhead [--sizes 32 256 1024] [--policies sarathi ...]
-        [--iters 300] [--prompt-len 512] [--gc-off] [--out bench/results/scheduler_overhead.json]
+        [--iters 300] [--prompt-len 512] [--gc-off] [--out bench/results/scheduler/scheduler_overhead.json]
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", nargs="+", default=["sarathi"])
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--out", type=Path, default=Path("bench/results/scheduler_overhead.json"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results/scheduler/scheduler_overhead.json"))
     ap.add_argument("--gc-off", action="store_true", help="disable the cyclic GC while timing")
     ap.add_argument("--note", default="")
     a = ap.parse_args(argv)

@@ -12,7 +12,7 @@ holds no request entries (stream empty, nothing pending).
 
     python -m bench.soak [--minutes 30] [--qps 1.0 | auto] [--redis-url URL] [--label NAME]
 
-Writes bench/results/soak[_LABEL].json and .png. Use about 80% of the capacity measured for the
+Writes bench/results/soak/soak[_LABEL].json and .png. Use about 80% of the capacity measured for the
 same server options (an overloaded server's queue grows without bound, which is not a leak):
 `--qps auto` measures it first on the same server (find_capacity) and soaks at --capacity-fraction.
 """
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--label", default="", help="suffix of the result files (e.g. short_validation)")
-    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out-dir", default="bench/results/soak")
     args = ap.parse_args(argv)
     if args.qps != "auto":
         args.qps = float(args.qps)
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "server_command": "sarathi serve (env: " + ", ".join(f"{k}={env[k]}" for k in sorted(env)
                                                           if k.startswith("SARATHI_")) + ")",
         "date_utc": started.isoformat(timespec="seconds"), "machine": machine_info,
-        "loadavg_end": os.getloadavg(), "server_log": str(log_path), "minutes": args.minutes, "qps": args.qps,
+        "loadavg_end": os.getloadavg(), "server_log": log_path.name, "minutes": args.minutes, "qps": args.qps,
         "args": vars(args), "counts": load.counts, "error_samples": load.errors,
         "completion_tokens_completed": load.tokens,
         "kv_total_blocks": final["kv_total_blocks"], "kv_free_blocks_after": final["kv_free_blocks"],
