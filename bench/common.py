@@ -9,15 +9,15 @@ up to `chunk` tokens on the blocks after them. The executor's cache holds exactl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from sarathi.measure.env import machine
+from sarathi.measure.env import machine   # the one record of the machine; scripts import it from here
 from shared.config import CacheConfig, WorkerConfig
 from shared.messages import Batch, SeqChunk
 from shared.sampling import SamplingParams
 
-__all__ = ["machine", "machine_line", "CONTEXT", "SHORT_CONTEXT", "BLOCK_SIZE", "HYBRID_DECODES",
-           "GREEDY", "Layout", "FULL", "SMALL", "make_batch", "make_executor", "step_bytes",
-           "layer_shapes"]
+if TYPE_CHECKING:
+    from worker_svc.executor import Executor
 
 CONTEXT = 1024                       # tokens already cached per decode
 SHORT_CONTEXT = 128                  # a second decode series isolates the linear layers' cost
@@ -80,10 +80,10 @@ def make_batch(series: str, size: int, layout: Layout = FULL) -> Batch:
     return Batch(0, decodes[:HYBRID_DECODES] + [prefill])
 
 
-def make_executor(spec: str, layout: Layout = FULL):
+def make_executor(spec: str, layout: Layout = FULL) -> Executor:
     """DTYPE[:KV[:WEIGHTS[:ATTENTION]]] -> an Executor with the layout's cache. A bare DTYPE (the
     --dtypes runs) keeps the KV cache in the compute dtype and float weights, as before issue 11."""
-    from worker_svc.executor import Executor     # torch: only where an engine is built
+    from worker_svc.executor import Executor     # torch: only for scripts that build an engine
 
     dtype, kv, wq, attn = (spec.split(":") + ["auto", "auto", "auto"])[:4]
     if kv == "auto" and ":" not in spec:
@@ -98,13 +98,13 @@ def make_executor(spec: str, layout: Layout = FULL):
     return ex
 
 
-def step_bytes(ex, series: str, size: int) -> int:
+def step_bytes(ex: Executor, series: str, size: int) -> int:
     """Bytes one step must read at least: every linear weight once (int8 + scales when the
     variant's int8 path runs at this token count, else the dense weight it multiplies), the LM head for the
     sampled rows, and the K and V of every cached token attended over."""
     from worker_svc.model.linear import ReplicatedLinear
 
-    batch = make_batch(series, size)
+    batch = make_batch(series, size)      # lengths only count here, not which blocks: any layout
     T = batch.num_tokens
     method = ex.backend.linear
     weights = 0

@@ -25,8 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.common import machine
 from sarathi.measure.costmodel import CostModel, aggregates, fit_aggregates
-from sarathi.measure.env import machine
 from sarathi.measure.metrics import json_safe
 from sarathi.measure.profile import cases
 

@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from sarathi.measure.env import machine
+from bench.common import machine
 from sarathi.measure.metrics import json_safe, meets_slo
 
 TTFT_P50_S = 2.0
