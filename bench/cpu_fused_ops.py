@@ -13,7 +13,7 @@ hit all alike (the machine is shared); a step's time is measured inside its proc
 Executor.execute. Also records each variant's executor timings (prepare, forward, sample).
 
     taskset -c 1 python -m bench.cpu_fused_ops [--threads 1] [--reps 30] [--base-tree DIR]
-        [--out bench/results/cpu_fused_ops_amd]
+        [--out bench/results/engine_cpu/cpu_fused_ops_amd]
 
 Writes OUT.json (per case and variant: median/min ms, samples; ratios to base) and OUT.png.
 """
@@ -32,15 +32,21 @@ WORKER = r"""
 import json, os, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[1]))
-import bench.engine_iteration as ei
-ei.DECODE_SIZES, ei.PREFILL_SIZES = [32], [512]
-ei.NUM_BLOCKS = 32 * (ei.CONTEXT // ei.BLOCK_SIZE + 1) + 512 // ei.BLOCK_SIZE
-ex = ei.make_executor("float32:auto:auto:auto")
-print(json.dumps({"ready": ex.backend.describe(), "machine": ei.machine()}), flush=True)
+try:
+    from bench import common as c
+    ex = c.make_executor("float32:auto:auto:auto", c.SMALL)
+    machine, make_batch = c.machine_line(), lambda s, n: c.make_batch(s, n, c.SMALL)
+except ImportError:   # a --base-tree from before bench/common.py: the helpers were engine_iteration's
+    import bench.engine_iteration as ei
+    ei.DECODE_SIZES, ei.PREFILL_SIZES = [32], [512]
+    ei.NUM_BLOCKS = 32 * (ei.CONTEXT // ei.BLOCK_SIZE + 1) + 512 // ei.BLOCK_SIZE
+    ex = ei.make_executor("float32:auto:auto:auto")
+    machine, make_batch = ei.machine(), ei.make_batch
+print(json.dumps({"ready": ex.backend.describe(), "machine": machine}), flush=True)
 batches = {}
 for line in sys.stdin:
     series, n = line.split()
-    batch = batches.get((series, n)) or batches.setdefault((series, n), ei.make_batch(series, int(n)))
+    batch = batches.get((series, n)) or batches.setdefault((series, n), make_batch(series, int(n)))
     t0 = time.perf_counter()
     out = ex.execute(batch)
     dt = time.perf_counter() - t0
@@ -66,7 +72,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--cases", default="decode:1,decode:32")
     ap.add_argument("--base-tree", default="", help="source tree of the 'base' variant (omit: no base)")
-    ap.add_argument("--out", default="bench/results/cpu_fused_ops_amd")
+    ap.add_argument("--out", default="bench/results/engine_cpu/cpu_fused_ops_amd")
     args = ap.parse_args()
     here = Path(__file__).resolve().parent.parent
     specs = ([("base", Path(args.base_tree).resolve(), {})] if args.base_tree else []) + [

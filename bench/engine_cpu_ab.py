@@ -1,16 +1,16 @@
 """Quick A/B of the CPU engine before/after issue 11 on the issue's target cases, each next to
-its bandwidth bound (bench.engine_iteration.step_bytes / bench.membw read bandwidth).
+its bandwidth bound (bench.common.step_bytes / bench.membw read bandwidth).
 
 before = fp32 weights, fp32 KV; after = the CPU defaults (bf16 KV, int8 weights for small
 batches, fp32 GEMM above); int8-bf16 = the opt-in `--weight-quant int8-bf16` (bf16 GEMM above).
 Per case: one warm-up, then `reps` interleaved before/after executions; medians and minima.
 Results print as they come (a partial run still says something).
 
-    python -m bench.engine_cpu_ab THREADS OUT [MEMBW_JSON]   (e.g. 2 bench/results/engine_cpu_zen4_2t
-                                                              bench/results/membw_zen4.json)
+    python -m bench.engine_cpu_ab THREADS OUT [MEMBW_JSON]   (e.g. 2 bench/results/engine_cpu/engine_cpu_zen4_2t
+                                                              bench/results/engine_cpu/membw_zen4.json)
 
 MEMBW_JSON: the read bandwidth of this machine (python -m bench.membw --out ...), default
-bench/results/membw_amd.json (Zen 3). When llama.cpp's llama-bench is built
+bench/results/engine_cpu/membw_amd.json (Zen 3). When llama.cpp's llama-bench is built
 (bench/build_llama_server.sh) it runs in the same hold on the same GGUF (`-p 512 -n 128 -t
 THREADS`) and its decode step and 512-token prefill sit beside the engine's.
 """
@@ -27,24 +27,22 @@ from pathlib import Path
 
 import torch
 
-import bench.engine_iteration as ei
+from bench.common import SMALL, machine_line, make_batch, make_executor, step_bytes
 
 
 def main() -> None:
     threads, out = int(sys.argv[1]), Path(sys.argv[2])
-    ei.DECODE_SIZES, ei.PREFILL_SIZES = [1, 32], [512]
-    ei.NUM_BLOCKS = 32 * (ei.CONTEXT // ei.BLOCK_SIZE + 1) + 512 // ei.BLOCK_SIZE
     torch.set_num_threads(threads)
-    exs = {"before": ei.make_executor("float32:float32:none:auto"),
-           "after": ei.make_executor("float32:auto:auto:auto"),
+    exs = {"before": make_executor("float32:float32:none:auto", SMALL),
+           "after": make_executor("float32:auto:auto:auto", SMALL),
            # opt-in: bf16 GEMM above the int8 threshold (not batch-invariant; worker_svc/quant.py)
-           "int8-bf16": ei.make_executor("float32:auto:int8-bf16:auto")}
-    membw = Path(sys.argv[3] if len(sys.argv) > 3 else "bench/results/membw_amd.json")
+           "int8-bf16": make_executor("float32:auto:int8-bf16:auto", SMALL)}
+    membw = Path(sys.argv[3] if len(sys.argv) > 3 else "bench/results/engine_cpu/membw_amd.json")
     bw = json.loads(membw.read_text())["results"][f"{threads}t"]["read_gb_per_s"]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     res = {}
     for s, n in [("decode", 1), ("decode", 32), ("decode_short", 32), ("decode_short", 1), ("prefill", 512)]:
-        batch = ei.make_batch(s, n)
+        batch = make_batch(s, n, SMALL)
         for ex in exs.values():
             ex.execute(batch)
         ts = {v: [] for v in exs}
@@ -54,7 +52,7 @@ def main() -> None:
                 ex.execute(batch)
                 ts[v].append(time.perf_counter() - t0)
         for v, ex in exs.items():
-            med, nbytes = statistics.median(ts[v]), ei.step_bytes(ex, s, n)
+            med, nbytes = statistics.median(ts[v]), step_bytes(ex, s, n)
             bound = nbytes / (bw * 1e9)
             res[f"{v} {s}:{n}"] = {"median_ms": round(med * 1e3, 2), "min_ms": round(min(ts[v]) * 1e3, 2),
                                    "bytes": nbytes, "bound_ms": round(bound * 1e3, 2),
@@ -65,7 +63,7 @@ def main() -> None:
     result = {"command": "python -m bench.engine_cpu_ab " + " ".join(sys.argv[1:]), "membw_file": str(membw),
               "llama_bench": llama,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": ei.machine(), "threads": threads, "membw_read_gb_per_s": bw,
+              "machine": machine_line(), "threads": threads, "membw_read_gb_per_s": bw,
               "backends": {v: ex.backend.describe() for v, ex in exs.items()},
               "loadavg_before_after": [load_before, Path("/proc/loadavg").read_text().split()[:3]],
               "results": res}
@@ -86,7 +84,9 @@ def llama_bench(threads: int) -> dict | None:
     cmd = [str(binary), "-m", str(default_gguf_path()), "-p", "512", "-n", "128", "-t", str(threads),
            "-r", "3", "-o", "json"]
     runs = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout)
-    res = {"command": " ".join(cmd)}
+    # recorded without this machine's paths: the binary under ~, the GGUF by name
+    shown = [str(binary).replace(str(Path.home()), "~", 1), "-m", default_gguf_path().name, *cmd[3:]]
+    res = {"command": " ".join(shown)}
     for r in runs:
         kind = "prefill:512" if r["n_prompt"] else "decode:1 (tg128)"
         res[kind] = {"tokens_per_s": round(r["avg_ts"], 2),

@@ -14,7 +14,7 @@ background load hits all variants alike. The KV cache holds
 zeros: attention cost depends on lengths, not on values.
 
     python -m bench.engine_iteration [--rounds 5] [--threads 1,2] [--dtypes float32,bfloat16]
-writes bench/results/engine_iteration.json and .png.
+writes bench/results/engine_cpu/engine_iteration.json and .png.
 
 --variants NAME=DTYPE:KV:WEIGHTS:ATTENTION,... replaces --dtypes with engine configurations
 (KV: kv_cache_dtype, WEIGHTS: weight_quant, ATTENTION: auto|torch), e.g. the issue-11 run
@@ -27,111 +27,40 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from shared.config import CacheConfig, WorkerConfig
-from shared.messages import Batch, SeqChunk
-from shared.sampling import SamplingParams
+from bench.common import (CONTEXT, FULL, HYBRID_DECODES, SHORT_CONTEXT, SMALL, Layout, machine_line, make_batch,
+                          make_executor, step_bytes)
 from worker_svc.executor import Executor
 
-CONTEXT = 1024                       # tokens already cached per decode
-SHORT_CONTEXT = 128                  # a second decode series isolates the linear layers' cost
 DECODE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 PREFILL_SIZES = [1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048]
 HYBRID_SIZES = [16, 32, 64, 128, 256, 512, 1024]
-HYBRID_DECODES = 32
-BLOCK_SIZE = 16
-GREEDY = SamplingParams(temperature=0.0)
 TARGETS = {"decode_b1_s": 0.040, "decode_b32_tok_per_s": 500.0, "prefill_512_s": 0.3}
+PROFILE_CASES = [("decode", 1), ("decode", 32), ("decode_short", 32), ("prefill", 512)]
 
 
-def decode_tables() -> list[list[int]]:
-    per_seq = CONTEXT // BLOCK_SIZE + 1
-    return [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(max(DECODE_SIZES))]
+def cases(decode_sizes=DECODE_SIZES, prefill_sizes=PREFILL_SIZES, hybrid_sizes=HYBRID_SIZES
+          ) -> list[tuple[str, int]]:
+    return ([("decode", b) for b in decode_sizes] + [("decode_short", b) for b in decode_sizes]
+            + [("prefill", n) for n in prefill_sizes]
+            + [("hybrid", n) for n in hybrid_sizes])
 
 
-def chunk_table() -> list[int]:
-    first = max(DECODE_SIZES) * (CONTEXT // BLOCK_SIZE + 1)
-    return list(range(first, first + max(PREFILL_SIZES) // BLOCK_SIZE))
-
-
-NUM_BLOCKS = max(DECODE_SIZES) * (CONTEXT // BLOCK_SIZE + 1) + max(PREFILL_SIZES) // BLOCK_SIZE
-
-
-def make_batch(series: str, size: int) -> Batch:
-    decodes = [SeqChunk(f"d{i}", [100 + i], CONTEXT, t, True, GREEDY, 1)
-               for i, t in enumerate(decode_tables())]
-    if series == "decode":
-        return Batch(0, decodes[:size])
-    if series == "decode_short":
-        return Batch(0, [SeqChunk(d.req_id, d.token_ids, SHORT_CONTEXT, d.block_table, True, GREEDY, 1)
-                         for d in decodes[:size]])
-    prefill = SeqChunk("p", [200] * size, 0, chunk_table(), True, GREEDY)
-    if series == "prefill":
-        return Batch(0, [prefill])
-    return Batch(0, decodes[:HYBRID_DECODES] + [prefill])
-
-
-def cases() -> list[tuple[str, int]]:
-    return ([("decode", b) for b in DECODE_SIZES] + [("decode_short", b) for b in DECODE_SIZES]
-            + [("prefill", n) for n in PREFILL_SIZES]
-            + [("hybrid", n) for n in HYBRID_SIZES])
-
-
-def make_executor(spec: str) -> Executor:
-    """DTYPE[:KV[:WEIGHTS[:ATTENTION]]] -> an executor with the benchmark's cache."""
-    dtype, kv, wq, attn = (spec.split(":") + ["auto", "auto", "auto"])[:4]
-    if kv == "auto" and ":" not in spec:
-        kv = dtype                        # --dtypes runs: the KV cache in the compute dtype, as before
-    ex = Executor(WorkerConfig(dtype=dtype, kv_cache_dtype=kv, weight_quant=wq if ":" in spec else "none",
-                               cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS)))
-    if attn == "torch":                   # the torch decode path (SARATHI_NATIVE_ATTENTION=0)
-        from worker_svc.attention import TorchAttention
-        ex.backend.attention = TorchAttention()
-        for layer in ex.model.layers:
-            layer.attention = ex.backend.attention
-    return ex
-
-
-def step_bytes(ex: Executor, series: str, size: int) -> int:
-    """Bytes one step must read at least: every linear weight once (int8 + scales when the
-    variant's int8 path runs at this token count, else the dense weight it multiplies), the LM head for the
-    sampled rows, and the K and V of every cached token attended over."""
-    batch = make_batch(series, size)
-    T = batch.num_tokens
-    method = ex.backend.linear
-    from worker_svc.model.linear import ReplicatedLinear
-
-    weights = 0
-    for m in ex.model.modules():
-        if hasattr(m, "method") and hasattr(m, "weight"):
-            n, k = m.weight.shape
-            rows = sum(s.sample for s in batch.seqs) if isinstance(m, ReplicatedLinear) else T
-            int8 = hasattr(m, "qweight") and rows <= getattr(method, "max_tokens", -1)
-            dense = m.weight_large if hasattr(m, "weight_large") else m.weight   # bf16 copy for large T
-            weights += n * k + 4 * n if int8 else n * k * dense.element_size()
-    cfg = ex.model_cfg
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * ex.cache.k[0].element_size()
-    kv = sum(s.start_pos + len(s.token_ids) for s in batch.seqs) * per_token
-    return weights + kv
-
-
-def measure(executors: dict[str, Executor], threads: list[int], rounds: int) -> tuple[dict, dict]:
+def measure(executors: dict[str, Executor], threads: list[int], rounds: int,
+            case_list: list[tuple[str, int]], layout: Layout) -> tuple[dict, dict]:
     """(wall, cpu): variant ("float32/2t") -> "series:size" -> seconds per round. cpu is the
     process CPU time of the iteration: with 1 thread it is what the run costs without being
     descheduled by other load (spinning OpenMP threads inflate it with 2)."""
     variants = {f"{d}/{t}t": (ex, t) for d, ex in executors.items() for t in threads}
-    wall = {v: {f"{s}:{n}": [] for s, n in cases()} for v in variants}
-    cpu = {v: {f"{s}:{n}": [] for s, n in cases()} for v in variants}
-    batches = {(s, n): make_batch(s, n) for s, n in cases()}
+    wall = {v: {f"{s}:{n}": [] for s, n in case_list} for v in variants}
+    cpu = {v: {f"{s}:{n}": [] for s, n in case_list} for v in variants}
+    batches = {(s, n): make_batch(s, n, layout) for s, n in case_list}
     for ex in executors.values():                  # warm-up: first-touch of the cache pages
         for key in batches:
             ex.execute(batches[key])
@@ -170,15 +99,6 @@ def against_targets(summary: dict) -> dict:
                     f"decode_b32_ctx{SHORT_CONTEXT}_tok_per_s": at(v, "decode_short", 32)["tokens_per_s"],
                     "prefill_512_s": at(v, "prefill", 512)["median_s"]} for v in summary}
     return {"targets": TARGETS, "measured": measured}
-
-
-def machine() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name"))
-    except Exception:
-        model = platform.processor()
-    return f"{model}, {os.cpu_count()} CPUs, {platform.platform()}"
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -238,21 +158,18 @@ def plot_bounds(summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-PROFILE_CASES = [("decode", 1), ("decode", 32), ("decode_short", 32), ("prefill", 512)]
-
-
-def profile(executors: dict[str, Executor], threads: int, path: Path) -> None:
+def profile(executors: dict[str, Executor], threads: int, path: Path, layout: Layout) -> None:
     """torch.profiler tables (ops by self CPU time) of the cases the targets are about."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     torch.set_num_threads(threads)
-    parts = [f"# python -m bench.engine_iteration --profile --threads {threads}  ({machine()}, "
+    parts = [f"# python -m bench.engine_iteration --profile --threads {threads}  ({machine_line()}, "
              f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, "
              f"loadavg {Path('/proc/loadavg').read_text().split()[:3]})\n"
              "# self CPU time is wall time of each op on this thread: other load inflates it\n"]
     for dtype, ex in executors.items():
         for series, size in PROFILE_CASES:
-            batch = make_batch(series, size)
+            batch = make_batch(series, size, layout)
             ex.execute(batch)
             with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(3):
@@ -267,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", default="1,2", help="torch thread counts to compare, e.g. 1,2")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--out", default="bench/results/engine_iteration")
+    ap.add_argument("--out", default="bench/results/engine_cpu/engine_iteration")
     ap.add_argument("--note", default="", help="free text stored with the results (e.g. machine load)")
     ap.add_argument("--targets-only", action="store_true",
                     help="only the cases the issue's targets name (quick run in a quiet moment)")
@@ -276,25 +193,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="instead of the sweep, write torch.profiler tables to <out>_profile.txt")
     args = ap.parse_args(argv)
-    if args.targets_only:
-        global DECODE_SIZES, PREFILL_SIZES, HYBRID_SIZES, NUM_BLOCKS
-        DECODE_SIZES, PREFILL_SIZES, HYBRID_SIZES = [1, 32], [512], [512]
-        # a cache for 32 sequences, not 128: 1.6 GB of fp32 KV per executor instead of 6.2 GB
-        NUM_BLOCKS = max(DECODE_SIZES) * (CONTEXT // BLOCK_SIZE + 1) + max(PREFILL_SIZES) // BLOCK_SIZE
+    if args.targets_only:   # a cache for 32 sequences, not 128: 1.6 GB of fp32 KV per executor, not 6.2 GB
+        case_list, layout = cases([1, 32], [512], [512]), SMALL
+    else:
+        case_list, layout = cases(), FULL
     if args.variants:
-        executors = {name: make_executor(spec) for name, spec in
+        executors = {name: make_executor(spec, layout) for name, spec in
                      (v.split("=", 1) for v in args.variants.split(","))}
     else:
-        executors = {d: make_executor(d) for d in args.dtypes.split(",")}
+        executors = {d: make_executor(d, layout) for d in args.dtypes.split(",")}
     for name, ex in executors.items():
         print(f"{name}: {ex.backend.describe()}", file=sys.stderr)
     if args.profile:
         threads = int(args.threads.split(",")[-1])
-        profile(executors, threads, Path(f"{args.out}_profile_{threads}t.txt"))
+        profile(executors, threads, Path(f"{args.out}_profile_{threads}t.txt"), layout)
         return
     threads = [int(t) for t in args.threads.split(",")]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
-    summary = summarize(*measure(executors, threads, args.rounds))
+    summary = summarize(*measure(executors, threads, args.rounds, case_list, layout))
     if args.membw:
         bw = json.loads(Path(args.membw).read_text())["results"]
         for variant, by_series in summary.items():
@@ -308,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "command": "python -m bench.engine_iteration " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(), "torch": torch.__version__, "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+        "machine": machine_line(), "torch": torch.__version__, "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
         "loadavg_before_after": [load_before, Path("/proc/loadavg").read_text().split()[:3]],
         "note": args.note, "rounds": args.rounds, "context_tokens": CONTEXT,
         "backends": {name: ex.backend.describe() for name, ex in executors.items()},

@@ -1,7 +1,7 @@
 """Where a CPU engine step's time goes: torch.profiler over Executor.execute on the issue-11
 cases (decode batch 1 and 32 at 1k context), the CPU defaults (int8 weights, bf16 KV).
 
-    python -m bench.engine_profile [--threads 2] [--reps 10] [--out bench/results/engine_profile_amd]
+    python -m bench.engine_profile [--threads 2] [--reps 10] [--out bench/results/engine_cpu/engine_profile_amd]
 
 Writes OUT.json (per case: wall ms per step, and the ops by self CPU time per step) and OUT.txt
 (torch's own table). Self CPU time per op includes the op's Python-side dispatch, so the sum
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import bench.engine_iteration as ei
+from bench.common import SMALL, machine_line, make_batch, make_executor
 
 
 def main() -> None:
@@ -27,16 +27,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--variant", default="float32:auto:auto:auto")
     ap.add_argument("--cases", default="decode:1,decode:32")
-    ap.add_argument("--out", default="bench/results/engine_profile")
+    ap.add_argument("--out", default="bench/results/engine_cpu/engine_profile")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]
-    ei.DECODE_SIZES, ei.PREFILL_SIZES = [1, 32], [512]
-    ei.NUM_BLOCKS = 32 * (ei.CONTEXT // ei.BLOCK_SIZE + 1) + 512 // ei.BLOCK_SIZE
-    ex = ei.make_executor(args.variant)
+    ex = make_executor(args.variant, SMALL)
     out, text = {}, []
     for series, n in cases:
-        batch = ei.make_batch(series, n)
+        batch = make_batch(series, n, SMALL)
         for _ in range(3):
             ex.execute(batch)
         t0 = time.perf_counter()
@@ -59,7 +57,7 @@ def main() -> None:
     res = {"command": "python -m bench.engine_profile " + " ".join(
                f"--{k} {v}" for k, v in vars(args).items()),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": ei.machine(), "backend": ex.backend.describe(),
+           "machine": machine_line(), "backend": ex.backend.describe(),
            "loadavg": Path("/proc/loadavg").read_text().split()[:3], "cases": out}
     Path(args.out).with_suffix(".json").write_text(json.dumps(res, indent=1))
     Path(args.out).with_suffix(".txt").write_text("".join(text))

@@ -1,9 +1,9 @@
 """One command on a CUDA machine: install FlashInfer if missing, run the GPU tests, run the GPU
-benchmark, and leave the results to commit in bench/results/.
+benchmark, and leave the results to commit in bench/results/gpu/.
 
     python -m bench.gpu_check [--flashinfer PATH.tar.gz|PATH.whl] [--rounds 5] [--dry-run]
 
-Steps (each a subprocess from the repository root; output also saved under bench/results/):
+Steps (each a subprocess from the repository root; output also saved under bench/results/gpu/):
 1. environment: GPU, driver, CUDA, torch, Python -> gpu_check_env.txt;
 2. FlashInfer: kept if it imports; else installed from --flashinfer (a local sdist or wheel, the
    recipe of ../shared/GPU.md for a machine without a package index: pip --no-index --no-deps
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "bench" / "results" / "gpu"
 DEPS = ROOT / ".gpu_deps"          # where a local FlashInfer sdist/wheel is installed (git-ignored)
 
 ENV_SCRIPT = ("import platform, torch, subprocess; print('python', platform.python_version()); "
@@ -71,12 +71,12 @@ def plan(args: argparse.Namespace, have_flashinfer: bool, python: str = sys.exec
     if not args.skip_bench:
         steps.append(("benchmark: FlashInfer + CUDA graphs", [
             python, "-m", "bench.gpu_engine_iteration", "--rounds", str(args.rounds),
-            "--out", "bench/results/gpu_engine_iteration"], RESULTS / "gpu_engine_iteration.log"))
+            "--out", "bench/results/gpu/gpu_engine_iteration"], RESULTS / "gpu_engine_iteration.log"))
         if not args.no_baseline:
             steps.append(("benchmark: torch attention path, no graphs (before)", [
                 python, "-m", "bench.gpu_engine_iteration", "--rounds", str(args.rounds),
                 "--attention", "torch", "--no-cuda-graphs", "--no-profile",
-                "--out", "bench/results/gpu_engine_iteration_torch"], RESULTS / "gpu_engine_iteration_torch.log"))
+                "--out", "bench/results/gpu/gpu_engine_iteration_torch"], RESULTS / "gpu_engine_iteration_torch.log"))
     return steps
 
 

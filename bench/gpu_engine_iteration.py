@@ -10,7 +10,7 @@ of the same executor: CUDA graphs on (decode-only batches replay a graph) and of
 Bounds (GPU.md): a step reads the weights (and the batch's KV) once at ~3.0 TB/s; a prefill
 does 2 x params x tokens FLOPs (+ attention) at ~650 TFLOP/s.
 
-    python -m bench.gpu_engine_iteration [--rounds 5] [--out bench/results/gpu_engine_iteration]
+    python -m bench.gpu_engine_iteration [--rounds 5] [--out bench/results/gpu/gpu_engine_iteration]
 writes <out>.json, <out>.png, <out>_profile.txt (torch.profiler, CUDA time by kernel).
 `--tiny --device cpu` runs the same code on a tiny model (what the CPU test checks).
 """
@@ -251,7 +251,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--attention", default="auto", help="auto, flashinfer or torch (the old path)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--tiny", action="store_true", help="a tiny model (smoke test; CPU works)")
-    ap.add_argument("--out", default="bench/results/gpu_engine_iteration")
+    ap.add_argument("--out", default="bench/results/gpu/gpu_engine_iteration")
     ap.add_argument("--no-profile", action="store_true")
     return ap.parse_args(argv)
 

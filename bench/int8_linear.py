@@ -15,7 +15,7 @@ The thresholds: the largest T up to which int8-native beats each dense variant a
 Each round runs every (T, variant) once, variants of a T back to back; medians are reported.
 
     python -m bench.int8_linear [--rounds 5] [--threads 2] [--variants float32,int8-native,int8-torch,bfloat16]
-                                [--sizes 1,2,4,...] [--out bench/results/int8_linear_amd]
+                                [--sizes 1,2,4,...] [--out bench/results/kernels/int8_linear_amd]
 """
 from __future__ import annotations
 
@@ -30,27 +30,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.engine_iteration import machine
+from bench.common import HIDDEN, INTER, layer_shapes, machine_line
 from worker_svc import native
 from worker_svc.quant import quantize_int8
 
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
 SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128]
 TORCH_INT8_SIZES = [1, 4, 16]
-
-
-def layer_shapes() -> list[tuple[int, int]]:
-    """(out, in) of every linear layer of one step, in execution order."""
-    qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    per_layer = [(qkv, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
-    return per_layer * LAYERS + [(VOCAB, HIDDEN)]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="bench/results/int8_linear_amd")
+    ap.add_argument("--out", default="bench/results/kernels/int8_linear_amd")
     ap.add_argument("--variants", default="float32,int8-native,int8-torch,bfloat16")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     args = ap.parse_args(argv)
@@ -115,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "command": "python -m bench.int8_linear " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(), "torch": torch.__version__, "threads": args.threads,
+        "machine": machine_line(), "torch": torch.__version__, "threads": args.threads,
         "int8_kernel_isa": native.int8_isa(),
         "loadavg_before_after": [load_before, Path("/proc/loadavg").read_text().split()[:3]],
         "weights_fp32_mb": round(fp32_bytes / 1e6, 1), "weights_int8_mb": round(int8_bytes / 1e6, 1),

@@ -3,7 +3,7 @@ PREFETCH_HINT), A/B in one run: each variant is the same source built with other
 timed over all linear layers of one SmolLM2-135M step (163 MB of int8 weights, more than the
 L3), variants interleaved per round, medians of --rounds.
 
-    python -m bench.int8_prefetch [--threads 2] [--sizes 1,2,8] [--rounds 7] [--out bench/results/int8_prefetch_zen4]
+    python -m bench.int8_prefetch [--threads 2] [--sizes 1,2,8] [--rounds 7] [--out bench/results/kernels/int8_prefetch_zen4]
 """
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine_iteration import machine
-from bench.int8_linear import layer_shapes
+from bench.common import layer_shapes, machine_line
 
 SOURCE = Path(__file__).resolve().parent.parent / "worker_svc" / "csrc" / "int8_linear.c"
 VARIANTS = {
@@ -37,7 +36,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sizes", default="1,2,8")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--out", default="bench/results/int8_prefetch_zen4")
+    ap.add_argument("--out", default="bench/results/kernels/int8_prefetch_zen4")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="int8_prefetch_"))
@@ -73,7 +72,7 @@ def main() -> None:
             print(f"T={T} {name:16s} {med * 1e3:7.2f} ms {nbytes / med / 1e9:5.1f} GB/s", flush=True)
     result = {"command": "python -m bench.int8_prefetch " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "threads": args.threads, "variants": VARIANTS,
+              "machine": machine_line(), "threads": args.threads, "variants": VARIANTS,
               "loadavg": Path("/proc/loadavg").read_text().split()[:3], "results": rows}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))

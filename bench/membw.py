@@ -5,7 +5,7 @@ Read test: torch.sum over a float32 array much larger than the last-level cache 
 once per pass; torch's reduction is vectorised and split over the threads). Also a copy test
 (read + write, counted as 2x the array bytes, as STREAM does). Median of the passes.
 
-    python -m bench.membw [--mb 1024] [--passes 7] [--threads 1,2] [--out bench/results/membw_amd.json]
+    python -m bench.membw [--mb 1024] [--passes 7] [--threads 1,2] [--out bench/results/engine_cpu/membw_amd.json]
 """
 from __future__ import annotations
 
@@ -47,13 +47,13 @@ def copy_gb_per_s(mb: int, passes: int, threads: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from bench.engine_iteration import machine
+    from bench.common import machine_line
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=1024, help="array size (MB); >> the L3 cache")
     ap.add_argument("--passes", type=int, default=7)
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--out", default="bench/results/membw_amd.json")
+    ap.add_argument("--out", default="bench/results/engine_cpu/membw_amd.json")
     args = ap.parse_args(argv)
     results = {}
     for t in (int(s) for s in args.threads.split(",")):
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
               file=sys.stderr)
     out = {"command": "python -m bench.membw " + " ".join(sys.argv[1:] if argv is None else argv),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": machine(), "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+           "machine": machine_line(), "loadavg": Path("/proc/loadavg").read_text().split()[:3],
            "array_mb": args.mb, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

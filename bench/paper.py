@@ -25,10 +25,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.costmodel import CostModel, aggregates, fit_aggregates
-from bench.env import machine
-from bench.metrics import json_safe
-from bench.profile import cases
+from bench.common import machine
+from sarathi.measure.costmodel import CostModel, aggregates, fit_aggregates
+from sarathi.measure.metrics import json_safe
+from sarathi.measure.profile import cases
 
 OUT = Path("bench/results/paper")
 SCALE = "0.125"

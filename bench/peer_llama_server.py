@@ -7,14 +7,14 @@ once per (SLO, condition) binary search:
 
 * strict / relaxed: P99 TBT <= the profile's SLO (unfinished requests are misses);
 * "+ TTFT": additionally P50 TTFT <= 2 s (over HTTP scheduling delay is not observable, so
-  bench.metrics.meets_slo skips that condition; the TTFT bound is its client-side stand-in).
+  sarathi.measure.metrics.meets_slo skips that condition; the TTFT bound is its client-side stand-in).
 
 capacity_from_points: the highest probed QPS at which this and every lower probed QPS pass
 (a lower bound of the threshold, assuming pass/fail is monotone), with the bracket
 [that QPS, the first failing QPS above it]. The true capacity lies in the bracket.
 
     python -m bench.peer_llama_server --sarathi-strict S.json [--sarathi-relaxed R.json] \
-        --llama L.json --out bench/results/paper/peer_llama_server
+        --llama L.json --out bench/results/peer/peer_llama_server
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import json
 import sys
 from pathlib import Path
 
-from bench.env import machine
-from bench.metrics import json_safe, meets_slo
+from bench.common import machine
+from sarathi.measure.metrics import json_safe, meets_slo
 
 TTFT_P50_S = 2.0
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sarathi-relaxed", help="the same with the relaxed plan's tau (default: --sarathi-strict)")
     p.add_argument("--llama", required=True, help="`sarathi bench --url` result, llama-server")
     p.add_argument("--profile", default="bench/results/paper/profile.json", help="SLOs from this profile")
-    p.add_argument("--out", default="bench/results/paper/peer_llama_server")
+    p.add_argument("--out", default="bench/results/peer/peer_llama_server")
     a = p.parse_args(argv)
     slos = {k: json.loads(Path(a.profile).read_text())["slo"][f"{k}_s"] for k in ("strict", "relaxed")}
     s_strict = _load(a.sarathi_strict)

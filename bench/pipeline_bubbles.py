@@ -13,7 +13,7 @@ variance per policy (what makes bubbles: a stage waits whenever its neighbour's 
 longer than its own) and a per-stage timeline (the shape of the SARATHI paper's Figure 8).
 
     python -m bench.pipeline_bubbles --policies sarathi [--requests 48 --qps 4 --scale 8]
-        [--out bench/results/pipeline_bubbles]   # one JSON per policy; --plot merges them
+        [--out bench/results/bubbles/pipeline_bubbles]   # one JSON per policy; --plot merges them
 
 Run under the exclusive CPU lock; one policy per invocation keeps each under a few minutes.
 """
@@ -24,7 +24,6 @@ import csv
 import datetime
 import json
 import os
-import platform
 import random
 import shlex
 import statistics
@@ -34,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import machine
+from sarathi.measure.trace import DEFAULT_TRACE
 from scheduler_svc.pipeline import PipelinedLoop
 from scheduler_svc.remote_executor import RemoteExecutor
 from scheduler_svc.scheduler import Scheduler
@@ -41,7 +42,6 @@ from shared.config import CacheConfig, SchedulerConfig
 from shared.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACE = Path("/work/shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
 
 
 def workload(n: int, scale: float, qps: float, seed: int, max_len: int, trace: Path):
@@ -150,14 +150,6 @@ def _dist(xs: list[float]) -> dict:
             "max": ms[-1], "std": statistics.pstdev(ms)}
 
 
-def machine() -> dict:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")), "?")
-    flags = next((l for l in lscpu.splitlines() if l.startswith("Flags")), "")
-    return {"cpu": model, "cpus": os.cpu_count(), "platform": platform.platform(),
-            "isa": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]}
-
-
 def plot(results: dict[str, dict], path: Path, window_s: float = 12.0) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -202,6 +194,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--qps", type=float, default=4.0, help="Poisson arrival rate (requests/s)")
     ap.add_argument("--scale", type=float, default=8.0, help="divide the trace's lengths by this")
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
+                    help="CSV of request lengths (default: the ShareGPT-4 length trace of sarathi.measure)")
     ap.add_argument("--token-budget", type=int, default=256, help="tau (sarathi)")
     ap.add_argument("--max-batched-tokens", type=int, default=2048, help="vllm / orca batch cap")
     ap.add_argument("--max-num-seqs", type=int, default=32)
@@ -211,7 +205,7 @@ def main() -> None:
     ap.add_argument("--pp-layers", default="", help="layers per stage, e.g. 16,14 (default: balanced)")
     ap.add_argument("--tag", default="", help="suffix of the per-policy JSON names")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="bench/results/pipeline_bubbles")
+    ap.add_argument("--out", default="bench/results/bubbles/pipeline_bubbles")
     ap.add_argument("--plot", action="store_true", help="merge the per-policy JSONs into one JSON + PNG")
     args = ap.parse_args()
     out = Path(args.out)
@@ -227,7 +221,7 @@ def main() -> None:
         out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
         print(json.dumps({p: (s["bubble_fraction"], s["iteration_time_cv"]) for p, s in summary.items()}))
         return
-    reqs = workload(args.requests, args.scale, args.qps, args.seed, 2048, TRACE)
+    reqs = workload(args.requests, args.scale, args.qps, args.seed, 2048, args.trace)
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "replica.log"
         proc, remote = start_replica(tmp, args.pp, args.num_blocks, args.model, log, args.pp_layers)

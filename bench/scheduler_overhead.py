@@ -6,7 +6,7 @@ torch-free SimExecutor, then times schedule() (and, separately, update()) over `
 decode iterations in which nobody finishes. Goal: median under 1 ms at 256 running.
 
     python -m bench.scheduler_overhead [--sizes 32 256 1024] [--policies sarathi ...]
-        [--iters 300] [--prompt-len 512] [--gc-off] [--out bench/results/scheduler_overhead.json]
+        [--iters 300] [--prompt-len 512] [--gc-off] [--out bench/results/scheduler/scheduler_overhead.json]
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench.common import machine_line
 from scheduler_svc.sim_executor import sim_engine
 from shared.sampling import SamplingParams
 
@@ -84,15 +84,6 @@ def measure(policy: str, n: int, prompt_len: int, iters: int, gc_off: bool = Fal
             "update_median_ms": ms(update_s, 0.5), "update_p99_ms": ms(update_s, 0.99)}
 
 
-def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        name = next(l.split(":", 1)[1].strip() for l in out.splitlines() if "Model name" in l)
-    except Exception:
-        name = platform.processor() or "unknown"
-    return f"{name}, {subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores"
-
-
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -119,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", nargs="+", default=["sarathi"])
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--out", type=Path, default=Path("bench/results/scheduler_overhead.json"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results/scheduler/scheduler_overhead.json"))
     ap.add_argument("--gc-off", action="store_true", help="disable the cyclic GC while timing")
     ap.add_argument("--note", default="")
     a = ap.parse_args(argv)
@@ -131,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(results[-1]), flush=True)
     report = {"command": shlex.join(["python", "-m", "bench.scheduler_overhead",
                                       *(argv or sys.argv[1:])]),
-              "machine": machine(), "python": platform.python_version(),
+              "machine": machine_line(), "python": platform.python_version(),
               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "load_avg_1min_before_after": [load_before, os.getloadavg()[0]],
               "prompt_len": a.prompt_len, "note": a.note, "results": results}

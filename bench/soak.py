@@ -12,7 +12,7 @@ holds no request entries (stream empty, nothing pending).
 
     python -m bench.soak [--minutes 30] [--qps 1.0 | auto] [--redis-url URL] [--label NAME]
 
-Writes bench/results/soak[_LABEL].json and .png. Use about 80% of the capacity measured for the
+Writes bench/results/soak/soak[_LABEL].json and .png. Use about 80% of the capacity measured for the
 same server options (an overloaded server's queue grows without bound, which is not a leak):
 `--qps auto` measures it first on the same server (find_capacity) and soaks at --capacity-fraction.
 """
@@ -23,7 +23,6 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import random
 import re
 import shlex
@@ -36,6 +35,8 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+
+from bench.common import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("river stone cloud lamp orange window garden silver engine paper music forest train "
@@ -185,16 +186,6 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.5)
 
 
-def machine() -> dict:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = re.search(r"Model name:\s*(.+)", lscpu)
-    flags = re.search(r"Flags:\s*(.+)", lscpu)
-    fl = set(flags.group(1).split()) if flags else set()
-    return {"cpu": model.group(1).strip() if model else platform.processor(), "cpus": os.cpu_count(),
-            "avx2": "avx2" in fl, "avx512f": "avx512f" in fl, "amx": any(f.startswith("amx") for f in fl),
-            "loadavg_start": os.getloadavg()}
-
-
 def window_mean(samples: list[dict], key: str, t0: float, t1: float) -> float:
     xs = [s[key] for s in samples if t0 <= s["t"] < t1]
     return sum(xs) / len(xs) if xs else float("nan")
@@ -313,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--label", default="", help="suffix of the result files (e.g. short_validation)")
-    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out-dir", default="bench/results/soak")
     args = ap.parse_args(argv)
     if args.qps != "auto":
         args.qps = float(args.qps)
@@ -430,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "server_command": "sarathi serve (env: " + ", ".join(f"{k}={env[k]}" for k in sorted(env)
                                                           if k.startswith("SARATHI_")) + ")",
         "date_utc": started.isoformat(timespec="seconds"), "machine": machine_info,
-        "loadavg_end": os.getloadavg(), "server_log": str(log_path), "minutes": args.minutes, "qps": args.qps,
+        "loadavg_end": os.getloadavg(), "server_log": log_path.name, "minutes": args.minutes, "qps": args.qps,
         "args": vars(args), "counts": load.counts, "error_samples": load.errors,
         "completion_tokens_completed": load.tokens,
         "kv_total_blocks": final["kv_total_blocks"], "kv_free_blocks_after": final["kv_free_blocks"],

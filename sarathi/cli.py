@@ -146,7 +146,7 @@ def _executor_args(p: argparse.ArgumentParser) -> None:
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
-    _add(p, "trace", None, "CSV of request lengths (default: the ShareGPT-4 length trace shipped in bench/data)")
+    _add(p, "trace", None, "CSV of request lengths (default: the ShareGPT-4 length trace shipped in sarathi/measure/data)")
     _add(p, "prompt-column", "num_prefill_tokens", "trace column of prompt lengths (tokens)")
     _add(p, "output-column", "num_decode_tokens", "trace column of output lengths (tokens)")
     _add(p, "length-scale", 1.0, "multiply every trace length by this (e.g. 0.125 on a CPU)")

@@ -10,7 +10,7 @@ from shared.sampling import SamplingParams
 
 
 def _tau(a: argparse.Namespace) -> int:
-    from bench.plan import resolve_token_budget
+    from shared.config import resolve_token_budget
 
     return resolve_token_budget(a.token_budget)
 
@@ -143,13 +143,13 @@ def _read_profile(path: str) -> dict:
 
 def _target(a: argparse.Namespace):
     """Where bench / capacity runs go: --url, a simulated worker, or the real engine here."""
-    from bench.tools import Target
+    from sarathi.measure.tools import Target
 
     if a.url:
         return Target("http", url=a.url, api_key=a.api_key, served_model=a.served_model,
                       vocab_size=a.vocab_size)
     if a.executor == "sim":
-        from bench.tools import sim_target
+        from sarathi.measure.tools import sim_target
         from shared.config import DEFAULT_CPU_BLOCKS
 
         return sim_target(_read_profile(a.profile) if a.profile else None,
@@ -177,8 +177,8 @@ def _target(a: argparse.Namespace):
 
 
 def _workload(a: argparse.Namespace, max_total_len: int):
-    from bench.tools import Workload
-    from bench.trace import load_trace
+    from sarathi.measure.tools import Workload
+    from sarathi.measure.trace import load_trace
 
     trace = load_trace(a.trace, prompt_column=a.prompt_column, output_column=a.output_column,
                        length_scale=a.length_scale, max_total_len=max_total_len)
@@ -212,14 +212,14 @@ def _qps_list(raw: str) -> list[float]:
 
 
 def _report(kind: str, result: dict, out: str | None, default: str) -> None:
-    from bench.tools import PLOTS, write_result
+    from sarathi.measure.tools import PLOTS, write_result
 
     paths = write_result(out or default, result, PLOTS[kind])
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
 
 
 def _header(a: argparse.Namespace, target, w=None) -> dict:
-    from bench.env import command_line, machine
+    from sarathi.measure.env import command_line, machine
 
     h = {"command": command_line(), "machine": machine(), "target": target.kind}
     if target.kind == "http":
@@ -241,7 +241,7 @@ def _prepare(a: argparse.Namespace):
 
 
 def bench(a: argparse.Namespace) -> int:
-    from bench.tools import run_once
+    from sarathi.measure.tools import run_once
 
     qps = _qps_list(a.qps)
     slo, tau, target, w, result = _prepare(a)
@@ -259,7 +259,7 @@ def bench(a: argparse.Namespace) -> int:
 
 
 def capacity(a: argparse.Namespace) -> int:
-    from bench.tools import capacity as search
+    from sarathi.measure.tools import capacity as search
 
     if _slo(a) is None:
         raise ValueError("capacity needs a TBT SLO: --tbt-slo SECONDS, or --slo strict|relaxed with --profile")
@@ -277,8 +277,8 @@ def capacity(a: argparse.Namespace) -> int:
 def profile(a: argparse.Namespace) -> int:
     import time
 
-    from bench.env import command_line, machine
-    from bench.profile import blocks_needed, cases, run_profile
+    from sarathi.measure.env import command_line, machine
+    from sarathi.measure.profile import blocks_needed, cases, run_profile
 
     if not a.length_scale > 0:
         raise ValueError(f"--length-scale must be > 0, got {a.length_scale}")
@@ -320,9 +320,9 @@ def profile(a: argparse.Namespace) -> int:
 def plan(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from bench.env import command_line, machine
-    from bench.plan import plan_token_budget
-    from bench.profile import load_cost_model
+    from sarathi.measure.env import command_line, machine
+    from sarathi.measure.plan import plan_token_budget
+    from sarathi.measure.profile import load_cost_model
 
     prof = _read_profile(a.profile)
     slo = _slo(a)
@@ -330,7 +330,7 @@ def plan(a: argparse.Namespace) -> int:
         raise ValueError("plan needs a TBT SLO: --tbt-slo SECONDS or --slo strict|relaxed")
     mean_out = None
     if a.qps:
-        from bench.trace import load_trace
+        from sarathi.measure.trace import load_trace
 
         t = load_trace(a.trace, output_column=a.output_column, length_scale=a.length_scale)
         mean_out = sum(t.output_lens) / len(t)

@@ -88,7 +88,7 @@ class SchedulerService:
         """Replay this consumer's pending requests, then loop until `stop` is set. Requests still
         unfinished at the stop are not acked: the next start replays them."""
         # Start-up objects live forever: move them out of the GC's sight, so cyclic collections
-        # stay short (bench/results/scheduler_overhead.md: p99 at 1024 running 52 -> 8 ms).
+        # stay short (bench/results/scheduler/scheduler_overhead.md: p99 at 1024 running 52 -> 8 ms).
         gc.freeze()
         self._admit(self.queue.replay_pending())
         self._last_replay = time.monotonic()

@@ -1,7 +1,9 @@
 """Configuration shared by more than one service. Units are at each field. Torch-free."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 POLICIES = ("sarathi", "vllm", "orca", "faster_transformer", "hybrid_only", "chunked_only")
 
@@ -50,6 +52,36 @@ class SchedulerConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.token_budget < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("token_budget, max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+DEFAULT_PLAN_FILE = "sarathi-plan.json"    # what `sarathi plan` writes and `--token-budget auto` reads
+
+
+def read_plan(path: str | Path) -> int:
+    """tau (tokens per iteration) from a plan file written by `sarathi plan`."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"plan file not found: {p} (write one with `sarathi plan`)")
+    try:
+        tau = int(json.loads(p.read_text())["token_budget"])
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{p} is not a plan file (no integer token_budget)") from None
+    if tau < 1:
+        raise ValueError(f"{p}: token_budget must be >= 1, got {tau}")
+    return tau
+
+
+def resolve_token_budget(value: str | int) -> int:
+    """--token-budget: an integer, `auto` (the plan file ./sarathi-plan.json), or a plan file."""
+    if isinstance(value, int):
+        return value
+    v = str(value).strip()
+    if v == "auto":
+        return read_plan(DEFAULT_PLAN_FILE)
+    try:
+        return int(v)
+    except ValueError:
+        return read_plan(v)
 
 
 @dataclass

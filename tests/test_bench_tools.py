@@ -1,4 +1,4 @@
-"""The measurement tools (bench/, `sarathi bench|profile|capacity|plan`), on the simulated
+"""The measurement tools (sarathi.measure, `sarathi bench|profile|capacity|plan`), on the simulated
 executor with synthetic cost models: fast, deterministic, and with answers known in advance."""
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ import math
 import numpy as np
 import pytest
 
-from bench.capacity import search_capacity
-from bench.costmodel import CostModel, fit
-from bench.loadgen import arrival_times, make_workload, run_inprocess
-from bench.metrics import INF, RequestRecord, meets_slo, percentile, summarize
-from bench.plan import plan_token_budget, resolve_token_budget
-from bench.tools import Target, Workload, capacity, run_once
-from bench.trace import DEFAULT_TRACE, Trace, load_trace
 from sarathi.cli import main
+from sarathi.measure.capacity import search_capacity
+from sarathi.measure.costmodel import CostModel, fit
+from sarathi.measure.loadgen import arrival_times, make_workload, run_inprocess
+from sarathi.measure.metrics import INF, RequestRecord, meets_slo, percentile, summarize
+from sarathi.measure.plan import plan_token_budget
+from sarathi.measure.tools import Target, Workload, capacity, run_once
+from sarathi.measure.trace import DEFAULT_TRACE, Trace, load_trace
 from scheduler_svc.sim_executor import sim_engine
+from shared.config import resolve_token_budget
 
 
 # -- metrics ------------------------------------------------------------------------------------

@@ -1,24 +1,25 @@
 """The request's path is the import graph: shared <- scheduler_svc / worker_svc / kvstore <-
-gateway <- bench <- sarathi. No package imports a sibling service or a higher layer. bench (the
-measurement library) sits below sarathi so that the `sarathi bench|profile|capacity|plan`
-commands can use it; bench never imports sarathi, so the graph stays acyclic."""
+gateway <- sarathi. No package imports a sibling service or a higher layer; the graph stays
+acyclic. Measurement is part of the product (sarathi.measure, under sarathi); bench/ is a folder
+of benchmark scripts above it all: scripts may import any product package, and no product
+package imports bench (it is not installed)."""
 import ast
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# package -> top-level project packages it may import (besides itself)
+# product package -> top-level project packages it may import (besides itself)
 ALLOWED = {
     "shared": set(),
     "scheduler_svc": {"shared"},
     "worker_svc": {"shared"},
     "kvstore": {"shared"},
     "gateway": {"shared"},
-    "bench": {"shared", "scheduler_svc", "worker_svc", "kvstore", "gateway"},
-    "sarathi": {"shared", "scheduler_svc", "worker_svc", "kvstore", "gateway", "bench"},
+    "sarathi": {"shared", "scheduler_svc", "worker_svc", "kvstore", "gateway"},
 }
-PROJECT = set(ALLOWED) | {"tests"}
+SCRIPTS = "bench"     # benchmark scripts: may import any product package, none may import them
+PROJECT = set(ALLOWED) | {SCRIPTS, "tests"}
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -39,6 +40,22 @@ def test_package_imports_only_lower_layers(package):
         if extra:
             bad[str(path.relative_to(ROOT))] = sorted(extra)
     assert not bad, f"imports across layers: {bad}"
+
+
+def test_no_product_package_imports_bench():
+    """bench/ is not installed: a product import of it would fail outside a checkout."""
+    bad = sorted(str(path.relative_to(ROOT)) for package in ALLOWED
+                 for path in (ROOT / package).rglob("*.py") if SCRIPTS in imported_packages(path))
+    assert not bad, f"product modules importing bench: {bad}"
+
+
+def test_bench_scripts_import_only_the_product_and_bench():
+    bad = {}
+    for path in sorted((ROOT / SCRIPTS).rglob("*.py")):
+        extra = imported_packages(path) - set(ALLOWED) - {SCRIPTS}
+        if extra:
+            bad[str(path.relative_to(ROOT))] = sorted(extra)
+    assert not bad, f"bench scripts importing tests: {bad}"
 
 
 def test_allowed_graph_is_acyclic():

@@ -16,7 +16,7 @@ decode are the same computation; they differ only in how they are batched for sp
 
 This is TorchAttention, the attention backend any device can run. The CPU backend
 (worker_svc/backends/cpu.py) subclasses it to run all decodes of a batch in one native kernel
-call that reads K/V in place from the paged cache (bench/results/attention_kernel.json).
+call that reads K/V in place from the paged cache (bench/results/kernels/attention_kernel.json).
 """
 from __future__ import annotations
 

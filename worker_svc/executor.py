@@ -36,7 +36,7 @@ class BatchError(ValueError):
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     """'auto' -> float32 on CPU, bfloat16 on CUDA.
 
-    Why float32 on CPU (bench/results/engine_iteration.md): this machine's CPUs have
+    Why float32 on CPU (bench/results/engine_cpu/engine_iteration.md): this machine's CPUs have
     avx512_bf16 but no AMX, so torch's bf16 matmuls run at about half the fp32 rate; prefill
     chunks and hybrid batches are 1.4-1.8x slower in bf16, single decodes are no faster, and bf16
     wins only on long-context decode-only batches (half the KV bytes to read)."""

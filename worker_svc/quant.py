@@ -14,7 +14,7 @@ Which path runs is chosen per call by the token count T of the batch:
     on how many tokens shared its batch (tests/test_offline_api.py: every policy, token budget
     and preemption gives the same tokens);
   - bfloat16 when asked for (`--weight-quant int8-bf16`), worth it on CPUs with native bf16 dot products (AVX512_BF16 or AMX-BF16: oneDNN runs
-    bf16 GEMMs 2-2.7x faster than fp32 there, Zen 4 measured in bench/results/linear_paths_*):
+    bf16 GEMMs 2-2.7x faster than fp32 there, Zen 4 measured in bench/results/kernels/linear_paths_*):
     activations are rounded to bf16 for the multiply, products accumulate in fp32, the output
     returns to the compute dtype. The bf16 copy of a dequantized int8 weight is exact up to bf16
     rounding of q * scale (q has 8 significant bits, bf16 keeps 8). Measured on SmolLM2 against
@@ -40,9 +40,9 @@ from worker_svc import native
 from worker_svc.backends.base import LinearMethod
 
 # (int8 kernel path, large path) -> largest token count at which int8 beats the dense GEMM over
-# a whole SmolLM2 step. ("avx2", "float32"): bench/results/int8_linear_amd.json, 2 threads, AMD
+# a whole SmolLM2 step. ("avx2", "float32"): bench/results/kernels/int8_linear_amd.json, 2 threads, AMD
 # EPYC Zen 3: faster at every T <= 64, slower at 128 (torch's sgemm is slow for skinny matrices
-# there). ("avx2", "bfloat16"): bench/results/linear_paths_zen4.json, AMD EPYC Zen 4 (AVX-512 +
+# there). ("avx2", "bfloat16"): bench/results/kernels/linear_paths_zen4.json, AMD EPYC Zen 4 (AVX-512 +
 # AVX512_BF16), 2 threads. "scalar": never int8.
 INT8_MAX_TOKENS = {("avx2", "float32"): 64, ("avx2", "bfloat16"): 8}
 

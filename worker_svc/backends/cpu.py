@@ -14,7 +14,7 @@ The three choices, each made once per worker and printed by the executor:
   cache, so half the bytes is up to 2x. bf16 rather than fp16: widening either costs about the
   same inside the kernel (bf16: zero-extend + shift; fp16: F16C vcvtph2ps; Zen 3 AVX2, 32 x 1k
   context: 15.9 vs 14.9 ms per layer), the torch fallback path casts bf16 faster (25 vs 38 ms;
-  bench/results/attention_kernel_amd_contended.json, a contended run), and bf16 keeps fp32's
+  a contended run, ratios only: bench/results/engine_cpu/engine_cpu_amd.md), and bf16 keeps fp32's
   exponent range (fp16 overflows at 65504); fp16's 3 extra mantissa bits remain available as
   --kv-cache-dtype float16;
 * weight quantization "auto": int8 for small batches (worker_svc/quant.py) when the int8 kernel

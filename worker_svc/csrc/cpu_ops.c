@@ -4,7 +4,7 @@
  *
  * Why: a batch-1 decode step of a small model runs ~400 tiny torch ops (2-13 us each, plus
  * Python between them); each op below replaces 2-12 of them with one call
- * (bench/results/cpu_fused_ops_amd.md).
+ * (bench/results/engine_cpu/cpu_fused_ops_amd.md).
  *
  * Numerics: every op follows the torch expression it replaces (worker_svc/backends/base.py,
  * Ops) operation by operation, with the same roundings:

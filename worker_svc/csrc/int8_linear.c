@@ -30,7 +30,7 @@
 
 /* Software prefetch of the tile PREFETCH_TILES ahead into L2 (T1), not L1: an L1 prefetch
  * burst competes with the FMAs' own loads for the L1 fill buffers. AMD EPYC Zen 4, 2 threads, a
- * whole SmolLM2 step at T=1 (bench/int8_prefetch.py -> bench/results/int8_prefetch_zen4.json):
+ * whole SmolLM2 step at T=1 (bench/int8_prefetch.py -> bench/results/kernels/int8_prefetch_zen4.json):
  * L1 x4 (before) 12.3 ms, none 14.7 ms, L2 x4 / x8 / x16 7.7 / 7.8 / 7.9 ms. */
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 8

@@ -23,7 +23,7 @@
  * accumulators; later tiles' K/V rows are prefetched into L2 a row per token (PD_PF).
  * AMD EPYC Zen 4, 1 thread, bf16 SmolLM2 shapes: ~14 GB/s with K/V in cache, and 1.0-1.4x the
  * time of a plain read of the same randomly placed blocks from DRAM, on both the AVX-512 path
- * and the AVX2 one (-march=znver3) (bench/results/attention_kernel_amd_memory_bound_*.json).
+ * and the AVX2 one (-march=znver3) (bench/results/kernels/attention_kernel_amd_memory_bound_*.json).
  *
  * KV storage dtypes: fp32, bf16 (widened by a 16-bit shift) and fp16 (F16C vcvtph2ps / AVX-512
  * vcvtph2ps; a bit-exact scalar conversion otherwise). q and out: fp32 or bf16.
@@ -616,7 +616,7 @@ int paged_decode_attention_split(
     const int64_t tok_stride = (int64_t)Hkv * D;
     if (num_threads < 1) num_threads = 1;
     /* kv heads per unit: all of them (nh = Hkv, PD_NH = 0), so a unit reads each block's K and V
-     * as two contiguous runs, or PD_NH. See bench/results/attention_kernel_amd_*.json. */
+     * as two contiguous runs, or PD_NH. See bench/results/kernels/attention_kernel_amd_*.json. */
     int nh = PD_NH > 0 ? PD_NH : Hkv;
     if (nh > Hkv) nh = Hkv;
     while (nh > 1 && (Hkv % nh != 0 || nh * G > MAX_ROWS)) nh--;

@@ -1,0 +1,128 @@
+"""What the benchmark scripts share, so that none imports another: the record of the machine a
+result was measured on, and the engine benchmarks' batches and executors (SmolLM2-135M on the
+real Executor, KV cache of zeros: attention cost depends on lengths, not on values).
+
+Batches in the KV cache (a Layout): `decodes` sequences of CONTEXT cached tokens, each on its own
+blocks (CONTEXT // BLOCK_SIZE + 1 of them: room for the decoded token), then one prompt chunk of
+up to `chunk` tokens on the blocks after them. The executor's cache holds exactly those blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sarathi.measure.env import machine   # the one record of the machine; scripts import it from here
+from shared.config import CacheConfig, WorkerConfig
+from shared.messages import Batch, SeqChunk
+from shared.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from worker_svc.executor import Executor
+
+CONTEXT = 1024                       # tokens already cached per decode
+SHORT_CONTEXT = 128                  # a second decode series isolates the linear layers' cost
+BLOCK_SIZE = 16                      # tokens per KV block
+HYBRID_DECODES = 32                  # decodes beside the chunk of a "hybrid" batch
+GREEDY = SamplingParams(temperature=0.0)
+
+# SmolLM2-135M's linear layers (hidden, intermediate, heads, kv heads, head dim, layers, vocab)
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
+
+
+def machine_line() -> str:
+    """The machine record as one line, "CPU model, N CPUs, platform" (the engine scripts' field)."""
+    m = machine()
+    return f"{m['cpu']}, {m['cpus']} CPUs, {m['platform']}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Room in the KV cache for `decodes` decode sequences and one chunk of `chunk` tokens."""
+
+    decodes: int
+    chunk: int
+
+    @property
+    def blocks_per_decode(self) -> int:
+        return CONTEXT // BLOCK_SIZE + 1
+
+    @property
+    def num_blocks(self) -> int:
+        return self.decodes * self.blocks_per_decode + self.chunk // BLOCK_SIZE
+
+    def decode_tables(self) -> list[list[int]]:
+        n = self.blocks_per_decode
+        return [list(range(i * n, (i + 1) * n)) for i in range(self.decodes)]
+
+    def chunk_table(self) -> list[int]:
+        first = self.decodes * self.blocks_per_decode
+        return list(range(first, first + self.chunk // BLOCK_SIZE))
+
+
+FULL = Layout(decodes=128, chunk=2048)       # engine_iteration's whole sweep: 8,448 blocks
+SMALL = Layout(decodes=32, chunk=512)        # the issue-11 target cases: 2,112 blocks (1.6 GB fp32 KV)
+
+
+def make_batch(series: str, size: int, layout: Layout = FULL) -> Batch:
+    """One batch of a series: "decode" (size decodes at CONTEXT), "decode_short" (at SHORT_CONTEXT),
+    "prefill" (a chunk of size tokens, empty prefix) or "hybrid" (HYBRID_DECODES decodes + that
+    chunk)."""
+    decodes = [SeqChunk(f"d{i}", [100 + i], CONTEXT, t, True, GREEDY, 1)
+               for i, t in enumerate(layout.decode_tables())]
+    if series == "decode":
+        return Batch(0, decodes[:size])
+    if series == "decode_short":
+        return Batch(0, [SeqChunk(d.req_id, d.token_ids, SHORT_CONTEXT, d.block_table, True, GREEDY, 1)
+                         for d in decodes[:size]])
+    prefill = SeqChunk("p", [200] * size, 0, layout.chunk_table(), True, GREEDY)
+    if series == "prefill":
+        return Batch(0, [prefill])
+    return Batch(0, decodes[:HYBRID_DECODES] + [prefill])
+
+
+def make_executor(spec: str, layout: Layout = FULL) -> Executor:
+    """DTYPE[:KV[:WEIGHTS[:ATTENTION]]] -> an Executor with the layout's cache. A bare DTYPE (the
+    --dtypes runs) keeps the KV cache in the compute dtype and float weights, as before issue 11."""
+    from worker_svc.executor import Executor     # torch: only for scripts that build an engine
+
+    dtype, kv, wq, attn = (spec.split(":") + ["auto", "auto", "auto"])[:4]
+    if kv == "auto" and ":" not in spec:
+        kv = dtype
+    ex = Executor(WorkerConfig(dtype=dtype, kv_cache_dtype=kv, weight_quant=wq if ":" in spec else "none",
+                               cache=CacheConfig(BLOCK_SIZE, layout.num_blocks)))
+    if attn == "torch":                   # the torch decode path (SARATHI_NATIVE_ATTENTION=0)
+        from worker_svc.attention import TorchAttention
+        ex.backend.attention = TorchAttention()
+        for layer in ex.model.layers:
+            layer.attention = ex.backend.attention
+    return ex
+
+
+def step_bytes(ex: Executor, series: str, size: int) -> int:
+    """Bytes one step must read at least: every linear weight once (int8 + scales when the
+    variant's int8 path runs at this token count, else the dense weight it multiplies), the LM head for the
+    sampled rows, and the K and V of every cached token attended over."""
+    from worker_svc.model.linear import ReplicatedLinear
+
+    batch = make_batch(series, size)      # lengths only count here, not which blocks: any layout
+    T = batch.num_tokens
+    method = ex.backend.linear
+    weights = 0
+    for m in ex.model.modules():
+        if hasattr(m, "method") and hasattr(m, "weight"):
+            n, k = m.weight.shape
+            rows = sum(s.sample for s in batch.seqs) if isinstance(m, ReplicatedLinear) else T
+            int8 = hasattr(m, "qweight") and rows <= getattr(method, "max_tokens", -1)
+            dense = m.weight_large if hasattr(m, "weight_large") else m.weight   # bf16 copy for large T
+            weights += n * k + 4 * n if int8 else n * k * dense.element_size()
+    cfg = ex.model_cfg
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * ex.cache.k[0].element_size()
+    kv = sum(s.start_pos + len(s.token_ids) for s in batch.seqs) * per_token
+    return weights + kv
+
+
+def layer_shapes() -> list[tuple[int, int]]:
+    """(out, in) of every linear layer of one SmolLM2-135M step, in execution order."""
+    qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    per_layer = [(qkv, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+    return per_layer * LAYERS + [(VOCAB, HIDDEN)]

@@ -1,0 +1,245 @@
+"""An open-loop load generator with two targets.
+
+Workload: request lengths from a trace (sarathi.measure.trace), arrivals from a Poisson process at `qps`
+(also gamma with a coefficient of variation, or fixed bursts), prompts of exactly the trace's
+token count (random token ids from a seeded generator), outputs of exactly the trace's length
+(greedy, `ignore_eos`). The same (trace, seed, qps, n) gives the same workload on every target.
+
+Open loop: a request is due at its arrival time whether or not the target keeps up; its TTFT
+and scheduling delay count from that time. The run stops at the last arrival + `drain_s`;
+requests not finished by then stay in the results as misses (sarathi.measure.metrics).
+
+Targets:
+* run_inprocess(engine, ...): the real EngineLoop (scheduler + executor) driven directly, no
+  HTTP. With the torch executor and the monotonic clock it measures the real engine; with a
+  SimExecutor and a SimClock it simulates it (the clock jumps over idle time and advances by
+  the cost model's iteration time), deterministically.
+* run_http(url, ...): any OpenAI-compatible server, /v1/completions with streamed SSE; token
+  times are the arrival times of the SSE chunks (httpx, asyncio).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from sarathi.measure.costmodel import aggregates, batch_shapes
+from sarathi.measure.metrics import IterationRecord, RequestRecord
+from sarathi.measure.trace import Trace
+from scheduler_svc.engine_loop import EngineLoop, StalledError
+from scheduler_svc.sim_executor import SimClock
+from shared.sampling import SamplingParams
+
+ARRIVALS = ("poisson", "gamma", "burst")
+
+
+@dataclass
+class RequestSpec:
+    """arrival: seconds after the run starts; prompt_ids: exactly the trace's prompt length;
+    max_tokens: the trace's output length (generated in full: EOS is ignored)."""
+
+    req_id: str
+    arrival: float
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    iterations: list[IterationRecord]
+    end_time: float           # run clock, seconds after start, when the run stopped waiting
+
+
+def arrival_times(n: int, qps: float, process: str = "poisson", *, cv: float = 1.0,
+                  burst_size: int = 8, rng: np.random.Generator | None = None) -> list[float]:
+    """n arrival times (seconds, first at 0) at a mean rate of qps requests/s.
+    poisson: exponential gaps; gamma: gamma gaps with coefficient of variation cv (cv = 1 is
+    Poisson, > 1 burstier); burst: groups of burst_size at once, every burst_size/qps s."""
+    if not qps > 0:
+        raise ValueError(f"--qps must be > 0, got {qps}")
+    if n < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {n}")
+    rng = rng or np.random.default_rng(0)
+    if process == "poisson":
+        gaps = rng.exponential(1.0 / qps, n)
+    elif process == "gamma":
+        if not cv > 0:
+            raise ValueError(f"--cv must be > 0, got {cv}")
+        shape = 1.0 / cv ** 2
+        gaps = rng.gamma(shape, 1.0 / (qps * shape), n)
+    elif process == "burst":
+        if burst_size < 1:
+            raise ValueError(f"--burst-size must be >= 1, got {burst_size}")
+        return [(i // burst_size) * burst_size / qps for i in range(n)]
+    else:
+        raise ValueError(f"unknown arrival process {process!r}; choose one of {', '.join(ARRIVALS)}")
+    t = np.cumsum(gaps)
+    return [float(x) for x in t - t[0]]
+
+
+def make_workload(trace: Trace, num_requests: int, qps: float, *, arrival: str = "poisson",
+                  cv: float = 1.0, burst_size: int = 8, seed: int = 0,
+                  vocab_size: int = 32000) -> list[RequestSpec]:
+    """num_requests requests drawn from the trace (without replacement while it lasts), with
+    prompt ids uniform in [100, vocab_size) (ids below 100 hold most special tokens)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.choice(len(trace), size=num_requests, replace=num_requests > len(trace))
+    times = arrival_times(num_requests, qps, arrival, cv=cv, burst_size=burst_size, rng=rng)
+    low = min(100, vocab_size - 1)
+    return [RequestSpec(f"r{i}", t, rng.integers(low, vocab_size, trace.prompt_lens[j]).tolist(),
+                        trace.output_lens[j])
+            for i, (j, t) in enumerate(zip(idx, times))]
+
+
+def bench_sampling(max_tokens: int) -> SamplingParams:
+    """Greedy, exactly max_tokens tokens: the trace's output length, whatever the model says."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+# -- in-process ---------------------------------------------------------------------------------
+def run_inprocess(engine: EngineLoop, workload: list[RequestSpec], *, drain_s: float,
+                  on_progress: Callable[[int], None] | None = None) -> RunResult:
+    """Drive the engine's scheduler and executor through the workload, one iteration at a time.
+
+    The scheduler's clock is the run's clock: a SimClock is advanced over idle gaps (and by
+    the executor's cost model); any other clock is waited on with time.sleep. on_progress(n)
+    is called with the number of requests that finished in each iteration."""
+    sched, executor, clock = engine.scheduler, engine.executor, engine.scheduler.clock
+    sim = isinstance(clock, SimClock)
+    t0 = clock()
+    end = t0 + (workload[-1].arrival if workload else 0.0) + drain_s
+    pending = deque(sorted(workload, key=lambda s: s.arrival))
+    reqs, iterations = {}, []
+    while True:
+        now = clock()
+        while pending and t0 + pending[0].arrival <= now:
+            spec = pending.popleft()
+            reqs[spec.req_id] = (spec, engine.add_request(
+                spec.req_id, spec.prompt_ids, bench_sampling(spec.max_tokens), t0 + spec.arrival))
+        if now >= end:
+            break
+        batch = sched.schedule()
+        if batch is None:
+            done = sum(1 for e in sched.take_events() if e.finish_reason is not None)
+            if done and on_progress:
+                on_progress(done)
+            if sched.has_unfinished():
+                raise StalledError(f"nothing schedulable; stats: {sched.stats()}")
+            if not pending:
+                break
+            wake = min(t0 + pending[0].arrival, end)
+            if sim:
+                clock.now = max(clock.now, wake)
+            else:
+                time.sleep(max(0.0, wake - clock()))
+            continue
+        started = clock()
+        output = executor.execute(batch)
+        duration = clock() - started
+        events = sched.update(batch, output)
+        tokens, kv, pairs, seqs = aggregates(batch_shapes(batch))
+        decodes = sum(1 for s in batch.seqs if s.is_decode)
+        iterations.append(IterationRecord(started - t0, duration, tokens - decodes, decodes,
+                                          seqs, kv, pairs))
+        done = sum(1 for e in events if e.finish_reason is not None)
+        if done and on_progress:
+            on_progress(done)
+    records = []
+    for spec, req in reqs.values():
+        records.append(_record(spec, t0, [t - t0 for t in req.token_times],
+                               None if req.first_scheduled_time is None
+                               else req.first_scheduled_time - t0,
+                               req.finish_reason in ("stop", "length"), req.error))
+    for spec in pending:  # due after the run stopped (only when drain_s < 0): still misses
+        records.append(_record(spec, t0, [], None, False, None))
+    return RunResult(records, iterations, clock() - t0)
+
+
+def _record(spec: RequestSpec, t0: float, token_times: list[float], first_scheduled,
+            finished: bool, error: str | None) -> RequestRecord:
+    return RequestRecord(spec.req_id, spec.arrival, len(spec.prompt_ids), spec.max_tokens,
+                         token_times, first_scheduled, finished, error)
+
+
+# -- HTTP ---------------------------------------------------------------------------------------
+class TargetUnreachable(ValueError):
+    """The URL does not answer as an OpenAI-compatible server."""
+
+
+async def probe_server(client, url: str) -> str:
+    """The first model id the server lists at /v1/models; TargetUnreachable otherwise."""
+    import httpx
+
+    try:
+        r = await client.get("/v1/models", timeout=10.0)
+    except httpx.HTTPError as e:
+        raise TargetUnreachable(f"cannot reach {url}: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise TargetUnreachable(f"{url}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise TargetUnreachable(f"{url}/v1/models did not list a model: {r.text[:200]}") from None
+
+
+def run_http(url: str, workload: list[RequestSpec], *, drain_s: float, model: str | None = None,
+             api_key: str | None = None,
+             on_progress: Callable[[int], None] | None = None) -> RunResult:
+    """Send the workload to url's /v1/completions (token-id prompts, stream, ignore_eos) at the
+    arrival times; record each SSE chunk's arrival time. Raises TargetUnreachable if the
+    server does not answer /v1/models."""
+    return asyncio.run(_run_http(url.rstrip("/"), workload, drain_s, model, api_key, on_progress))
+
+
+async def _run_http(url, workload, drain_s, model, api_key, on_progress) -> RunResult:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None, limits=limits) as client:
+        model = model or await probe_server(client, url)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        records = [_record(s, 0.0, [], None, False, None) for s in workload]
+
+        async def one(spec: RequestSpec, rec: RequestRecord) -> None:
+            await asyncio.sleep(max(0.0, t0 + spec.arrival - loop.time()))
+            body = {"model": model, "prompt": spec.prompt_ids, "max_tokens": spec.max_tokens,
+                    "temperature": 0.0, "stream": True, "ignore_eos": True}
+            try:
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                        return
+                    async for line in r.aiter_lines():
+                        now = loop.time() - t0
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        choices = json.loads(data).get("choices") or []
+                        if not choices:
+                            continue
+                        if choices[0].get("text"):
+                            rec.token_times.append(now)
+                        if choices[0].get("finish_reason"):
+                            rec.finished = choices[0]["finish_reason"] in ("stop", "length")
+            except httpx.HTTPError as e:
+                rec.error = f"{type(e).__name__}: {e}"
+            if rec.finished and on_progress:
+                on_progress(1)
+
+        tasks = [asyncio.create_task(one(s, r)) for s, r in zip(workload, records)]
+        end = (workload[-1].arrival if workload else 0.0) + drain_s
+        _, late = await asyncio.wait(tasks, timeout=max(0.0, t0 + end - loop.time()))
+        for t in late:  # still streaming at the end of the run: unfinished, cut off here
+            t.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+        return RunResult(records, [], loop.time() - t0)
