@@ -220,7 +220,7 @@ class RemoteExecutor:
         self._send(call, [enc.encode(batch) for enc in self.encoders])
         self._inflight.append(call)
 
-    def collect(self, timeout_s: float | None = None) -> tuple[Batch, BatchOutput]:
+    def collect(self) -> tuple[Batch, BatchOutput]:
         """(batch, output) of the oldest submitted batch, once every rank answered. The output is
         the last rank's (it samples), with each rank's timings added as rank<i>_<name>
         (start/end: time.time() seconds), rpc_s (seconds from submit to now) and submitted_at /
@@ -232,13 +232,13 @@ class RemoteExecutor:
         (heartbeats/monitor) or a rank answers "rank_lost"; WorkerRestartedError when a rank's
         process changed since the last reply; WorkerError at another error reply (an
         "unknown_request" with other batches in flight included) or after timeout_s seconds
-        without all replies. After any of these every batch in flight is lost and the next batch
-        starts a new epoch."""
+        without all replies. After any of these every batch in flight is lost and the next
+        batch starts a new epoch."""
         if not self._inflight:
             raise RuntimeError("collect() with no batch in flight")
         head = self._inflight[0]
         try:
-            self._wait(head, self.timeout_s if timeout_s is None else timeout_s)
+            self._wait(head, self.timeout_s)
             self._check_instances(head.replies)
         except WorkerError:
             self.abandon()
@@ -248,7 +248,8 @@ class RemoteExecutor:
         for enc, out in zip(self.encoders, outputs):
             enc.on_output(out)
         last = outputs[-1]
-        last.timings.update({f"rank{i}_{k}": v for i, out in enumerate(outputs) for k, v in out.timings.items()})
+        last.timings.update({f"rank{i}_{k}": v for i, out in enumerate(outputs)
+                             for k, v in out.timings.items()})
         last.timings.update(rpc_s=time.perf_counter() - head.t0, submitted_at=head.submitted_at,
                             collected_at=time.time())
         return head.batch, last
@@ -265,7 +266,7 @@ class RemoteExecutor:
             enc.reset()
 
     # -- messages to every rank and their replies ---------------------------------------------------
-    def _send(self, call: "_Call", msgs: list[dict[str, Any]]) -> None:
+    def _send(self, call: _Call, msgs: list[dict[str, Any]]) -> None:
         """Send msgs[i] to rank i under a new seq; the replies so far are forgotten."""
         call.seq = next(self._seq)
         call.replies = [None] * len(self.socks)
@@ -279,7 +280,7 @@ class RemoteExecutor:
         self._wait(call, timeout_s)
         return call.replies
 
-    def _wait(self, call: "_Call", timeout_s: float) -> None:
+    def _wait(self, call: _Call, timeout_s: float) -> None:
         """Poll every rank until `call` has each rank's reply (matched by seq). Replies to other
         batches in flight are filed under them; late replies to a call given up on are dropped.
         Raises WorkerLostError (fresh sockets for the ranks whose link went down), WorkerError at
@@ -315,7 +316,7 @@ class RemoteExecutor:
                     if self._file(i, unpack(sock.recv()), call):
                         deadline = time.monotonic() + timeout_s   # resent in full: a fresh timeout
 
-    def _file(self, i: int, reply: dict[str, Any], call: "_Call") -> bool:
+    def _file(self, i: int, reply: dict[str, Any], call: _Call) -> bool:
         """File rank i's reply under its call (`call`, or a batch in flight); True if `call` was
         resent in full instead. An error reply raises (see collect)."""
         entry = next((c for c in (call, *self._inflight) if c.seq == reply.get("seq")), None)
