@@ -1,7 +1,7 @@
 """Pipeline bubbles per batching policy: a real PP=2 replica, the real scheduler, the same load.
 
 Starts `sarathi worker --pp 2 --threads 1` (SmolLM2 by default: layers 0-14 and 15-29, one
-process and one torch thread per stage), drives it with the scheduler's PipelinedLoop (two
+process and one torch thread per stage), drives it with the scheduler's EngineLoop (two
 micro-batches in flight) under a Poisson arrival of requests whose prompt/decode lengths are
 sampled from the ShareGPT length trace and scaled down, and reads each stage's compute interval
 per micro-batch from the ranks' own timestamps (time.time(); busy = the stage's forward without
@@ -35,7 +35,7 @@ from pathlib import Path
 
 from bench.common import machine
 from sarathi.measure.trace import DEFAULT_TRACE
-from scheduler_svc.pipeline import PipelinedLoop
+from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.remote_executor import RemoteExecutor
 from scheduler_svc.scheduler import Scheduler
 from shared.config import CacheConfig, SchedulerConfig
@@ -85,7 +85,7 @@ def drive(remote, policy: str, reqs, args) -> tuple[list[dict], dict]:
     t0 = time.monotonic()
     sched = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info,
                       clock=lambda: time.monotonic() - t0)
-    loop = PipelinedLoop(sched, remote, remote.pipeline_depth, record=True)
+    loop = EngineLoop(sched, remote, remote.pipeline_depth, record=True)
     rng = random.Random(1)
     pending = list(enumerate(reqs))
     last_report = 0.0

@@ -26,6 +26,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, _GenerationFields
 from gateway.responses import SSE_DONE, LogprobFormat, ResponseShape, TokenLogprob, sse
 from shared.config import ModelInfo
+from shared.limits import check_context_length, check_token_ids
 from shared.messages import RequestMsg
 from shared.queue import GatewayQueue
 from shared.sampling import InvalidRequestError
@@ -111,24 +112,23 @@ class Serving:
         return self.tok.encode(self.tok.apply_chat_template(messages))
 
     def _checked_ids(self, ids: list[int]) -> list[int]:
-        if any(not 0 <= t < self.info.vocab_size for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.info.vocab_size})", "prompt")
+        check_token_ids(ids, self.info.vocab_size, code=None,
+                        message="prompt token ids must be in [0, {vocab_size})")
         return list(ids)
 
     def _max_tokens(self, body: _GenerationFields, num_prompt: int, prompt_param: str) -> int:
-        """The max_tokens to run with; raises context_length_exceeded when it cannot fit."""
+        """The max_tokens to run with; raises context_length_exceeded when it cannot fit (without
+        max_tokens: when not even one token fits)."""
         limit, asked = self.info.max_model_len, body.requested_max_tokens()
         if asked is not None:
             body.sampling(asked)  # validate the value itself first (e.g. max_tokens=0)
         room = limit - num_prompt
-        if asked is None and room >= 1:
-            return min(self.cfg.default_max_tokens, room)
-        if asked is None or asked > room:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the request "
-                           f"has {num_prompt} prompt tokens and asks for {asked or 1} more.",
-                           param="max_tokens" if asked is not None and room >= 1 else prompt_param,
-                           code="context_length_exceeded")
-        return asked
+        check_context_length(num_prompt, asked or 1, limit,
+                             param="max_tokens" if asked is not None and room >= 1 else prompt_param,
+                             message="This model's maximum context length is {max_model_len} tokens, "
+                                     "but the request has {num_prompt_tokens} prompt tokens and asks "
+                                     "for {max_tokens} more.")
+        return min(self.cfg.default_max_tokens, room) if asked is None else asked
 
     async def _admit(self) -> None:
         try:

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from shared.config import POLICIES
+from scheduler_svc.policies import POLICIES
 
 
 def _env(name: str, default):

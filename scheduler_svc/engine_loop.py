@@ -1,12 +1,30 @@
-"""The in-process engine loop: schedule -> execute -> update, one iteration per step().
+"""The engine loop: schedule -> submit (up to `depth` batches in flight) -> collect the oldest ->
+update, one collected batch per step().
 
-The executor is injected: any object with `execute(batch: Batch) -> BatchOutput` (the torch
-executor in worker_svc, a client of remote workers, or sim_executor.SimExecutor). Nothing here
-imports torch.
+With pp pipeline stages one batch occupies one stage at a time; to keep every stage busy the loop
+keeps up to `depth` (= pp) batches in flight and plans the next one while the earlier ones run.
+A single worker is depth 1: schedule, run, update. Each step():
+
+1. fills: schedule() and submit() until `depth` batches are in flight or the policy has nothing
+   more to run (requests already in flight are invisible to the policy: a request is in at most
+   one in-flight batch; the scheduler's counters advance at schedule time);
+2. collects the oldest batch (outputs come back in submit order) and hands it to update(), so a
+   finished batch's tokens are in the request's state before that request can be scheduled again.
+
+Batches are a deterministic function of the arrivals and the order of schedule/update calls, not
+of timing: with the same depth, an in-process executor makes the very same batches as remote
+ranks, which is what the parallel tests compare.
+
+The executor is injected: an object with `submit(batch)` and `collect() -> (batch, output)` (a
+client of remote workers, scheduler_svc.remote_executor), or any object with only
+`execute(batch) -> BatchOutput` (the torch executor in worker_svc, sim_executor.SimExecutor),
+which the loop runs when a batch is collected. Nothing here imports torch.
 """
 from __future__ import annotations
 
 import itertools
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -18,6 +36,12 @@ from shared.sampling import SamplingParams
 
 class Executor(Protocol):
     def execute(self, batch: Batch) -> BatchOutput: ...
+
+
+class PipelineExecutor(Protocol):
+    def submit(self, batch: Batch) -> None: ...
+
+    def collect(self) -> tuple[Batch, BatchOutput]: ...
 
 
 @dataclass
@@ -47,10 +71,49 @@ class StalledError(RuntimeError):
     """The scheduler has unfinished requests but can schedule nothing, with nothing in flight."""
 
 
+class _ExecuteOnCollect:
+    """submit/collect over an executor with only execute(batch): the oldest submitted batch runs
+    when it is collected. The reference that remote pipelines are compared with."""
+
+    def __init__(self, executor: Executor):
+        self.executor = executor
+        self._queue: deque[Batch] = deque()
+
+    def submit(self, batch: Batch) -> None:
+        self._queue.append(batch)
+
+    def collect(self) -> tuple[Batch, BatchOutput]:
+        batch = self._queue.popleft()
+        return batch, self.executor.execute(batch)
+
+    def abandon(self) -> None:
+        self._queue.clear()
+
+
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler, executor: Executor):
+    """schedule -> submit (up to depth in flight) -> collect oldest -> update, per step().
+
+    executor: see the module doc; `self.executor` is the object given. depth: batches in flight
+    at most (>= 1). on_batch(batch, output, seconds): called for every collected batch, before
+    update (metrics; seconds from submit to collect). record: keep `trace`, one dict per batch
+    (batch_id, req_ids, num_tokens, waiting requests and in-flight batch ids at submit,
+    submit/collect times on time.time(), the output's timings) for tests and benchmarks.
+    """
+
+    def __init__(self, scheduler: Scheduler, executor: Executor | PipelineExecutor, depth: int = 1,
+                 on_batch: Callable[[Batch, BatchOutput, float], None] | None = None,
+                 record: bool = False):
+        if depth < 1:
+            raise ValueError(f"pipeline depth must be >= 1, got {depth}")
         self.scheduler = scheduler
         self.executor = executor
+        self._pipe = executor if hasattr(executor, "submit") else _ExecuteOnCollect(executor)
+        self.depth = depth
+        self.on_batch = on_batch
+        self.in_flight: deque[Batch] = deque()   # submitted, not yet collected; oldest first
+        self._submitted: dict[int, float] = {}   # batch_id -> perf_counter() at submit
+        self.record = record
+        self.trace: list[dict] = []
         self._ids = itertools.count()
 
     def add_request(self, req_id: str, prompt_token_ids: list[int],
@@ -66,14 +129,57 @@ class EngineLoop:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[TokenEvent]:
-        """One iteration; returns its token events (and those of aborts since the last step)."""
-        batch = self.scheduler.schedule()
-        if batch is None:
+        """Fill, then wait for the oldest batch; its token events (and those of aborts since the
+        last step). Raises StalledError when requests are unfinished but nothing can run."""
+        self.fill()
+        if not self.in_flight:
             events = self.scheduler.take_events()
             if not events and self.scheduler.has_unfinished():
                 raise StalledError(f"nothing schedulable; stats: {self.scheduler.stats()}")
             return events
-        return self.scheduler.update(batch, self.executor.execute(batch))
+        batch, output = self._pipe.collect()
+        if batch is not self.in_flight[0]:
+            raise RuntimeError(f"collected batch {batch.batch_id}, expected the oldest "
+                               f"{self.in_flight[0].batch_id}")
+        self.in_flight.popleft()
+        seconds = time.perf_counter() - self._submitted.pop(batch.batch_id)
+        if self.record:
+            entry = next(e for e in reversed(self.trace) if e["batch_id"] == batch.batch_id)
+            entry.update(collected_at=time.time(), timings=dict(output.timings))
+        if self.on_batch is not None:
+            self.on_batch(batch, output, seconds)
+        return self.scheduler.update(batch, output)
+
+    def fill(self) -> None:
+        """Schedule and submit until `depth` batches are in flight or nothing more can run."""
+        while len(self.in_flight) < self.depth:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return
+            if self.in_flight:   # the scheduler's invariant; checked: a breach corrupts KV silently
+                busy = {s.req_id for b in self.in_flight for s in b.seqs}
+                both = busy & {s.req_id for s in batch.seqs}
+                if both:
+                    raise RuntimeError(f"requests {sorted(both)[:5]} would be in two batches in flight")
+            if self.record:
+                self.trace.append(dict(batch_id=batch.batch_id, req_ids=[s.req_id for s in batch.seqs],
+                                       num_tokens=batch.num_tokens,
+                                       waiting=len(self.scheduler.waiting),
+                                       in_flight=[b.batch_id for b in self.in_flight],
+                                       submitted_at=time.time()))
+            self._submitted[batch.batch_id] = time.perf_counter()
+            self._pipe.submit(batch)
+            self.in_flight.append(batch)
+
+    def take_in_flight(self) -> list[Batch]:
+        """Forget the batches in flight (their outputs will never come: a worker failed) and
+        return them, oldest first. The executor forgets them too, where it can (`abandon()`)."""
+        lost, self.in_flight = list(self.in_flight), deque()
+        self._submitted.clear()
+        abandon = getattr(self._pipe, "abandon", None)
+        if abandon is not None:
+            abandon()
+        return lost
 
     def run_until_done(self, on_event: Callable[[TokenEvent], None] | None = None,
                        max_steps: int | None = None) -> int:

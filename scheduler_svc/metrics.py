@@ -1,8 +1,9 @@
 """The scheduler service's Prometheus metrics and its small HTTP endpoint.
 
 Names start with `sarathi_scheduler_`. Units: seconds, tokens, blocks, as in each name.
-Gauges mirror `Scheduler.stats()` after every iteration; the iteration histograms are fed by
-`InstrumentedExecutor`, which sees every batch that reaches the workers.
+Gauges mirror `Scheduler.stats()` after every iteration; the iteration histograms observe every
+batch the workers answered, through the engine loop's on_batch callback (the loop, not the
+metrics, knows which batches are in flight).
 
 HTTP (one port): /metrics (Prometheus text), /health (200 while the process runs), /ready (200
 once the workers answered and the loop runs, else 503), /stats (JSON: the last stats snapshot,
@@ -12,14 +13,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from socketserver import ThreadingMixIn
 from typing import Callable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
-from shared.messages import Batch, BatchOutput
+from shared.messages import Batch
 
 ITERATION_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)   # seconds
 TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)      # tokens
@@ -79,30 +79,13 @@ class SchedulerMetrics:
         self._preemptions_seen = stats["num_preemptions"]
 
     def observe_batch(self, batch: Batch, seconds: float) -> None:
+        """One batch the workers answered: seconds from submit to collect, its tokens by kind."""
         decode = sum(1 for s in batch.seqs if s.is_decode)
         prefill = batch.num_tokens - decode
         self.iteration.observe(seconds)
         for kind, n in (("prefill", prefill), ("decode", decode)):
             self.iter_tokens.labels(kind=kind).observe(n)
             self.tokens.labels(kind=kind).inc(n)
-
-
-class InstrumentedExecutor:
-    """Wraps an executor: times each batch into the metrics and remembers the batch in flight
-    (`in_flight`, None when none), so a failed iteration's requests can be identified."""
-
-    def __init__(self, executor, metrics: SchedulerMetrics):
-        self.executor = executor
-        self.metrics = metrics
-        self.in_flight: Batch | None = None
-
-    def execute(self, batch: Batch) -> BatchOutput:
-        self.in_flight = batch
-        t0 = time.perf_counter()
-        output = self.executor.execute(batch)
-        self.metrics.observe_batch(batch, time.perf_counter() - t0)
-        self.in_flight = None
-        return output
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -1,4 +1,4 @@
-"""The scheduler's side of the worker wire: an executor whose execute() runs on remote workers.
+"""The scheduler's side of the worker wire: an executor whose batches run on remote workers.
 
 One DEALER socket and one `BatchEncoder` per worker address. Every batch goes to every worker
 (all tensor/pipeline ranks get the same plan); the sampled tokens come from the last address
@@ -7,12 +7,14 @@ rank that does not sample is sent the decode tokens explicitly by the diff logic
 
 A tensor/pipeline-parallel replica (tp x pp ranks) is addressed by one address per rank, in rank
 order, or by rank 0's address alone: its "info" reply names the replica's layout and the other
-ranks are found at shared.config.rank_address(). With pp > 1 the scheduler keeps up to pp
-micro-batches in flight: `submit(batch)` sends without waiting and `collect()` returns the oldest
-batch's output once every rank answered (scheduler_svc.pipeline drives them). An error reply of
-any rank fails at once, without waiting for the others.
+ranks are found at shared.config.rank_address().
 
-Liveness (one mechanism for execute(), collect() and every rank): each DEALER socket runs ZMTP
+One RPC path: `submit(batch)` sends without waiting and `collect()` returns the oldest batch's
+output once every rank answered; `execute(batch)` is submit then collect. With pp > 1 the engine
+loop (scheduler_svc.engine_loop) keeps up to pp micro-batches in flight; a single worker has one.
+An error reply of any rank fails at once, without waiting for the others.
+
+Liveness (one mechanism for every wait and every rank): each DEALER socket runs ZMTP
 heartbeats (a PING every heartbeat_ivl_s, answered by the worker's libzmq I/O thread even while
 the worker computes a batch; no answer within heartbeat_timeout_s closes the link) and a socket
 monitor. A worker whose process dies drops its TCP/IPC connection at once, a silent one misses
@@ -57,19 +59,21 @@ class WorkerLayoutError(ValueError):
     """The worker addresses do not match the replica's ranks (a configuration error)."""
 
 
-@dataclass
-class _InFlight:
-    """A submitted batch: the seq its messages carry and the replies so far (one per rank)."""
+@dataclass(eq=False)
+class _Call:
+    """One message sent to every rank (a batch, or an "info"/"ping" when batch is None): the seq
+    its messages carry and the replies so far (one per rank)."""
 
-    batch: Batch
-    seq: int
-    t0: float                      # perf_counter() at submit
-    submitted_at: float            # time.time() at submit
+    batch: Batch | None
+    t0: float = 0.0                # perf_counter() at submit
+    submitted_at: float = 0.0      # time.time() at submit
+    seq: int = -1
     replies: list = field(default_factory=list)
+    resent: bool = False           # sent once more in full after an "unknown_request"
 
 
 class RemoteExecutor:
-    """execute(batch) -> BatchOutput over ZeroMQ.
+    """submit(batch) / collect() -> (batch, BatchOutput), and execute(batch), over ZeroMQ.
 
     addresses: one ZeroMQ address per worker rank, as a list or a comma-separated string.
     timeout_s: seconds to wait for every worker's reply to one message; a slow first batch on a
@@ -95,7 +99,7 @@ class RemoteExecutor:
         self._model_info: ModelInfo | None = None
         self._instances: list[str | None] = [None] * len(self.addresses)
         self.parallel: dict = single_rank_layout()
-        self._inflight: deque[_InFlight] = deque()
+        self._inflight: deque[_Call] = deque()   # submitted batches, oldest first
 
     def _connect(self, i: int, address: str) -> zmq.Socket:
         """A fresh DEALER to worker i, with heartbeats and a monitor (inproc:// has neither:
@@ -127,10 +131,13 @@ class RemoteExecutor:
 
     def check_links(self) -> list[str]:
         """Addresses of workers whose link went down since the last look (non-blocking). The
-        batches in flight then never complete: they are forgotten (see _abandon)."""
+        batches in flight then never complete: they are forgotten (abandon), and nothing queued
+        for the dead peers is delivered to their replacements (fresh sockets)."""
         lost = [i for i in range(len(self.socks)) if self._drain_monitor(i)]
         if lost and self._inflight:
-            self._abandon(lost)
+            for i in lost:
+                self._renew(i)
+            self.abandon()
         return [self.addresses[i] for i in lost]
 
     @property
@@ -195,50 +202,147 @@ class RemoteExecutor:
         except WorkerError:
             return False
 
+    # -- batches: one path, up to pipeline_depth in flight -----------------------------------------
     def execute(self, batch: Batch) -> BatchOutput:
-        """Run one iteration. Raises WorkerError; after an error every encoder starts a new
-        epoch, so the next batch re-sends all requests in full."""
-        t0 = time.perf_counter()
+        """Run one iteration: submit(batch), then collect() its output. Raises WorkerError (see
+        collect); after an error every encoder starts a new epoch, so the next batch re-sends
+        all requests in full."""
+        if self._inflight:
+            raise RuntimeError(f"execute() with {len(self._inflight)} batch(es) in flight: collect them")
+        self.submit(batch)
+        return self.collect()[1]
+
+    def submit(self, batch: Batch) -> None:
+        """Send `batch` to every rank and return at once; collect() returns outputs in submit
+        order. The caller keeps the scheduler's invariant: a request is in at most one batch in
+        flight (so each encoder's mirror sees a request's tokens before its next chunk)."""
+        call = _Call(batch, time.perf_counter(), time.time())
+        self._send(call, [enc.encode(batch) for enc in self.encoders])
+        self._inflight.append(call)
+
+    def collect(self) -> tuple[Batch, BatchOutput]:
+        """(batch, output) of the oldest submitted batch, once every rank answered. The output is
+        the last rank's (it samples), with each rank's timings added as rank<i>_<name>
+        (start/end: time.time() seconds), rpc_s (seconds from submit to now) and submitted_at /
+        collected_at (time.time()).
+
+        A rank that answers "unknown_request" (it lost its mirror of a request: a restart) while
+        this batch is the only one in flight gets the batch once more, every request in full
+        (new epoch), with a fresh timeout. Raises WorkerLostError when a rank's link goes down
+        (heartbeats/monitor) or a rank answers "rank_lost"; WorkerRestartedError when a rank's
+        process changed since the last reply; WorkerError at another error reply (an
+        "unknown_request" with other batches in flight included) or after timeout_s seconds
+        without all replies. After any of these every batch in flight is lost and the next
+        batch starts a new epoch."""
+        if not self._inflight:
+            raise RuntimeError("collect() with no batch in flight")
+        head = self._inflight[0]
         try:
-            replies = self._execute_once(batch)
-            self._check_instances(replies)
+            self._wait(head, self.timeout_s)
+            self._check_instances(head.replies)
         except WorkerError:
-            self.reset()
+            self.abandon()
             raise
-        outputs = [BatchOutput.from_wire(r) for r in replies]
+        self._inflight.popleft()
+        outputs = [BatchOutput.from_wire(r) for r in head.replies]
         for enc, out in zip(self.encoders, outputs):
             enc.on_output(out)
         last = outputs[-1]
-        last.timings["rpc_s"] = time.perf_counter() - t0
-        return last
+        last.timings.update({f"rank{i}_{k}": v for i, out in enumerate(outputs)
+                             for k, v in out.timings.items()})
+        last.timings.update(rpc_s=time.perf_counter() - head.t0, submitted_at=head.submitted_at,
+                            collected_at=time.time())
+        return head.batch, last
 
-    def _execute_once(self, batch: Batch) -> list[dict[str, Any]]:
-        msgs = [enc.encode(batch) for enc in self.encoders]
-        try:
-            return self._call_all(msgs, self.timeout_s)
-        except _Resend:
-            # a worker lost its mirror (restart): start over with every request in full
-            self.reset()
-            return self._call_all([enc.encode(batch) for enc in self.encoders], self.timeout_s)
+    def abandon(self) -> None:
+        """Forget every batch in flight (their replies, if any come, are dropped by seq) and
+        start a new epoch: the next batch sends every request in full."""
+        self._inflight.clear()
+        self.reset()
 
     def reset(self) -> None:
+        """A new epoch for every encoder (the workers then forget what they held)."""
         for enc in self.encoders:
             enc.reset()
 
-    def _call_all(self, msgs: list[dict[str, Any]], timeout_s: float) -> list[dict[str, Any]]:
-        """Send msgs[i] to worker i, wait for all replies (matched by seq); raise on errors."""
-        seq = next(self._seq)
+    # -- messages to every rank and their replies ---------------------------------------------------
+    def _send(self, call: _Call, msgs: list[dict[str, Any]]) -> None:
+        """Send msgs[i] to rank i under a new seq; the replies so far are forgotten."""
+        call.seq = next(self._seq)
+        call.replies = [None] * len(self.socks)
         for sock, msg in zip(self.socks, msgs):
-            sock.send(pack({**msg, "seq": seq}))
-        replies = [self._recv(i, seq, timeout_s) for i in range(len(self.socks))]
-        for i, r in enumerate(replies):
-            if not r.get("ok"):
-                if r.get("error") == "unknown_request":
-                    raise _Resend()
-                if r.get("error") == "rank_lost":
-                    raise WorkerLostError(f"worker {self.addresses[i]}: rank_lost: {r.get('message')}")
-                raise WorkerError(f"worker {self.addresses[i]}: {r.get('error')}: {r.get('message')}")
-        return replies
+            sock.send(pack({**msg, "seq": call.seq}))
+
+    def _call_all(self, msgs: list[dict[str, Any]], timeout_s: float) -> list[dict[str, Any]]:
+        """Send msgs[i] to worker i ("info", "ping"), wait for all replies; raise on errors."""
+        call = _Call(None)
+        self._send(call, msgs)
+        self._wait(call, timeout_s)
+        return call.replies
+
+    def _wait(self, call: _Call, timeout_s: float) -> None:
+        """Poll every rank until `call` has each rank's reply (matched by seq). Replies to other
+        batches in flight are filed under them; late replies to a call given up on are dropped.
+        Raises WorkerLostError (fresh sockets for the ranks whose link went down), WorkerError at
+        an error reply (see _file) or after timeout_s (fresh sockets for the silent ranks)."""
+        deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        for sock, mon in zip(self.socks, self.monitors):
+            poller.register(sock, zmq.POLLIN)
+            if mon is not None:
+                poller.register(mon, zmq.POLLIN)
+        while any(r is None for r in call.replies):
+            left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+            ready = dict(poller.poll(left_ms))
+            # a rank's link went down (process died, or missed heartbeats): every batch in flight
+            # is lost with its KV, whether or not that rank answered this call already
+            lost = [i for i, mon in enumerate(self.monitors) if mon is not None and mon in ready
+                    and self._drain_monitor(i)]
+            if lost:
+                for i in lost:
+                    self._renew(i)   # drop whatever was queued for the dead peer
+                what = f" while batch {call.batch.batch_id} was in flight" if call.batch else ""
+                raise self._lost_error(lost[0], what)
+            if not ready:
+                # a silent rank may still deliver the late reply: a fresh socket keeps seq matching simple
+                silent = [i for i, r in enumerate(call.replies) if r is None]
+                for i in silent:
+                    self._renew(i)
+                what = f" batch {call.batch.batch_id}" if call.batch else ""
+                raise WorkerError(f"worker {', '.join(self.addresses[i] for i in silent)} did not "
+                                  f"answer{what} within {timeout_s:.1f}s")
+            for i, sock in enumerate(self.socks):
+                while sock in ready and sock.poll(0, zmq.POLLIN):
+                    if self._file(i, unpack(sock.recv()), call):
+                        deadline = time.monotonic() + timeout_s   # resent in full: a fresh timeout
+
+    def _file(self, i: int, reply: dict[str, Any], call: _Call) -> bool:
+        """File rank i's reply under its call (`call`, or a batch in flight); True if `call` was
+        resent in full instead. An error reply raises (see collect)."""
+        entry = next((c for c in (call, *self._inflight) if c.seq == reply.get("seq")), None)
+        if entry is None:
+            return False   # a late answer to a call already given up on
+        if not reply.get("ok"):
+            kind = reply.get("error")
+            if (kind == "unknown_request" and entry is call and call.batch is not None
+                    and not call.resent and len(self._inflight) == 1):
+                # a worker lost its mirror (restart): start over with every request in full
+                call.resent = True
+                self.reset()
+                self._send(call, [enc.encode(call.batch) for enc in self.encoders])
+                return True
+            raise self._reply_error(i, reply)
+        entry.replies[i] = reply
+        return False
+
+    def _reply_error(self, i: int, reply: dict[str, Any]) -> WorkerError:
+        """The exception for rank i's error reply."""
+        kind, message = reply.get("error"), reply.get("message")
+        if kind == "rank_lost":   # a peer of rank i died: the replica's KV is gone
+            return WorkerLostError(f"worker {self.addresses[i]}: rank_lost: {message}")
+        return WorkerError(f"worker {self.addresses[i]}: {kind}: {message}"
+                           + ("; the request state was lost, the next batch is sent in full"
+                              if kind == "unknown_request" else ""))
 
     def _check_instances(self, replies: list[dict[str, Any]]) -> None:
         """Raise WorkerRestartedError if a worker's process changed since the last batch."""
@@ -247,28 +351,6 @@ class RemoteExecutor:
         self._instances = [r.get("instance") for r in replies]
         if changed:
             raise WorkerRestartedError(f"worker {', '.join(changed)} restarted: its KV cache is lost")
-
-    def _recv(self, i: int, seq: int, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        sock, mon = self.socks[i], self.monitors[i]
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        if mon is not None:
-            poller.register(mon, zmq.POLLIN)
-        while True:
-            left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-            ready = dict(poller.poll(left_ms))
-            if mon is not None and mon in ready and self._drain_monitor(i):
-                self._renew(i)  # drop whatever was queued for the dead peer
-                raise self._lost_error(i)
-            if sock in ready:
-                reply = unpack(sock.recv())
-                if reply.get("seq") == seq:
-                    return reply  # anything else is a late answer to a request we gave up on
-            elif not ready:
-                # the socket may still deliver the late reply: a fresh socket keeps seq matching simple
-                self._renew(i)
-                raise WorkerError(f"worker {self.addresses[i]} did not answer within {timeout_s:.1f}s")
 
     def _renew(self, i: int) -> None:
         """A fresh socket (and monitor) for worker i: nothing queued for a dead peer is delivered
@@ -281,102 +363,6 @@ class RemoteExecutor:
         return WorkerLostError(f"worker {self.addresses[i]} disconnected (process died or missed its "
                                f"heartbeats){what}: its KV cache is lost")
 
-    # -- micro-batches in flight (pipeline parallelism) -------------------------------------------
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._inflight)
-
-    def submit(self, batch: Batch) -> None:
-        """Send `batch` to every rank and return at once; collect() returns outputs in submit
-        order. The caller keeps the scheduler's invariant: a request is in at most one batch in
-        flight (so each encoder's mirror sees a request's tokens before its next chunk)."""
-        msgs = [enc.encode(batch) for enc in self.encoders]
-        seq = next(self._seq)
-        for sock, msg in zip(self.socks, msgs):
-            sock.send(pack({**msg, "seq": seq}))
-        self._inflight.append(_InFlight(batch, seq, time.perf_counter(), time.time(),
-                                        [None] * len(self.socks)))
-
-    def collect(self, timeout_s: float | None = None) -> tuple[Batch, BatchOutput]:
-        """(batch, output) of the oldest submitted batch, once every rank answered. The output is
-        the last rank's (it samples), with each rank's timings added as rank<i>_<name>
-        (start/end: time.time() seconds) and submitted_at / collected_at (time.time()).
-        Raises WorkerLostError when a rank's link goes down (heartbeats/monitor, as execute()) or
-        a rank answers "rank_lost", WorkerError at another error reply or after timeout_s without
-        all replies; every batch in flight is then lost and the next batch starts a new epoch."""
-        if not self._inflight:
-            raise RuntimeError("collect() with no batch in flight")
-        head = self._inflight[0]
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        poller = zmq.Poller()
-        for sock, mon in zip(self.socks, self.monitors):
-            poller.register(sock, zmq.POLLIN)
-            if mon is not None:
-                poller.register(mon, zmq.POLLIN)
-        while any(r is None for r in head.replies):
-            left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-            ready = dict(poller.poll(left_ms))
-            # a rank's link went down (process died, or missed heartbeats): every batch in flight
-            # is lost with its KV, whether or not that rank answered the oldest one already
-            lost = [i for i, mon in enumerate(self.monitors) if mon is not None and mon in ready
-                    and self._drain_monitor(i)]
-            if lost:
-                self._abandon(lost)
-                raise self._lost_error(lost[0], f" while batch {head.batch.batch_id} was in flight")
-            if not ready:
-                silent = [i for i, r in enumerate(head.replies) if r is None]
-                self._abandon(silent)
-                raise WorkerError(f"worker rank(s) {', '.join(self.addresses[i] for i in silent)} did "
-                                  f"not answer batch {head.batch.batch_id} within {timeout_s:.1f}s")
-            for i, sock in enumerate(self.socks):
-                while sock in ready and sock.poll(0, zmq.POLLIN):
-                    self._route(i, unpack(sock.recv()))
-        replies = head.replies
-        try:
-            self._check_instances(replies)
-        except WorkerError:
-            self._abandon([])
-            raise
-        self._inflight.popleft()
-        outputs = [BatchOutput.from_wire(r) for r in replies]
-        for enc, out in zip(self.encoders, outputs):
-            enc.on_output(out)
-        last = outputs[-1]
-        per_rank = {f"rank{i}_{k}": v for i, out in enumerate(outputs) for k, v in out.timings.items()}
-        last.timings.update(per_rank)
-        last.timings.update(rpc_s=time.perf_counter() - head.t0, submitted_at=head.submitted_at,
-                            collected_at=time.time())
-        return head.batch, last
-
-    def _route(self, i: int, reply: dict[str, Any]) -> None:
-        """File rank i's reply under its batch; an error reply fails everything in flight."""
-        entry = next((f for f in self._inflight if f.seq == reply.get("seq")), None)
-        if entry is None:
-            return  # a late answer to a batch already given up on
-        if not reply.get("ok"):
-            self._abandon([])
-            kind = reply.get("error")
-            if kind == "rank_lost":   # a peer of rank i died: the replica's KV is gone
-                raise WorkerLostError(f"worker {self.addresses[i]}: rank_lost: {reply.get('message')}")
-            raise WorkerError(f"worker {self.addresses[i]}: {kind}: {reply.get('message')}"
-                              + ("; the request state was lost, the next batch is sent in full"
-                                 if kind == "unknown_request" else ""))
-        entry.replies[i] = reply
-
-    def _abandon(self, silent: list[int]) -> None:
-        """Forget every batch in flight; fresh sockets for the silent (or lost) ranks, by index,
-        so a message queued for a dead peer is not delivered to its replacement; new epoch for
-        all."""
-        self._inflight.clear()
-        for i in silent:
-            self._renew(i)
-        self.reset()
-
     def close(self) -> None:
         for s in self.socks + [m for m in self.monitors if m is not None]:
             s.close(0)
-
-
-class _Resend(Exception):
-    """Internal: a worker asked for the batch in full."""

@@ -19,6 +19,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.policies import StepContext, make_policy
 from scheduler_svc.request import Request, RequestStatus
 from shared.config import CacheConfig, ModelInfo, SchedulerConfig
+from shared.limits import check_context_length, check_token_ids
 from shared.messages import Batch, BatchOutput, SeqChunk, TokenEvent
 from shared.sampling import InvalidRequestError, SamplingParams
 
@@ -28,9 +29,13 @@ class Scheduler:
 
     Limits: prompt + max_tokens <= min(sched_config.max_model_len, model_info.max_model_len)
     tokens, and must fit the KV cache less the watermark; block size and block count come from
-    cache_config; EOS ids from model_info. TokenEvent.index is the 0-based output index of
-    token_id (an EOS that ends a request is emitted, with finish_reason "stop"); an abort or
-    error event has token_id None and index = the number of tokens generated.
+    cache_config; EOS ids from model_info.
+
+    Token events are numbered here and nowhere else: TokenEvent.index is the 0-based output
+    index of token_id (an EOS that ends a request is emitted, with finish_reason "stop"); an
+    abort or error event has token_id None and index = the number of tokens generated, one past
+    the request's last token event (a refused request: rejection_event, index 0). Tokens are
+    never taken back (a preempted request keeps them), so the indices of one request only grow.
     """
 
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
@@ -85,20 +90,9 @@ class Scheduler:
                                       "duplicate_request_id")
         if not prompt:
             raise InvalidRequestError("the prompt must contain at least one token", "prompt")
-        vocab = self.model_info.vocab_size
-        try:  # numpy integers are fine too; anything else is refused, not crashed on
-            ok = all(int(t) == t and 0 <= t < (vocab if vocab > 0 else t + 1) for t in prompt)
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})",
-                                      "prompt", "invalid_token_id")
+        check_token_ids(prompt, self.model_info.vocab_size)
+        check_context_length(len(prompt), sampling.max_tokens, self.max_model_len)
         total = len(prompt) + sampling.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{total} were requested ({len(prompt)} in the prompt, {sampling.max_tokens} "
-                "max_tokens)", "max_tokens", "context_length_exceeded")
         bm = self.block_manager
         usable = bm.num_blocks - bm.watermark_blocks
         if bm.blocks_for(total) > usable:
@@ -106,6 +100,12 @@ class Scheduler:
                 f"the request needs {bm.blocks_for(total)} KV blocks ({total} tokens) but the "
                 f"KV cache can give one request at most {usable} blocks of {bm.block_size} "
                 "tokens", "max_tokens", "kv_cache_too_small")
+
+    @staticmethod
+    def rejection_event(req_id: str, num_prompt_tokens: int, error: InvalidRequestError) -> TokenEvent:
+        """The one event of a request add_request refused: an "error" end at index 0 (nothing
+        was generated)."""
+        return TokenEvent(req_id, 0, None, "error", error.message, num_prompt_tokens)
 
     def abort(self, req_id: str, error: str | None = None) -> None:
         """Stop a request at the next step boundary (thread-safe). With `error`, it finishes
@@ -260,12 +260,22 @@ class Scheduler:
         self._freed_ids.append(req.req_id)
         self._counters["num_preemptions"] += 1
 
-    def preempt_all(self) -> None:
-        """The workers lost their KV (a worker died or restarted): every running request goes
-        back to the waiting queue to be recomputed, oldest first at the head. Clear in_flight
-        first (the lost batch will never be answered)."""
+    def on_batches_abandoned(self) -> None:
+        """No batch scheduled so far will be answered (a step failed, or the workers were lost):
+        no request stays marked in flight, so aborts wait no longer and the policy sees every
+        running request again. Their tokens were never appended: what to do with the requests
+        is the caller's (fail_batch, abort or on_workers_lost)."""
+        for req in self.requests.values():
+            req.in_flight = False
+
+    def on_workers_lost(self) -> None:
+        """The workers lost their KV (a worker died or restarted): nothing in flight will be
+        answered, every running request goes back to the waiting queue to be recomputed with the
+        tokens it generated (oldest first at the head), and no cached prefix may be found again."""
+        self.on_batches_abandoned()
         for req in reversed(list(self.running)):
             self._preempt(req)
+        self.block_manager.forget_cached_contents()
 
     def apply_aborts(self) -> list[TokenEvent]:
         """Process pending aborts now, without scheduling (no worker to run a batch); returns
@@ -319,9 +329,6 @@ class Scheduler:
     # -- introspection --------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return bool(self.requests)
-
-    def get_request(self, req_id: str) -> Request | None:
-        return self.requests.get(req_id)
 
     def _count_batch(self, seqs: list[SeqChunk]) -> None:
         decode = sum(1 for s in seqs if s.is_decode)

@@ -13,18 +13,22 @@ One thread runs `SchedulerService.run()`; each turn of the loop:
 
 Failure rules (no accepted request may hang, none is dropped silently):
 * the workers fail an iteration (an error reply, a reply timeout): the requests of that batch
-  end with an "error" event;
+  (with a PP replica: of every micro-batch in flight) end with an "error" event;
 * a worker's link goes down (its process died: noticed within ~2 s by the link heartbeat, see
-  remote_executor; with a TP/PP replica also a rank answering "rank_lost", and on the pipelined
-  path every micro-batch in flight is dropped with it) or a worker restarted: its KV cache is gone, so every running request is
-  preempted (kept with its generated tokens, recomputed later: its stream just pauses). While no
-  worker answers, nothing runs and no new request is pulled from the queue; once one answers
-  again, the preempted requests run on it; if none answers within worker_restart_timeout_s,
-  every request held here ends with an "error" event;
+  remote_executor; with a TP/PP replica also a rank answering "rank_lost", and every micro-batch
+  in flight is dropped with it) or a worker restarted: its KV cache is gone, so every running
+  request is preempted (kept with its generated tokens, recomputed later: its stream just
+  pauses). While no worker answers, nothing runs and no new request is pulled from the queue;
+  once one answers again, the preempted requests run on it; if none answers within
+  worker_restart_timeout_s, every request held here ends with an "error" event;
 * the queue is unreachable (Redis down or restarting): token events and acks wait in order in an
   outbox and go out once it is back; the loop keeps running what it has.
 Unseeded requests get a seed derived from their id, so that a replay after a crash regenerates
 the very same tokens.
+
+One engine loop (scheduler_svc.engine_loop) runs the iterations: depth 1 for a single worker, up
+to pp batches in flight for a TP x PP replica. The loop knows the batches in flight; the failure
+handling below asks it which were lost, and the scheduler decides what becomes of their requests.
 """
 from __future__ import annotations
 
@@ -36,8 +40,7 @@ import time
 import zlib
 
 from scheduler_svc.engine_loop import EngineLoop
-from scheduler_svc.metrics import InstrumentedExecutor, SchedulerMetrics, start_http
-from scheduler_svc.pipeline import PipelinedLoop
+from scheduler_svc.metrics import SchedulerMetrics, start_http
 from scheduler_svc.remote_executor import WorkerError, WorkerLostError, WorkerRestartedError
 from scheduler_svc.scheduler import Scheduler
 from shared.messages import RequestMsg, TokenEvent
@@ -57,22 +60,16 @@ class SchedulerService:
                  metrics: SchedulerMetrics, *, max_waiting: int = 64, idle_block_ms: int = 50,
                  replay_interval_s: float = 5.0, worker_restart_timeout_s: float = 30.0):
         self.scheduler = scheduler
-        self.executor = InstrumentedExecutor(executor, metrics)
-        self.loop = EngineLoop(scheduler, self.executor)
-        # a TP x PP replica: up to pp micro-batches in flight (scheduler_svc.pipeline); also with
-        # pp = 1, so that a rank reporting a lost peer fails the batch at once
-        self.pipeline: PipelinedLoop | None = None
-        layout = getattr(executor, "parallel", None)
-        if hasattr(executor, "submit") and isinstance(layout, dict) and layout.get("world_size", 1) > 1:
-            self.pipeline = PipelinedLoop(scheduler, executor, executor.pipeline_depth,
-                                          on_batch=lambda b, _o, sec: metrics.observe_batch(b, sec))
+        self.executor = executor
+        # a TP x PP replica keeps up to pp micro-batches in flight; a single worker one batch
+        self.loop = EngineLoop(scheduler, executor, getattr(executor, "pipeline_depth", 1),
+                               on_batch=lambda batch, _out, seconds: metrics.observe_batch(batch, seconds))
         self.queue = queue
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.idle_block_ms = idle_block_ms
         self.replay_interval_s = replay_interval_s
         self.reply_to: dict[str, str] = {}   # req_id -> gateway id, for every unfinished request
-        self.next_index: dict[str, int] = {}  # req_id -> index of its next TokenEvent
         self.snapshot: dict = scheduler.stats()  # read by the HTTP thread: replaced, never mutated
         self.running = False
         self.http_port: int | None = None  # set by run_scheduler when it serves HTTP
@@ -137,7 +134,7 @@ class SchedulerService:
     # -- worker liveness --------------------------------------------------------------------------
     def _check_worker(self) -> None:
         """Between iterations: a link that went down while idle counts as a lost worker."""
-        check = getattr(self.executor.executor, "check_links", None)
+        check = getattr(self.executor, "check_links", None)
         lost = check() if check is not None else []
         if lost and self.worker_up:
             self._worker_lost(f"worker {', '.join(lost)} disconnected")
@@ -152,16 +149,11 @@ class SchedulerService:
         self.worker_down_since = time.monotonic()
 
     def _replay_all(self) -> None:
-        self.executor.in_flight = None
-        if self.pipeline is not None:   # the micro-batches in flight will never be answered
-            self.pipeline.take_in_flight()
-        for req in self.scheduler.requests.values():
-            req.in_flight = False
-        self.scheduler.preempt_all()
-        self.scheduler.block_manager.forget_cached_contents()  # cached prefixes are gone too
+        self.loop.take_in_flight()   # the batches in flight will never be answered
+        self.scheduler.on_workers_lost()
 
     def _wait_for_worker(self) -> None:
-        wait = getattr(self.executor.executor, "wait_ready", None)
+        wait = getattr(self.executor, "wait_ready", None)
         try:
             if wait is not None:
                 wait(0.5)
@@ -192,7 +184,7 @@ class SchedulerService:
 
     def _step(self) -> list[TokenEvent]:
         try:
-            return (self.pipeline or self.loop).step()
+            return self.loop.step()
         except WorkerLostError as e:  # a worker (rank) died mid-batch: hold everything until one is back
             self._worker_lost(str(e))
         except WorkerRestartedError as e:  # a new worker answered: the KV of every request is gone
@@ -209,16 +201,13 @@ class SchedulerService:
         return self.scheduler.take_events()
 
     def _recover(self, message: str, also_fail: list[str]) -> None:
-        """After a failed step nothing is outstanding (a step is synchronous), so no request may
-        stay marked in flight (aborts wait for that mark to clear). The requests of the lost
-        batch, and `also_fail`, end with an "error" event at the next step boundary."""
-        batch, self.executor.in_flight = self.executor.in_flight, None
-        if batch is not None:
-            self.scheduler.fail_batch(batch, message)
-        for lost in self.pipeline.take_in_flight() if self.pipeline is not None else []:
+        """After a failed step no batch in flight will be answered (the executor dropped them
+        all), so no request may stay marked in flight (aborts wait for that mark to clear). The
+        requests of the lost batches, and `also_fail`, end with an "error" event at the next step
+        boundary."""
+        for lost in self.loop.take_in_flight():
             self.scheduler.fail_batch(lost, message)
-        for req in self.scheduler.requests.values():
-            req.in_flight = False
+        self.scheduler.on_batches_abandoned()
         for req_id in also_fail:
             self.scheduler.abort(req_id, error=message)
 
@@ -228,29 +217,23 @@ class SchedulerService:
             if msg.req_id in self.reply_to:
                 continue  # a replay of a request we are already running
             self.reply_to[msg.req_id] = msg.reply_to
-            self.next_index[msg.req_id] = 0
             try:
                 self.scheduler.add_request(msg.req_id, msg.prompt_token_ids, _seeded(msg),
                                            arrival_time=self._to_clock(msg.arrival_time),
                                            share_prompt_with=msg.share_prompt_with)
             except InvalidRequestError as e:
                 self.metrics.rejected.inc()
-                self._publish([TokenEvent(msg.req_id, 0, None, "error", e.message,
-                                          len(msg.prompt_token_ids))])
+                self._publish([Scheduler.rejection_event(msg.req_id, len(msg.prompt_token_ids), e)])
 
     def _to_clock(self, wall_time: float) -> float:
         """A gateway's time.time() arrival on the scheduler's clock (seconds)."""
         return self.scheduler.clock() - max(0.0, time.time() - wall_time)
 
     def _publish(self, events: list[TokenEvent]) -> None:
-        """Number the events and send them (in order, after any still in the outbox); a request
-        is acked only once its end event is out."""
+        """Send the events as the scheduler numbered them (in order, after any still in the
+        outbox); a request is acked only once its end event is out."""
         for ev in events:
-            if ev.token_id is None:  # an end event goes after the tokens already sent
-                ev.index = max(ev.index, self.next_index.get(ev.req_id, 0))
-            self.next_index[ev.req_id] = ev.index + 1
             if ev.finish_reason is not None:
-                self.next_index.pop(ev.req_id, None)
                 self.metrics.finished.labels(reason=ev.finish_reason).inc()
         self._outbox.extend(events)
         try:

@@ -7,8 +7,9 @@ Two families:
   (the real torch executor, a ZeroMQ client to remote workers, or a simulated worker).
   The wire protocol of the worker service (full data once, diffs after) is built on top of it
   in worker_svc / scheduler_svc and re-creates exactly these objects on the worker side.
-* gateway <-> scheduler (one request): `RequestMsg`, `TokenEvent`, `AbortMsg`, carried by the
-  queue (Redis streams, or an in-process queue in embedded mode).
+* gateway <-> scheduler (one request): `RequestMsg`, `TokenEvent`, carried by the queue (Redis
+  streams, or an in-process queue in embedded mode); an abort is just the request id (see
+  shared.queue).
 
 Units: token counts and positions are in tokens; times are seconds (time.time() or an injected
 clock, as documented at the field).
@@ -191,17 +192,3 @@ class TokenEvent:
     def from_wire(cls, d: dict[str, Any]) -> "TokenEvent":
         return cls(**d)
 
-
-@dataclass
-class AbortMsg:
-    """Stop a request (client disconnect, stop-string match). Its blocks are freed at the next
-    step boundary."""
-
-    req_id: str
-
-    def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> "AbortMsg":
-        return cls(**d)

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from scheduler_svc.pipeline import PipelinedLoop, SyncPipeline
+from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.remote_executor import RemoteExecutor
 from scheduler_svc.scheduler import Scheduler
 from shared.config import CacheConfig, SchedulerConfig
@@ -62,14 +62,15 @@ def make_scheduler(num_blocks: int, token_budget: int, policy: str = "sarathi",
 
 
 def run(executor, depth: int, prompts: list[list[int]], max_tokens: int, num_blocks: int,
-        token_budget: int, model_info, pipelined: bool, record: bool = False):
-    """Greedy outputs of prompts through a PipelinedLoop; (outputs, scheduler, loop)."""
+        token_budget: int, model_info, record: bool = False):
+    """Greedy outputs of prompts through an EngineLoop with `depth` batches in flight, over a
+    remote replica (submit/collect) or an in-process executor; (outputs, scheduler, loop)."""
     sched = make_scheduler(num_blocks, token_budget, model_info=model_info)
     for i, p in enumerate(prompts):
         sched.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                      ignore_eos=True))
     reqs = [sched.requests[f"r{i}"] for i in range(len(prompts))]
-    loop = PipelinedLoop(sched, executor if pipelined else SyncPipeline(executor), depth, record=record)
+    loop = EngineLoop(sched, executor, depth, record=record)
     loop.run_until_done()
     return [r.output_token_ids for r in reqs], sched, loop
 

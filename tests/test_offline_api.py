@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from sarathi.llm import LLM
-from shared.config import POLICIES
+from scheduler_svc.policies import POLICIES
 from shared.sampling import InvalidRequestError, SamplingParams
 from tests.engine_helpers import make_tiny_checkpoint
 

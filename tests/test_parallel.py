@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from scheduler_svc.pipeline import PipelinedLoop
+from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.remote_executor import RemoteExecutor, WorkerError, WorkerLayoutError, WorkerLostError
 from shared.sampling import SamplingParams
 from tests.e2e_stack import ROOT
@@ -49,7 +49,7 @@ def reference(tiny):
     refs = {}
     for depth in (1, 2):
         outs, sched, _ = run(ex, depth, prompts(), MAX_TOKENS, NUM_BLOCKS, TOKEN_BUDGET,
-                             ex.model_info, pipelined=False)
+                             ex.model_info)
         refs[depth] = (outs, sched.stats())
     return refs
 
@@ -62,7 +62,7 @@ def test_parallel_replica_gives_the_single_rank_greedy_tokens(tmp_path, tiny, re
                                        **({"layers": [0, 2 // pp]} if tp * pp > 1 else {})}
         assert len(rep.remote.addresses) == tp * pp          # found from rank 0's address alone
         outs, sched, loop = run(rep.remote, pp, prompts(), MAX_TOKENS, NUM_BLOCKS, TOKEN_BUDGET,
-                                rep.remote.model_info, pipelined=True, record=True)
+                                rep.remote.model_info, record=True)
     finally:
         rep.close()
     ref_outs, ref_stats = reference[pp]
@@ -80,7 +80,7 @@ def test_pp2_keeps_two_micro_batches_on_the_stages_at_once(tmp_path):
     try:
         long_prompts = [[2 + i % 250 for i in range(n)] for n in (300, 280, 260, 290, 270, 310)]
         _, _, loop = run(rep.remote, 2, long_prompts, 4, 256, 128, rep.remote.model_info,
-                         pipelined=True, record=True)
+                         record=True)
     finally:
         rep.close()
     trace = loop.trace
@@ -130,7 +130,7 @@ def test_torchrun_starts_one_rank_per_process(tmp_path, tiny, reference):
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         assert remote.parallel["world_size"] == 2
         outs, _, _ = run(remote, 1, prompts(), MAX_TOKENS, NUM_BLOCKS, TOKEN_BUDGET,
-                         remote.model_info, pipelined=True)
+                         remote.model_info)
         assert outs == reference[1][0]
     finally:
         remote.close()
@@ -182,7 +182,7 @@ def test_a_dead_rank_fails_the_batches_in_flight_within_seconds(tmp_path, tiny, 
         for i in range(4):
             sched.add_request(f"r{i}", list(range(2, 40)), SamplingParams(temperature=0, max_tokens=200,
                                                                         ignore_eos=True))
-        loop = PipelinedLoop(sched, rep.remote, pp)
+        loop = EngineLoop(sched, rep.remote, pp)
         for _ in range(4):
             loop.step()
         os.kill(pids[victim], signal.SIGKILL)

@@ -41,7 +41,7 @@ def reference(prompts):
     out = {}
     for depth in (1, 2):
         outs, sched, _ = run(ex, depth, prompts, MAX_TOKENS, NUM_BLOCKS, TOKEN_BUDGET,
-                             ex.model_info, pipelined=False)
+                             ex.model_info)
         out[depth] = outs, sched.stats()["num_preemptions"]
     return out
 
@@ -53,7 +53,7 @@ def test_smollm2_split_over_ranks_gives_the_single_rank_tokens(tmp_path, prompts
         if extra:
             assert rep.remote.parallel["layers"] == [0, 20]
         outs, sched, _ = run(rep.remote, pp, prompts, MAX_TOKENS, NUM_BLOCKS, TOKEN_BUDGET,
-                             rep.remote.model_info, pipelined=True)
+                             rep.remote.model_info)
     finally:
         rep.close()
     ref_outs, ref_preempted = reference[pp]

@@ -1,4 +1,5 @@
-"""EngineLoop: schedule -> execute -> update, offline generate(), abort at any moment."""
+"""EngineLoop: schedule -> submit (up to depth in flight) -> collect -> update, offline generate(),
+abort at any moment."""
 from __future__ import annotations
 
 import threading
@@ -73,3 +74,52 @@ def test_a_stalled_scheduler_raises_instead_of_spinning():
     loop.scheduler.schedule()      # in flight, never updated: nothing else to run
     with pytest.raises(StalledError):
         loop.step()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_batches_in_flight_never_share_a_request_and_tokens_do_not_depend_on_depth(depth):
+    prompts = [list(range(1 + i, 14 + 3 * i)) for i in range(5)]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ref = sim_engine("sarathi", block_size=4, num_blocks=64, token_budget=16).generate(prompts, sp)
+    sim = sim_engine("sarathi", block_size=4, num_blocks=64, token_budget=16)
+    loop = EngineLoop(sim.scheduler, sim.executor, depth, record=True)
+    outs = loop.generate(prompts, sp)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in ref]
+    assert max(len(e["in_flight"]) for e in loop.trace) == depth - 1
+    by_id = {e["batch_id"]: e for e in loop.trace}
+    for e in loop.trace:
+        for other in e["in_flight"]:
+            assert not set(e["req_ids"]) & set(by_id[other]["req_ids"])
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_on_batch_observes_every_collected_batch_once_in_submit_order(depth):
+    sim = sim_engine("sarathi", block_size=4, num_blocks=64, token_budget=8)
+    seen = []
+    loop = EngineLoop(sim.scheduler, sim.executor, depth,
+                      on_batch=lambda batch, out, seconds: seen.append((batch.batch_id, out.batch_id, seconds)))
+    loop.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5]],
+                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert [b for b, _, _ in seen] == [o for _, o, _ in seen] == list(range(len(seen)))
+    assert all(s >= 0 for _, _, s in seen)
+
+
+def test_take_in_flight_hands_back_the_batches_oldest_first_and_the_executor_forgets_them():
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
+    prompts = [[1] * 6, [2] * 6]
+    ref = sim_engine("sarathi", block_size=4, num_blocks=64, token_budget=4).generate(prompts, sp)
+    sim = sim_engine("sarathi", block_size=4, num_blocks=64, token_budget=4)
+    loop = EngineLoop(sim.scheduler, sim.executor, depth=2)
+    reqs = [loop.add_request(f"r{i}", p, sp) for i, p in enumerate(prompts)]
+    loop.fill()
+    lost = loop.take_in_flight()
+    assert [b.batch_id for b in lost] == [0, 1] and not loop.in_flight
+    sim.scheduler.on_workers_lost()        # what the service does then: recompute them
+    loop.run_until_done()                  # nothing stale is collected from the executor
+    assert [r.output_token_ids for r in reqs] == [o.output_token_ids for o in ref]
+
+
+def test_depth_below_one_is_refused():
+    sim = sim_engine("sarathi", block_size=4, num_blocks=64)
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        EngineLoop(sim.scheduler, sim.executor, depth=0)

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from scheduler_svc.policies import POLICIES
 from scheduler_svc.request import RequestStatus
 from scheduler_svc.sim_executor import sim_engine
-from shared.config import POLICIES
 from shared.sampling import SamplingParams
 
 EOS = 7

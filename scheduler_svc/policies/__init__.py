@@ -1,7 +1,7 @@
 """Scheduling policies: one small module each, one registry here.
 
-Adding a policy: write a Policy subclass in its own module and list it in POLICY_CLASSES
-(and its name in shared.config.POLICIES, which the CLI offers).
+Adding a policy: write a Policy subclass in its own module and list it in POLICY_CLASSES. Its
+name is then a choice of the CLI's --policy (POLICIES) and of SchedulerConfig.policy.
 """
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ POLICY_CLASSES: dict[str, type[Policy]] = {
     for cls in (SarathiPolicy, VLLMPolicy, OrcaPolicy, FasterTransformerPolicy,
                 HybridOnlyPolicy, ChunkedOnlyPolicy)
 }
+POLICIES: tuple[str, ...] = tuple(POLICY_CLASSES)   # the names, in the CLI's order
 
 
 def make_policy(config: SchedulerConfig, max_model_len: int) -> Policy:
-    """The policy named by config.policy; max_model_len in tokens."""
+    """The policy named by config.policy; max_model_len in tokens. Raises ValueError for a
+    name not in POLICIES."""
     try:
         cls = POLICY_CLASSES[config.policy]
     except KeyError:
@@ -31,4 +33,4 @@ def make_policy(config: SchedulerConfig, max_model_len: int) -> Policy:
     return cls(config, max_model_len)
 
 
-__all__ = ["Policy", "StepContext", "POLICY_CLASSES", "make_policy"]
+__all__ = ["Policy", "StepContext", "POLICIES", "POLICY_CLASSES", "make_policy"]
