@@ -31,8 +31,9 @@ import numpy as np
 from sarathi.measure.costmodel import aggregates, batch_shapes
 from sarathi.measure.metrics import IterationRecord, RequestRecord
 from sarathi.measure.trace import Trace
-from scheduler_svc.engine_loop import EngineLoop, StalledError
+from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.sim_executor import SimClock
+from shared.messages import Batch
 from shared.sampling import SamplingParams
 
 ARRIVALS = ("poisson", "gamma", "burst")
@@ -105,51 +106,62 @@ def bench_sampling(max_tokens: int) -> SamplingParams:
 # -- in-process ---------------------------------------------------------------------------------
 def run_inprocess(engine: EngineLoop, workload: list[RequestSpec], *, drain_s: float,
                   on_progress: Callable[[int], None] | None = None) -> RunResult:
-    """Drive the engine's scheduler and executor through the workload, one iteration at a time.
+    """Drive the engine through the workload, one engine.step() (one iteration) at a time.
 
     The scheduler's clock is the run's clock: a SimClock is advanced over idle gaps (and by
     the executor's cost model); any other clock is waited on with time.sleep. on_progress(n)
     is called with the number of requests that finished in each iteration."""
-    sched, executor, clock = engine.scheduler, engine.executor, engine.scheduler.clock
+    sched, clock = engine.scheduler, engine.scheduler.clock
     sim = isinstance(clock, SimClock)
     t0 = clock()
     end = t0 + (workload[-1].arrival if workload else 0.0) + drain_s
     pending = deque(sorted(workload, key=lambda s: s.arrival))
     reqs, iterations = {}, []
-    while True:
-        now = clock()
-        while pending and t0 + pending[0].arrival <= now:
-            spec = pending.popleft()
-            reqs[spec.req_id] = (spec, engine.add_request(
-                spec.req_id, spec.prompt_ids, bench_sampling(spec.max_tokens), t0 + spec.arrival))
-        if now >= end:
-            break
-        batch = sched.schedule()
-        if batch is None:
-            done = sum(1 for e in sched.take_events() if e.finish_reason is not None)
+    # (batch, seconds it ran, clock at its end) of the batch engine.step() ran, if it ran one
+    collected: list[tuple[Batch, float, float]] = []
+    chained = engine.on_batch
+
+    def on_batch(batch: Batch, output, seconds: float) -> None:
+        collected.append((batch, seconds, clock()))
+        if chained is not None:
+            chained(batch, output, seconds)
+
+    engine.on_batch = on_batch
+    try:
+        while True:
+            now = clock()
+            while pending and t0 + pending[0].arrival <= now:
+                spec = pending.popleft()
+                reqs[spec.req_id] = (spec, engine.add_request(
+                    spec.req_id, spec.prompt_ids, bench_sampling(spec.max_tokens), t0 + spec.arrival))
+            if now >= end:
+                break
+            collected.clear()
+            started = clock()
+            events = engine.step()          # raises StalledError when nothing can ever run
+            done = sum(1 for e in events if e.finish_reason is not None)
             if done and on_progress:
                 on_progress(done)
-            if sched.has_unfinished():
-                raise StalledError(f"nothing schedulable; stats: {sched.stats()}")
-            if not pending:
-                break
-            wake = min(t0 + pending[0].arrival, end)
-            if sim:
-                clock.now = max(clock.now, wake)
-            else:
-                time.sleep(max(0.0, wake - clock()))
-            continue
-        started = clock()
-        output = executor.execute(batch)
-        duration = clock() - started
-        events = sched.update(batch, output)
-        tokens, kv, pairs, seqs = aggregates(batch_shapes(batch))
-        decodes = sum(1 for s in batch.seqs if s.is_decode)
-        iterations.append(IterationRecord(started - t0, duration, tokens - decodes, decodes,
-                                          seqs, kv, pairs))
-        done = sum(1 for e in events if e.finish_reason is not None)
-        if done and on_progress:
-            on_progress(done)
+            if collected:
+                # a SimClock moved by the executor's cost; a real clock: the execution alone
+                # (seconds from submit to collect), not the scheduling around it
+                batch, seconds, ended = collected[0]
+                duration = ended - started if sim else seconds
+                started = ended - duration
+                tokens, kv, pairs, seqs = aggregates(batch_shapes(batch))
+                decodes = sum(1 for s in batch.seqs if s.is_decode)
+                iterations.append(IterationRecord(started - t0, duration, tokens - decodes, decodes,
+                                                  seqs, kv, pairs))
+            elif not sched.has_unfinished():   # idle: on to the next arrival
+                if not pending:
+                    break
+                wake = min(t0 + pending[0].arrival, end)
+                if sim:
+                    clock.now = max(clock.now, wake)
+                else:
+                    time.sleep(max(0.0, wake - clock()))
+    finally:
+        engine.on_batch = chained
     records = []
     for spec, req in reqs.values():
         records.append(_record(spec, t0, [t - t0 for t in req.token_times],
