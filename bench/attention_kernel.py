@@ -1,5 +1,5 @@
 """Decode attention alone: the native paged kernel (worker_svc/native.py) vs the torch path
-(worker_svc.attention: sort, group, index_select gather, SDPA) on SmolLM2's shapes.
+(worker_svc.backends.torch_attention: sort, group, index_select gather, SDPA) on SmolLM2's shapes.
 
 SmolLM2-135M: 9 query heads, 3 kv heads, head_dim 64, block size 16. Each case is B decodes at
 one context length; q/out have the cache's dtype (fp32 for an fp16 cache), as in the engine. The timed unit is one
@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from bench.engine_iteration import machine
-from worker_svc import attention, native
+from worker_svc.backends import torch_attention as attention
+from worker_svc.backends.cpu import native
 
 HQ, HKV, DIM, BS = 9, 3, 64, 16
 SIZES = [1, 8, 32, 128]

@@ -94,7 +94,7 @@ def make_executor(spec: str) -> Executor:
     ex = Executor(WorkerConfig(dtype=dtype, kv_cache_dtype=kv, weight_quant=wq if ":" in spec else "none",
                                cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS)))
     if attn == "torch":                   # the torch decode path (SARATHI_NATIVE_ATTENTION=0)
-        from worker_svc.attention import TorchAttention
+        from worker_svc.backends.torch_attention import TorchAttention
         ex.backend.attention = TorchAttention()
         for layer in ex.model.layers:
             layer.attention = ex.backend.attention

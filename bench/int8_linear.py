@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.engine_iteration import machine
-from worker_svc import native
-from worker_svc.quant import quantize_int8
+from worker_svc.backends.cpu import native
+from worker_svc.backends.cpu.quant import quantize_int8
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
 SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128]
