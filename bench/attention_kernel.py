@@ -112,8 +112,13 @@ def build_extra(baseline: str | None) -> tuple[ctypes.CDLL | None, ctypes.CDLL]:
     base = None
     if baseline:
         src = tmp / "base.c"
-        src.write_text(subprocess.run(["git", "show", f"{baseline}:worker_svc/csrc/paged_decode.c"],
-                                      check=True, capture_output=True, text=True).stdout)
+        # the kernel's path at that revision: worker_svc/csrc/ before it moved under backends/cpu/
+        for path in ("worker_svc/backends/cpu/csrc/paged_decode.c", "worker_svc/csrc/paged_decode.c"):
+            shown = subprocess.run(["git", "show", f"{baseline}:{path}"], capture_output=True, text=True)
+            if shown.returncode == 0:
+                break
+        shown.check_returncode()
+        src.write_text(shown.stdout)
         subprocess.run([native._compiler(), *native._flags(), "-o", str(tmp / "base.so"), str(src), "-lm"],
                        check=True)   # the flags native.py builds with ($SARATHI_NATIVE_MARCH included)
         base = ctypes.CDLL(str(tmp / "base.so"))

@@ -5,7 +5,7 @@ worker_svc/quant.py (INT8_MAX_TOKENS).
 
 Variants (each a full sweep over ~540 MB of fp32 weights, more than the L3, as in a real step):
 * float32: F.linear (MKL/oneDNN sgemm);
-* int8-native: worker_svc/csrc/int8_linear.c (AVX2 widen-and-FMA, per-row scales);
+* int8-native: worker_svc/backends/cpu/csrc/int8_linear.c (AVX2 widen-and-FMA, per-row scales);
 * int8-torch: torch.ops.aten._weight_int8pack_mm, torch's own packed op (the issue's candidate);
   measured at small T only, it is slow on CPUs without AVX-512 (see the results);
 * bfloat16: F.linear on bf16 weights and activations (oneDNN; fast where the CPU has AVX512_BF16
