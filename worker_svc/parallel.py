@@ -64,7 +64,6 @@ class ParallelConfig:
     pp_layers: tuple[int, ...] | None = None
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    backend: str = "auto"          # "auto": the device backend's (gloo on CPU, nccl on CUDA)
     timeout_s: float = 60.0
 
     @property
@@ -270,12 +269,11 @@ class Parallel:
                                 f"past {self.timeout_s:.0f}s): {type(e).__name__}: {e}") from e
 
 
-def init_distributed(pc: ParallelConfig, default_backend: str) -> None:
-    """Join the replica's process group (TCP rendezvous at master_addr:master_port) over
-    pc.backend, or default_backend (the device backend's dist_backend) when that is "auto"."""
+def init_distributed(pc: ParallelConfig, backend: str) -> None:
+    """Join the replica's process group (TCP rendezvous at master_addr:master_port) over the
+    torch.distributed `backend` (the device backend's dist_backend: gloo on CPU, nccl on CUDA)."""
     if pc.world_size == 1 or dist.is_initialized():
         return
-    backend = pc.backend if pc.backend != "auto" else default_backend
     log.info("%s: joining process group (%s) at %s:%d", pc.describe(), backend, pc.master_addr,
              pc.master_port)
     dist.init_process_group(backend, init_method=f"tcp://{pc.master_addr}:{pc.master_port}",

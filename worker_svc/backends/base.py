@@ -141,8 +141,6 @@ class GraphRunner(Protocol):
     """Replays captured graphs of the model for the batches it can run (CUDA graphs for
     decode-only batches). It builds the attention metadata of a batch itself."""
 
-    sizes: list[int]            # batch sizes (sequences) it holds a graph for, ascending
-
     def run(self, seqs: list[SeqSpec], token_ids: list[int],
             positions: list[int]) -> torch.Tensor | None:
         """Logits [len(seqs), V] float32 on the device of every sequence's last token, or None

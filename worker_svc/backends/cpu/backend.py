@@ -38,7 +38,7 @@ from typing import ClassVar
 import torch
 
 from shared.config import DEFAULT_CPU_BLOCKS
-from worker_svc.backends.base import DeviceBackend, LinearMethod, Ops
+from worker_svc.backends.base import DeviceBackend, LinearMethod, Ops, SeqSpec
 from worker_svc.backends.cpu import native
 from worker_svc.backends.torch_attention import AttentionMetadata, TorchAttention, build_metadata, pad_tables
 
@@ -93,7 +93,8 @@ class NativeCpuAttention(TorchAttention):
         self.fused_write = fused_write
         self._write_ok: dict[tuple, bool] = {}     # (k dtype, cache dtype) -> write_kv casts it
 
-    def build_metadata(self, seqs, block_size: int, device: torch.device | str = "cpu") -> NativeCpuMetadata:
+    def build_metadata(self, seqs: list[SeqSpec], block_size: int,
+                       device: torch.device | str = "cpu") -> NativeCpuMetadata:
         """The torch path's metadata (its fallback) with the decodes as the kernel reads them."""
         meta = build_metadata(seqs, block_size, NativeCpuMetadata)
         d = meta.decode_seqs
