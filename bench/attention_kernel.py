@@ -1,4 +1,4 @@
-"""Decode attention alone: the native paged kernel (worker_svc/native.py) vs the torch path
+"""Decode attention alone: the native paged kernel (worker_svc/backends/cpu/native.py) vs the torch path
 (worker_svc.backends.torch_attention: sort, group, index_select gather, SDPA) on SmolLM2's shapes.
 
 SmolLM2-135M: 9 query heads, 3 kv heads, head_dim 64, block size 16. Each case is B decodes at

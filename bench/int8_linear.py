@@ -1,7 +1,7 @@
 """All linear layers of one SmolLM2-135M step (30 x qkv, o, gate_up, down + the LM head), float
 vs weight-only int8, by token count T: where int8 pays (memory-bound, small T) and where the float
 GEMM wins again (compute-bound). The result picks the int8 threshold recorded in
-worker_svc/quant.py (INT8_MAX_TOKENS).
+worker_svc/backends/cpu/quant.py (INT8_MAX_TOKENS).
 
 Variants (each a full sweep over ~540 MB of fp32 weights, more than the L3, as in a real step):
 * float32: F.linear (MKL/oneDNN sgemm);
@@ -9,7 +9,7 @@ Variants (each a full sweep over ~540 MB of fp32 weights, more than the L3, as i
 * int8-torch: torch.ops.aten._weight_int8pack_mm, torch's own packed op (the issue's candidate);
   measured at small T only, it is slow on CPUs without AVX-512 (see the results);
 * bfloat16: F.linear on bf16 weights and activations (oneDNN; fast where the CPU has AVX512_BF16
-  or AMX): the large-batch path of worker_svc/quant.py on such CPUs.
+  or AMX): the large-batch path of worker_svc/backends/cpu/quant.py on such CPUs.
 The thresholds: the largest T up to which int8-native beats each dense variant at every T.
 
 Each round runs every (T, variant) once, variants of a T back to back; medians are reported.
