@@ -1,5 +1,5 @@
-"""Decode attention alone: the native paged kernel (worker_svc/native.py) vs the torch path
-(worker_svc.attention: sort, group, index_select gather, SDPA) on SmolLM2's shapes.
+"""Decode attention alone: the native paged kernel (worker_svc/backends/cpu/native.py) vs the torch path
+(worker_svc.backends.torch_attention: sort, group, index_select gather, SDPA) on SmolLM2's shapes.
 
 SmolLM2-135M: 9 query heads, 3 kv heads, head_dim 64, block size 16. Each case is B decodes at
 one context length; q/out have the cache's dtype (fp32 for an fp16 cache), as in the engine. The timed unit is one
@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from bench.common import machine_line
-from worker_svc import attention, native
+from worker_svc.backends import torch_attention as attention
+from worker_svc.backends.cpu import native
 
 HQ, HKV, DIM, BS = 9, 3, 64, 16
 SIZES = [1, 8, 32, 128]
@@ -111,8 +112,13 @@ def build_extra(baseline: str | None) -> tuple[ctypes.CDLL | None, ctypes.CDLL]:
     base = None
     if baseline:
         src = tmp / "base.c"
-        src.write_text(subprocess.run(["git", "show", f"{baseline}:worker_svc/csrc/paged_decode.c"],
-                                      check=True, capture_output=True, text=True).stdout)
+        # the kernel's path at that revision: worker_svc/csrc/ before it moved under backends/cpu/
+        for path in ("worker_svc/backends/cpu/csrc/paged_decode.c", "worker_svc/csrc/paged_decode.c"):
+            shown = subprocess.run(["git", "show", f"{baseline}:{path}"], capture_output=True, text=True)
+            if shown.returncode == 0:
+                break
+        shown.check_returncode()
+        src.write_text(shown.stdout)
         subprocess.run([native._compiler(), *native._flags(), "-o", str(tmp / "base.so"), str(src), "-lm"],
                        check=True)   # the flags native.py builds with ($SARATHI_NATIVE_MARCH included)
         base = ctypes.CDLL(str(tmp / "base.so"))

@@ -91,7 +91,7 @@ def make_executor(spec: str, layout: Layout = FULL) -> Executor:
     ex = Executor(WorkerConfig(dtype=dtype, kv_cache_dtype=kv, weight_quant=wq if ":" in spec else "none",
                                cache=CacheConfig(BLOCK_SIZE, layout.num_blocks)))
     if attn == "torch":                   # the torch decode path (SARATHI_NATIVE_ATTENTION=0)
-        from worker_svc.attention import TorchAttention
+        from worker_svc.backends.torch_attention import TorchAttention
         ex.backend.attention = TorchAttention()
         for layer in ex.model.layers:
             layer.attention = ex.backend.attention

@@ -35,7 +35,7 @@ def main() -> None:
     torch.set_num_threads(threads)
     exs = {"before": make_executor("float32:float32:none:auto", SMALL),
            "after": make_executor("float32:auto:auto:auto", SMALL),
-           # opt-in: bf16 GEMM above the int8 threshold (not batch-invariant; worker_svc/quant.py)
+           # opt-in: bf16 GEMM above the int8 threshold (not batch-invariant; worker_svc/backends/cpu/quant.py)
            "int8-bf16": make_executor("float32:auto:int8-bf16:auto", SMALL)}
     membw = Path(sys.argv[3] if len(sys.argv) > 3 else "bench/results/engine_cpu/membw_amd.json")
     bw = json.loads(membw.read_text())["results"][f"{threads}t"]["read_gb_per_s"]

@@ -1,15 +1,15 @@
 """All linear layers of one SmolLM2-135M step (30 x qkv, o, gate_up, down + the LM head), float
 vs weight-only int8, by token count T: where int8 pays (memory-bound, small T) and where the float
 GEMM wins again (compute-bound). The result picks the int8 threshold recorded in
-worker_svc/quant.py (INT8_MAX_TOKENS).
+worker_svc/backends/cpu/quant.py (INT8_MAX_TOKENS).
 
 Variants (each a full sweep over ~540 MB of fp32 weights, more than the L3, as in a real step):
 * float32: F.linear (MKL/oneDNN sgemm);
-* int8-native: worker_svc/csrc/int8_linear.c (AVX2 widen-and-FMA, per-row scales);
+* int8-native: worker_svc/backends/cpu/csrc/int8_linear.c (AVX2 widen-and-FMA, per-row scales);
 * int8-torch: torch.ops.aten._weight_int8pack_mm, torch's own packed op (the issue's candidate);
   measured at small T only, it is slow on CPUs without AVX-512 (see the results);
 * bfloat16: F.linear on bf16 weights and activations (oneDNN; fast where the CPU has AVX512_BF16
-  or AMX): the large-batch path of worker_svc/quant.py on such CPUs.
+  or AMX): the large-batch path of worker_svc/backends/cpu/quant.py on such CPUs.
 The thresholds: the largest T up to which int8-native beats each dense variant at every T.
 
 Each round runs every (T, variant) once, variants of a T back to back; medians are reported.
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import HIDDEN, INTER, layer_shapes, machine_line
-from worker_svc import native
-from worker_svc.quant import quantize_int8
+from worker_svc.backends.cpu import native
+from worker_svc.backends.cpu.quant import quantize_int8
 
 SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128]
 TORCH_INT8_SIZES = [1, 4, 16]

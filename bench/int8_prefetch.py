@@ -1,4 +1,4 @@
-"""The int8 linear kernel's software prefetch (worker_svc/csrc/int8_linear.c: PREFETCH_TILES,
+"""The int8 linear kernel's software prefetch (worker_svc/backends/cpu/csrc/int8_linear.c: PREFETCH_TILES,
 PREFETCH_HINT), A/B in one run: each variant is the same source built with other -D values,
 timed over all linear layers of one SmolLM2-135M step (163 MB of int8 weights, more than the
 L3), variants interleaved per round, medians of --rounds.
@@ -21,7 +21,7 @@ import torch
 
 from bench.common import layer_shapes, machine_line
 
-SOURCE = Path(__file__).resolve().parent.parent / "worker_svc" / "csrc" / "int8_linear.c"
+SOURCE = Path(__file__).resolve().parent.parent / "worker_svc" / "backends" / "cpu" / "csrc" / "int8_linear.c"
 VARIANTS = {
     "L1 x4 (before)": ["-DPREFETCH_TILES=4", "-DPREFETCH_HINT=_MM_HINT_T0"],
     "none": ["-DPREFETCH_TILES=0"],

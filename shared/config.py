@@ -104,7 +104,7 @@ class WorkerConfig:
     kv_cache_dtype: "auto" (the device's default: 16-bit on CPU, the compute dtype on CUDA),
         "float32", "bfloat16" or "float16"; independent of dtype (exactness tests use float32).
     weight_quant: "auto" (CPU: int8 for small batches where the int8 kernel pays), "none",
-        "int8" (weight-only, per output channel; worker_svc/quant.py) or "int8-bf16" (int8 for
+        "int8" (weight-only, per output channel; worker_svc/backends/cpu/quant.py) or "int8-bf16" (int8 for
         small batches, bf16 GEMM above; not batch-invariant).
     """
 

@@ -7,7 +7,7 @@ from tests.redis_fixture import redis_prefix, redis_server_url  # noqa: F401 (fi
 @pytest.fixture
 def fresh_native(monkeypatch, tmp_path):
     """A clean native-kernel build state in an empty cache dir; restored afterwards."""
-    from worker_svc import native
+    from worker_svc.backends.cpu import native
 
     monkeypatch.setenv("SARATHI_CACHE_DIR", str(tmp_path))
     native._reset()

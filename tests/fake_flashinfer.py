@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tests.flashinfer_reference import reference_attention
-from worker_svc.flashinfer_meta import PagedBatch
+from worker_svc.backends.cuda.flashinfer_meta import PagedBatch
 
 __version__ = "fake"
 

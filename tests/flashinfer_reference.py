@@ -1,10 +1,10 @@
 """FlashInfer's paged attention written out in plain torch: the definition the metadata
-(worker_svc.flashinfer_meta) is tested against on the CPU, and the kernels on a GPU."""
+(worker_svc.backends.cuda.flashinfer_meta) is tested against on the CPU, and the kernels on a GPU."""
 from __future__ import annotations
 
 import torch
 
-from worker_svc.flashinfer_meta import PagedBatch, key_slots
+from worker_svc.backends.cuda.flashinfer_meta import PagedBatch, key_slots
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from shared.messages import Batch
 from tests.engine_helpers import (blocks_for, chunk, make_executor, make_tiny_checkpoint,
                                   prefill_logits, use_threads)
-from worker_svc import native
+from worker_svc.backends.cpu import native
 
 needs_native = pytest.mark.skipif(not native.available(),
                                   reason=f"native kernels not built: {native.unavailable_reason()}")
@@ -54,8 +54,8 @@ def paged_case(lens, hq, hkv, dim, kv_dtype, bs=16, seed=0):
 def test_native_decode_equals_torch_path_on_each_kv_dtype(kv_dtype, dim, hq, hkv):
     """Both backends read the same (16-bit or fp32) cache and widen it to fp32 q/accumulation:
     they agree to fp32 rounding, whatever the storage dtype."""
-    from worker_svc.attention import TorchAttention
     from worker_svc.backends.cpu import NativeCpuAttention
+    from worker_svc.backends.torch_attention import TorchAttention
 
     cache, seqs, q, k, v = paged_case([1, 15, 16, 17, 300, 33], hq, hkv, dim, kv_dtype)
     nat, tor = NativeCpuAttention(), TorchAttention()
@@ -158,7 +158,7 @@ def test_scalar_build_is_correct_and_not_picked_by_auto(fresh_native, monkeypatc
     the torch path, and attention "auto" leaves it for torch (it is slower than torch)."""
     from worker_svc.backends import select_backend
     from worker_svc.backends.cpu import NativeCpuAttention
-    from worker_svc.attention import TorchAttention
+    from worker_svc.backends.torch_attention import TorchAttention
 
     monkeypatch.setenv("SARATHI_NATIVE_MARCH", "x86-64")
     assert native.available() and native.isa() == "scalar" and native.int8_isa() == "scalar"
@@ -206,7 +206,7 @@ def test_kv_cache_dtype_defaults_and_choices():
 # ---- weight-only int8 ------------------------------------------------------------------------
 
 def test_quantize_int8_per_channel_round_trip():
-    from worker_svc.quant import quantize_int8
+    from worker_svc.backends.cpu.quant import quantize_int8
 
     w = torch.randn(37, 50) * torch.logspace(-3, 1, 37)[:, None]     # rows of very different scale
     w[5] = 0
@@ -221,7 +221,7 @@ def test_quantize_int8_per_channel_round_trip():
 @pytest.mark.parametrize("T,N,K", [(1, 960, 576), (2, 8, 64), (3, 7, 13), (16, 130, 200), (5, 6, 1536)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int8_kernel_equals_float_linear_on_the_dequantized_weight(T, N, K, threads):
-    from worker_svc.quant import quantize_int8
+    from worker_svc.backends.cpu.quant import quantize_int8
 
     g = torch.Generator().manual_seed(T * N + K)
     q, s = quantize_int8(torch.randn(N, K, generator=g))
@@ -240,7 +240,7 @@ def test_int8_kernel_equals_float_linear_on_the_dequantized_weight(T, N, K, thre
 @pytest.mark.parametrize("large", [torch.float32, torch.bfloat16])
 def test_int8_method_switches_by_token_count_and_both_paths_agree(monkeypatch, large):
     from worker_svc.model.linear import ColumnParallelLinear, TensorParallel
-    from worker_svc.quant import Int8LinearMethod
+    from worker_svc.backends.cpu.quant import Int8LinearMethod
 
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
@@ -271,7 +271,7 @@ def test_the_lm_head_never_takes_the_bf16_path():
     """Logits keep the compute dtype's precision: ReplicatedLinear (the LM head) has no bf16 copy
     and its large batches run the float GEMM on the dequantized weight."""
     from worker_svc.model.linear import ReplicatedLinear
-    from worker_svc.quant import Int8LinearMethod
+    from worker_svc.backends.cpu.quant import Int8LinearMethod
 
     g = torch.Generator().manual_seed(2)
     head = ReplicatedLinear(torch.nn.Parameter(torch.randn(50, 16, generator=g), requires_grad=False),
@@ -285,7 +285,7 @@ def test_the_lm_head_never_takes_the_bf16_path():
 def test_bf16_large_path_is_opt_in_and_says_when_it_is_emulated(monkeypatch):
     """The default keeps the fp32 dense path whatever the CPU (batch-invariant greedy output);
     int8-bf16 takes the bf16 threshold and says so when this CPU has no bf16 dot products."""
-    import worker_svc.quant as quant
+    import worker_svc.backends.cpu.quant as quant
     from worker_svc.backends.cpu import cpu_backend
 
     for has_bf16 in (True, False):

@@ -1,15 +1,15 @@
-"""The fused native CPU ops (csrc/cpu_ops.c through worker_svc.native and NativeCpuOps) equal
-their torch reference (worker_svc.backends.base.Ops): bit-equal where the same IEEE operations
-run in the same order (rotary, the residual add, the KV cast), within a few ulp where the order
-or exp differ (RMSNorm's sum of squares, silu; in bf16 that ulp can flip a rounding)."""
+"""The fused native CPU ops (backends/cpu/csrc/cpu_ops.c through backends.cpu.native and
+NativeCpuOps) equal their torch reference (worker_svc.backends.base.Ops): bit-equal where the
+same IEEE operations run in the same order (rotary, the residual add, the KV cast), within a few
+ulp where the order or exp differ (RMSNorm's sum of squares, silu; in bf16 that ulp can flip a
+rounding)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from worker_svc import native
 from worker_svc.backends.base import Ops
-from worker_svc.backends.cpu import NativeCpuOps, native_ops_enabled
+from worker_svc.backends.cpu import NativeCpuOps, native, native_ops_enabled
 from worker_svc.kv_cache import PagedKVCache
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built")
@@ -167,8 +167,8 @@ def test_large_batches_split_across_threads_give_the_same_rows(dtype):
 def test_native_attention_fused_write_fills_the_cache_like_the_torch_path(cache_dtype):
     """A hybrid batch (a chunk with a cached prefix, two decodes) through NativeCpuAttention with
     the fused KV write and through TorchAttention: the same cache bytes and the same output."""
-    from worker_svc.attention import TorchAttention
     from worker_svc.backends.cpu import NativeCpuAttention
+    from worker_svc.backends.torch_attention import TorchAttention
 
     if not native.write_kv_supports(torch.float32, cache_dtype):
         pytest.skip("no F16C on this build")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker_svc.cuda_graphs import bucket_for, capture_sizes, pad_decode_inputs
-from worker_svc.flashinfer_meta import build_paged_batch, pad_decode_batch
+from worker_svc.backends.cuda.cuda_graphs import bucket_for, capture_sizes, pad_decode_inputs
+from worker_svc.backends.cuda.flashinfer_meta import build_paged_batch, pad_decode_batch
 
 
 @pytest.mark.parametrize("max_num_seqs,sizes", [

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shared.sampling import SamplingParams
-from worker_svc.device_sampler import DeviceSampler, filtered_logits, hash32, uniform_noise
+from worker_svc.backends.cuda.device_sampler import DeviceSampler, filtered_logits, hash32, uniform_noise
 from worker_svc.sampler import filtered_probs
 
 V = 50

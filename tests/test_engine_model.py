@@ -95,7 +95,7 @@ def test_shuffled_block_tables_equal_contiguous(tiny):
 def test_decodes_of_different_lengths_batch_together(tiny, group_tokens, monkeypatch):
     """Padded decode attention masks each sequence's tail: short and long contexts mix, in
     one group or (small cap) split into several groups, out of batch order."""
-    monkeypatch.setattr("worker_svc.attention.DECODE_GROUP_TOKENS", group_tokens)
+    monkeypatch.setattr("worker_svc.backends.torch_attention.DECODE_GROUP_TOKENS", group_tokens)
     _, _, ex = tiny
     pool = BlockPool(128)
     lens = [5, 33, 64, 17]

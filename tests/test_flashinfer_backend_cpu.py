@@ -14,8 +14,9 @@ from shared.messages import Batch
 from tests import fake_flashinfer
 from tests.engine_helpers import (TINY_CONFIGS, BlockPool, blocks_for, chunk, greedy_generate,
                                   make_executor, make_tiny_checkpoint, use_threads)
-from worker_svc import cuda_graphs, executor as executor_mod
-from worker_svc.backends.base import DeviceBackend, LinearMethod
+from worker_svc import executor as executor_mod
+from worker_svc.backends.base import LinearMethod
+from worker_svc.backends.cuda import cuda_graphs
 from worker_svc.executor import BatchError, Executor
 
 BS = 16
@@ -42,15 +43,15 @@ class EagerGraphRunner(cuda_graphs.CudaGraphRunner):
 
 @pytest.fixture
 def fake_backend(monkeypatch):
-    from worker_svc.backends.cuda import FlashInferAttention
+    """The CUDA backend as cuda_backend builds it with FlashInfer, on the CPU device."""
+    from worker_svc.backends.cuda import CudaBackend, FlashInferAttention
 
     monkeypatch.setitem(__import__("sys").modules, "flashinfer", fake_flashinfer)
     monkeypatch.setattr(FlashInferAttention, "workspace_bytes", 1024)
 
     def select(device, dtype, kv_cache_dtype=None, attention="auto", weight_quant="auto"):
-        return DeviceBackend(torch.device("cpu"), FlashInferAttention(torch.device("cpu"), dtype),
-                             LinearMethod(), dtype, sample_on_device=True, scratch_blocks=1,
-                             make_graph_runner=EagerGraphRunner)
+        return CudaBackend(torch.device("cpu"), FlashInferAttention(torch.device("cpu"), dtype),
+                           LinearMethod(), dtype, dtype, scratch_blocks=1, graph_runner_class=EagerGraphRunner)
     monkeypatch.setattr(executor_mod, "select_backend", select)
 
 

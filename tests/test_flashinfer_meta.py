@@ -9,8 +9,8 @@ import torch
 
 from tests.engine_helpers import BlockPool, blocks_for
 from tests.flashinfer_reference import reference_attention
-from worker_svc.attention import TorchAttention, build_metadata
-from worker_svc.flashinfer_meta import build_paged_batch, key_slots, pad_decode_batch
+from worker_svc.backends.cuda.flashinfer_meta import build_paged_batch, key_slots, pad_decode_batch
+from worker_svc.backends.torch_attention import TorchAttention, build_metadata
 from worker_svc.kv_cache import PagedKVCache
 
 BS = 16
@@ -44,14 +44,14 @@ def test_metadata_names_the_slots_the_torch_path_reads(seed):
     assert pb.qo_indptr.tolist() == [0] + torch.tensor([n for _, n, _ in specs]).cumsum(0).tolist()
     chunks = iter(torch_meta.chunks)
     decode_i = 0
-    nd = torch_meta.native_decode
+    nd = torch_meta.decode_seqs
     for i, (start, n, table) in enumerate(specs):
         got = key_slots(pb, i)
         assert torch.equal(got, table_slots(start, n, table))          # every key position, in order
         row0 = int(pb.qo_indptr[i])
         if n == 1:                      # what the torch path's decode tables + lengths cover
             assert int(nd.rows[decode_i]) == row0 and int(nd.lens[decode_i]) == start + 1
-            read = nd.tables[decode_i].long()
+            read = torch.tensor(nd.tables[decode_i])
             decode_i += 1
         else:                           # what the torch path's chunk gathers
             c = next(chunks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker_svc.kv_sizing import block_bytes, blocks_that_fit, profile_sequences
+from worker_svc.backends.cuda.kv_sizing import block_bytes, blocks_that_fit, profile_sequences
 
 GIB = 1 << 30
 

@@ -1,4 +1,4 @@
-"""The native paged decode kernel (worker_svc/native.py) against a plain torch reference:
+"""The native paged decode kernel (worker_svc/backends/cpu/native.py) against a plain torch reference:
 gather each sequence's K/V in position order, softmax in fp32, weight V."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from worker_svc import native
+from worker_svc.backends.cpu import native
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason=f"native kernel not built: {native.unavailable_reason()}")
@@ -123,7 +123,7 @@ def test_rejects_unsupported_shapes():
 
 def test_missing_compiler_falls_back(fresh_native, monkeypatch, caplog):
     monkeypatch.setenv("SARATHI_CC", "/nonexistent/cc")
-    with caplog.at_level(logging.WARNING, logger="worker_svc.native"):
+    with caplog.at_level(logging.WARNING, logger="worker_svc.backends.cpu.native"):
         assert native.available() is False
         assert native.available() is False           # second call: no retry, no second log
     assert "nonexistent" in native.unavailable_reason()
@@ -154,8 +154,8 @@ def test_build_into_fresh_cache_dir(fresh_native, tmp_path):
 def test_paged_attention_native_matches_torch_path(monkeypatch):
     """The CPU backend's native attention runs the kernel for a hybrid batch's decode rows (here
     split by a chunk, so the rows are not contiguous); the result equals the torch backend's."""
-    from worker_svc.attention import TorchAttention
     from worker_svc.backends.cpu import NativeCpuAttention
+    from worker_svc.backends.torch_attention import TorchAttention
     from worker_svc.kv_cache import PagedKVCache
 
     g = torch.Generator().manual_seed(6)

@@ -25,8 +25,6 @@ from multiprocessing.connection import wait
 
 log = logging.getLogger("sarathi.worker")
 
-LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
-
 
 def free_port() -> int:
     with socket.socket() as s:

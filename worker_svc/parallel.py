@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shared.config import cdiv
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.linear import TensorParallel
 
@@ -64,7 +64,6 @@ class ParallelConfig:
     pp_layers: tuple[int, ...] | None = None
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    backend: str = "auto"          # "auto": gloo on CPU, nccl on CUDA
     timeout_s: float = 60.0
 
     @property
@@ -145,11 +144,6 @@ class _GuardedTP(TensorParallel):
                                 f"{self.timeout_s:.0f}s): {type(e).__name__}: {e}") from e
 
 
-def env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else None
-
-
 class Parallel:
     """This rank's communication (see module docstring); built after dist is initialised."""
 
@@ -175,7 +169,7 @@ class Parallel:
     # -- TP: vocabulary-parallel embedding and LM head ------------------------------------------
     def vocab_shard(self, vocab_size: int) -> tuple[int, int]:
         """[start, end) of this TP rank's vocabulary rows (ceil-divided; the last may be short)."""
-        per = -(-vocab_size // self.tp.world_size)
+        per = cdiv(vocab_size, self.tp.world_size)
         start = min(vocab_size, self.tp.rank * per)
         return start, min(vocab_size, start + per)
 
@@ -184,7 +178,7 @@ class Parallel:
         if self.tp.world_size == 1:
             return w
         start, end = self.vocab_shard(w.shape[0])
-        per = -(-w.shape[0] // self.tp.world_size)
+        per = cdiv(w.shape[0], self.tp.world_size)
         out = w.new_zeros(per, w.shape[1])
         out[:end - start] = w[start:end]
         return out
@@ -275,11 +269,11 @@ class Parallel:
                                 f"past {self.timeout_s:.0f}s): {type(e).__name__}: {e}") from e
 
 
-def init_distributed(pc: ParallelConfig, device: str) -> None:
-    """Join the replica's process group (TCP rendezvous at master_addr:master_port)."""
+def init_distributed(pc: ParallelConfig, backend: str) -> None:
+    """Join the replica's process group (TCP rendezvous at master_addr:master_port) over the
+    torch.distributed `backend` (the device backend's dist_backend: gloo on CPU, nccl on CUDA)."""
     if pc.world_size == 1 or dist.is_initialized():
         return
-    backend = pc.backend if pc.backend != "auto" else ("nccl" if device.startswith("cuda") else "gloo")
     log.info("%s: joining process group (%s) at %s:%d", pc.describe(), backend, pc.master_addr,
              pc.master_port)
     dist.init_process_group(backend, init_method=f"tcp://{pc.master_addr}:{pc.master_port}",

@@ -10,6 +10,8 @@ logprobs are the log-softmax of step 4 ("processed" logprobs, the distribution t
 drawn from before top-k / top-p truncation; vLLM's default is the raw log-softmax of step 1).
 Then top-k, then top-p (keep the smallest most-likely set whose mass reaches top_p; the top token
 always survives), then one draw (an exponential race, exactly distributed as a multinomial draw).
+top_k_top_p is the one implementation of those two rules; the CUDA backend's device sampler
+(worker_svc/backends/cuda/device_sampler.py) calls it too.
 
 A seeded request draws with a generator seeded step_seed(seed, output_index), so its i-th token
 does not depend on what else was in the batch or on earlier preemptions; unseeded requests share
@@ -146,15 +148,35 @@ def token_logprobs(row: torch.Tensor, p: SamplingParams, token: int) -> list:
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Probabilities [V] after temperature, top-k and top-p (zero outside the kept set)."""
-    logits = logits.float() / p.temperature
-    if 0 < p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
+    scaled = (logits.float() / p.temperature).unsqueeze(0)
+    return top_k_top_p(scaled, [p.top_k], [p.top_p])[0].softmax(-1)
+
+
+def top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """x [S, V] float32 logits (already divided by the temperature) -> x with the tokens that
+    top-k, then top-p, drop set to -inf; row s follows top_k[s] and top_p[s].
+
+    Top-k keeps the tokens >= the k-th largest logit (ties at the cut all stay; k outside
+    1 .. V - 1 keeps every token). Top-p then sorts what is left, most likely first, and drops a
+    token when the probability mass strictly before it already reaches top_p (top_p >= 1 keeps
+    every token); the most likely token always stays. Returns x itself when no row filters."""
+    vocab, dev = x.shape[-1], x.device
+    ks = [k if 0 < k < vocab else 0 for k in top_k]        # 0: this row keeps every token
+    if any(ks):
+        # the k-th largest value by selection: exact, whatever the row's other values
+        kth = torch.topk(x, max(ks), dim=-1).values.gather(
+            1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])        # [S, 1]
+        if not all(ks):
+            kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=dev)[:, None], float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+    use_p = [p < 1.0 for p in top_p]
+    if any(use_p):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
         # drop a token when the mass strictly before it already reaches top_p
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
-        drop[0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits.softmax(-1)
+        drop = (probs.cumsum(-1) - probs) >= torch.tensor(top_p, dtype=torch.float32, device=dev)[:, None]
+        if not all(use_p):
+            drop &= torch.tensor(use_p, device=dev)[:, None]
+        drop[:, 0] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    return x

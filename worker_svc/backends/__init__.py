@@ -1,19 +1,50 @@
-"""Device backends (see base.py): select_backend() picks one per worker at start-up."""
+"""Device backends (see base.py): select_backend() picks one per worker at start-up.
+
+Layout: base.py is the contract (DeviceBackend, AttentionBackend, LinearMethod, Ops, and the
+sampler and graph-runner protocols); torch_attention.py the pure-torch attention any device can
+run; cpu/ the CPU backend (native kernels in cpu/csrc, int8 linear layers); cuda/ the CUDA
+backend (FlashInfer, CUDA graphs, device sampling, KV sizing from device memory). Code outside
+this package uses only what this module exports.
+"""
 from __future__ import annotations
 
 import torch
 
-from worker_svc.backends.base import AttentionBackend, DeviceBackend, LinearMethod, SeqSpec
+from worker_svc.backends.base import (AttentionBackend, DeviceBackend, GraphRunner, LinearMethod, Ops,
+                                      SeqSpec, TokenSampler)
 
-__all__ = ["AttentionBackend", "DeviceBackend", "LinearMethod", "SeqSpec", "select_backend"]
+__all__ = ["AttentionBackend", "DeviceBackend", "GraphRunner", "LinearMethod", "Ops", "SeqSpec",
+           "TokenSampler", "parse_dtype", "parse_kv_cache_dtype", "select_backend"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = {**DTYPES, "float16": torch.float16}
 
 
-def select_backend(device: str, compute_dtype: torch.dtype,
+def parse_dtype(name: str) -> torch.dtype | None:
+    """A compute dtype name -> the dtype; "auto" -> None (the backend's default_dtype)."""
+    if name == "auto":
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_kv_cache_dtype(name: str) -> torch.dtype | None:
+    """A KV cache dtype name -> the dtype; "auto" -> None (the backend's default for its device)."""
+    if name == "auto":
+        return None
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose auto, {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
+
+
+def select_backend(device: str, compute_dtype: torch.dtype | None = None,
                    kv_cache_dtype: torch.dtype | None = None, attention: str = "auto",
                    weight_quant: str = "auto") -> DeviceBackend:
-    """The backend for `device` ("cpu", "cuda", "cuda:N"). kv_cache_dtype None = the device's
-    default (CPU: 16-bit; CUDA: the compute dtype). weight_quant: "auto" | "none" | "int8" | "int8-bf16" (CPU).
-    attention: "auto" or a device's named choice (CPU: native, torch; CUDA: flashinfer, torch)."""
+    """The backend for `device` ("cpu", "cuda", "cuda:N"). compute_dtype None = the device's
+    default_dtype (CPU: float32, CUDA: bfloat16). kv_cache_dtype None = the device's default
+    (CPU: 16-bit; CUDA: the compute dtype). weight_quant: "auto" | "none" | "int8" | "int8-bf16"
+    (CPU). attention: "auto" or a device's named choice (CPU: native, torch; CUDA: flashinfer, torch)."""
     dev = torch.device(device)
     if dev.type == "cpu":
         from worker_svc.backends.cpu import cpu_backend

@@ -1,4 +1,4 @@
-"""The device seam: what differs per device, behind three small interfaces.
+"""The device seam: what differs per device, behind small interfaces.
 
 A DeviceBackend is chosen once per worker at start-up (worker_svc.backends.select_backend) and
 handed to the model and the executor. The model code (layers, positions, the flat hybrid batch)
@@ -12,18 +12,32 @@ never asks which device it runs on; it calls
 * backend.kv_cache_dtype for the paged KV tensors (independent of the compute dtype);
 * backend.ops for the elementwise glue of a layer (RMSNorm with the residual add, rotary,
   silu * up): Ops below is the torch reference (CUDA, fallbacks); the CPU backend's fused native
-  versions equal it (worker_svc/backends/cpu.py, csrc/cpu_ops.c).
+  versions equal it (worker_svc/backends/cpu/backend.py, cpu/csrc/cpu_ops.c).
+
+The executor (a model runner: check, forward, sample) asks the backend what it would otherwise
+decide by device string: the compute dtype for "auto" (compute_dtype, from default_dtype), the
+KV capacity when none was given (num_kv_blocks), the sampler (sampler: on the host, or on the
+device with the host as fallback), the graph runner for decode batches (graph_runner; it builds
+its own attention metadata from the batch), and the torch.distributed backend (dist_backend).
 
 Adding a device (or a faster kernel for one) means adding a backend, not `if cuda` branches in
-the model. describe() is the one line a worker prints at start-up so an operator knows what runs.
+the model or the executor. describe() is the one line a worker prints at start-up so an operator
+knows what runs. Device code (native libraries, CUDA, FlashInfer) lives only under
+worker_svc/backends/ (tests/test_layering.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from shared.config import WorkerConfig
+from shared.messages import SeqChunk
+from worker_svc.kv_cache import PagedKVCache
+from worker_svc.model.config import ModelConfig
+from worker_svc.sampler import Sampler, SamplerOutput
 
 # (start_pos, num_new_tokens, block_table) per sequence of a batch, in batch row order; the
 # caller has checked that each block table covers start_pos + num_new_tokens.
@@ -67,7 +81,7 @@ class Ops:
     """The elementwise ops between a decoder layer's linear layers and attention, written as Hugging
     Face's Llama computes them (the reference; what any device runs). A backend may replace them
     with fused kernels that compute the same function (fp32: the same roundings up to summation
-    order and exp; see csrc/cpu_ops.c) and may work in place where stated.
+    order and exp; see cpu/csrc/cpu_ops.c) and may work in place where stated.
 
     Tensors: x, residual [T, H]; weight [H]; q [T, Hq, D], k [T, Hkv, D]; cos, sin [T, 1, D] in
     the compute dtype (RotaryEmbedding.tables); gate_up [T, 2 * I] (gate, then up)."""
@@ -107,23 +121,54 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+class TokenSampler(Protocol):
+    """Draws one token per due sequence of a batch and keeps what drawing needs across batches
+    (token histories for penalties). worker_svc.sampler.Sampler is the host implementation."""
+
+    def observe(self, chunks: list[SeqChunk]) -> None:
+        """Record every chunk of a batch (sampled or not) before sampling."""
+
+    def free(self, req_ids: list[str]) -> None:
+        """Drop the per-request state of finished / preempted requests; unknown ids are fine."""
+
+    def sample_chunks(self, logits: torch.Tensor, due: list[SeqChunk],
+                      agree: Callable[[list[int]], list[int]] | None = None) -> SamplerOutput:
+        """logits [S, V] (on the backend's device) of the rows due a token -> one token each
+        (and logprobs where asked); agree maps the drawn tokens to the ones kept (TP)."""
+
+
+class GraphRunner(Protocol):
+    """Replays captured graphs of the model for the batches it can run (CUDA graphs for
+    decode-only batches). It builds the attention metadata of a batch itself."""
+
+    def run(self, seqs: list[SeqSpec], token_ids: list[int],
+            positions: list[int]) -> torch.Tensor | None:
+        """Logits [len(seqs), V] float32 on the device of every sequence's last token, or None
+        when it cannot run this batch (the caller runs it eagerly). token_ids, positions: the
+        batch's flat rows [T]. The result may be overwritten by the next run()."""
+
+
 @dataclass
 class DeviceBackend:
-    """The per-device choices of one worker (see module docstring)."""
+    """The per-device choices of one worker (see module docstring). A device's subclass sets the
+    class-level answers (default_dtype, dist_backend) and implements num_kv_blocks; sampler()
+    and graph_runner() default to the host sampler and no graphs."""
 
     device: torch.device
     attention: AttentionBackend
     linear: LinearMethod
     kv_cache_dtype: torch.dtype
-    # sample where the logits are; only token ids cross to the host (worker_svc.device_sampler)
-    sample_on_device: bool = False
+    compute_dtype: torch.dtype      # weights and activations; default_dtype unless one was asked for
     # KV blocks allocated beyond the scheduler's, ids num_blocks.. (CUDA graphs' padding rows
     # write there, so padding never touches a request's KV)
     scratch_blocks: int = 0
-    # (model, cache, attention, sizes, scratch_block, device) -> a graph runner, or None
-    make_graph_runner: Callable[..., Any] | None = None
     note: str = ""              # e.g. why a fallback was taken; printed by describe()
     ops: Ops = field(default_factory=Ops)     # the layers' elementwise glue (see Ops)
+
+    default_dtype: ClassVar[torch.dtype]    # the compute dtype for dtype "auto"
+    dist_backend: ClassVar[str]             # torch.distributed backend between ranks (TP, PP)
+    # sample where the logits are; only token ids cross to the host (see sampler())
+    sample_on_device: ClassVar[bool] = False
 
     def bind(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype,
              scale: float, max_pages: int) -> None:
@@ -131,6 +176,23 @@ class DeviceBackend:
         bind = getattr(self.attention, "bind", None)
         if bind is not None:
             bind(num_qo_heads, num_kv_heads, head_dim, q_dtype, scale, max_pages)
+
+    def num_kv_blocks(self, model: torch.nn.Module, cfg: ModelConfig, num_kv_heads: int,
+                      block_size: int, config: WorkerConfig, distributed: bool) -> int:
+        """KV blocks per layer to allocate when config.cache.num_blocks is 0 ("auto"), the
+        scheduler's only (scratch_blocks come on top). num_kv_heads: this rank's; distributed:
+        this rank is one of several (TP/PP). Called after bind(), before the cache exists."""
+        raise NotImplementedError(f"{type(self).__name__} cannot size the KV cache: give num_blocks")
+
+    def sampler(self, seed: int | None, eos_token_ids: list[int] | tuple) -> TokenSampler:
+        """The sampler for this device's logits; seed: the worker's (None: from the OS)."""
+        return Sampler(seed, eos_token_ids=eos_token_ids)
+
+    def graph_runner(self, model: torch.nn.Module, cache: PagedKVCache,
+                     max_num_seqs: int) -> GraphRunner | None:
+        """Graphs of `model` over `cache` (allocated with scratch_blocks on top of the
+        scheduler's blocks) for batches of up to max_num_seqs sequences, or None (run eagerly)."""
+        return None
 
     def describe(self) -> str:
         """One line, e.g. "device cpu: attention native avx2, kv bfloat16, linear int8 for <= 16

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from worker_svc.backends.base import LinearMethod
+from worker_svc.backends import LinearMethod
 
 
 @dataclass(frozen=True)

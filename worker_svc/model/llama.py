@@ -2,7 +2,7 @@
 
 forward() takes all tokens of an iteration as one row set [T]: every linear layer runs once
 over all rows (decodes piggyback on the prefill chunk); only attention looks at sequence
-boundaries (worker_svc.attention). The LM head runs only on `logit_rows`.
+boundaries (the backend's attention). The LM head runs only on `logit_rows`.
 
 Weights come from worker_svc.loader as a dict of Hugging Face names -> tensors, already in
 HF layout (GGUF q/k rows un-permuted), and are cast to `dtype` here. Attention and the linear

@@ -1,5 +1,5 @@
 """The native CPU kernels, built on first use into one library: paged decode attention
-(worker_svc/csrc/paged_decode.c) and the weight-only int8 linear layer (csrc/int8_linear.c).
+(csrc/paged_decode.c, beside this file) and the weight-only int8 linear layer (csrc/int8_linear.c).
 
 Build: `$SARATHI_CC` (default gcc) -O3 -march=native -fopenmp -shared -fPIC (-march=$SARATHI_NATIVE_MARCH
 when set: tests build the scalar path with x86-64), into
@@ -33,9 +33,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-SOURCES = [SOURCE, Path(__file__).parent / "csrc" / "int8_linear.c",
-           Path(__file__).parent / "csrc" / "cpu_ops.c"]        # cpu_ops: see the fused-ops section
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "paged_decode.c"
+SOURCES = [SOURCE, CSRC / "int8_linear.c", CSRC / "cpu_ops.c"]      # cpu_ops: see the fused-ops section
 MAX_D, MAX_G = 256, 64                      # MAX_D and MAX_ROWS of the kernel
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}                        # q and out
 _KV_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the KV cache
@@ -247,7 +247,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 def int8_linear_unchecked(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                           bias: torch.Tensor | None = None, num_threads: int | None = None) -> torch.Tensor:
     """int8_linear without the argument checks (~15 us of Python per call, a tenth of a small
-    layer's time): for callers that checked qweight/scale/bias once (worker_svc.quant) and pass
+    layer's time): for callers that checked qweight/scale/bias once (cpu/quant.py) and pass
     an fp32 x [T, K] with x.stride(1) == 1."""
     N, K = qweight.shape
     out = torch.empty(x.shape[0], N, dtype=torch.float32)

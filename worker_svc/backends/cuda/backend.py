@@ -1,7 +1,7 @@
 """The CUDA backend: FlashInfer paged attention, cuBLAS matmuls, CUDA graphs, device sampling.
 
 Attention ("auto", the default): FlashInfer (`pip install .[gpu]`, package flashinfer-python)
-when it imports; else the torch path (worker_svc.attention, SDPA on the GPU) with the reason
+when it imports; else the torch path (backends/torch_attention.py, SDPA on the GPU) with the reason
 logged and printed in describe(), and no CUDA graphs (the torch path's decode grouping has
 data-dependent shapes). attention="flashinfer" makes a missing FlashInfer an error instead;
 attention="torch" picks the torch path on purpose (the reference the GPU tests compare with).
@@ -9,25 +9,34 @@ attention="torch" picks the torch path on purpose (the reference the GPU tests c
 FlashInfer is imported here, lazily, only when a CUDA backend is built: the CPU install and
 the CPU test suite never import it (tests/test_gpu_optional.py).
 
-Per batch: worker_svc.flashinfer_meta builds qo/kv indptr, page indices, last-page lengths and
+Per batch: flashinfer_meta.py builds qo/kv indptr, page indices, last-page lengths and
 the slot mapping on the host from the block tables, and one wrapper's plan() runs (the decode
 wrapper, tensor-core kernels, for decode-only batches; the paged prefill wrapper, causal, for
 hybrid batches with chunks and decodes together). Per layer: the batch's K/V go to their slots
 (index_copy_ on the device), then the wrapper's run() reads the cache in place. The cache is
 PagedKVCache's [num_blocks, block_size, Hkv, D] k and v per layer, passed as a tuple: FlashInfer's
 NHD paged layout.
+
+What the executor asks of a backend (CudaBackend): compute dtype "auto" is bfloat16, the KV
+cache is sized from device memory after a profiling pass when no block count was given
+(kv_sizing.py), tokens are drawn on the device where the request's parameters allow
+(device_sampler.py), decode-only batches replay CUDA graphs (cuda_graphs.py; FlashInfer only),
+and ranks talk over NCCL.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from worker_svc.attention import TorchAttention
 from worker_svc.backends.base import DeviceBackend, LinearMethod
-from worker_svc.flashinfer_meta import PagedBatch, build_paged_batch
+from worker_svc.backends.cuda import kv_sizing
+from worker_svc.backends.cuda.cuda_graphs import CudaGraphRunner, capture_sizes
+from worker_svc.backends.cuda.device_sampler import DeviceFirstSampler
+from worker_svc.backends.cuda.flashinfer_meta import PagedBatch, build_paged_batch
+from worker_svc.backends.torch_attention import TorchAttention
 
 log = logging.getLogger("sarathi.worker")
 
@@ -103,9 +112,7 @@ class FlashInferAttention:
 
     def build_metadata(self, seqs: list[tuple[int, int, list[int]]], block_size: int,
                        device: torch.device | str) -> FlashInferMetadata:
-        return self.build_from(build_paged_batch(seqs, block_size), device)
-
-    def build_from(self, pb: PagedBatch, device: torch.device | str) -> FlashInferMetadata:
+        pb = build_paged_batch(seqs, block_size)
         wrapper = self.decode if pb.decode_only else self.prefill
         self.plan(wrapper, pb)
         return self.metadata(wrapper, pb.slot_mapping.to(device, non_blocking=True))
@@ -127,9 +134,55 @@ def flashinfer_unavailable_reason() -> str | None:
     return None
 
 
-def cuda_backend(device: torch.device, compute_dtype: torch.dtype,
-                 kv_cache_dtype: torch.dtype | None = None, attention: str = "auto") -> DeviceBackend:
-    """attention: "auto" (FlashInfer, else torch with a logged reason), "flashinfer", "torch"."""
+@dataclass
+class CudaBackend(DeviceBackend):
+    """The CUDA device's answers to the executor's questions (see module docstring).
+    graph_runner_class: what captures CUDA graphs (CudaGraphRunner; it needs FlashInfer's
+    graph-safe decode wrappers), None = no graphs (the torch fallback)."""
+
+    graph_runner_class: type | None = None
+
+    default_dtype: ClassVar[torch.dtype] = torch.bfloat16
+    dist_backend: ClassVar[str] = "nccl"
+    sample_on_device: ClassVar[bool] = True
+
+    def num_kv_blocks(self, model, cfg, num_kv_heads, block_size, config, distributed) -> int:
+        """Sized from device memory after a profiling pass at the largest batch
+        (config.max_num_batched_tokens tokens; kv_sizing.py), config.gpu_memory_utilization of it."""
+        if distributed:   # the profiling pass would run one stage alone
+            raise ValueError("with --tp/--pp > 1 on CUDA give --num-blocks (the same on every rank)")
+        tokens = max(1, config.max_num_batched_tokens)
+        peak, other = kv_sizing.profile_peak_bytes(
+            model, self, cfg.num_layers, num_kv_heads, cfg.head_dim, block_size,
+            tokens, cfg.max_position_embeddings, self.device)
+        per_block = kv_sizing.block_bytes(cfg.num_layers, block_size, num_kv_heads, cfg.head_dim,
+                                          self.kv_cache_dtype)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        blocks = kv_sizing.blocks_that_fit(total, peak, other, config.gpu_memory_utilization, per_block)
+        blocks -= self.scratch_blocks
+        log.info("KV cache sized from device memory: %d blocks (%.1f GiB; profile peak %.1f GiB "
+                 "at %d tokens, other use %.1f GiB, utilization %.2f)", blocks,
+                 blocks * per_block / 2**30, peak / 2**30, tokens, other / 2**30,
+                 config.gpu_memory_utilization)
+        return max(blocks, 1)
+
+    def sampler(self, seed: int | None, eos_token_ids: list[int] | tuple) -> DeviceFirstSampler:
+        """On the device where every due request's parameters allow it, else on the host."""
+        return DeviceFirstSampler(seed, eos_token_ids)
+
+    def graph_runner(self, model, cache, max_num_seqs: int) -> CudaGraphRunner | None:
+        """Graphs for decode batches of 1, 2, 4, ... up to max_num_seqs sequences (capture_sizes);
+        their padding rows use the first scratch block, the first id past the scheduler's."""
+        if self.graph_runner_class is None:
+            return None
+        return self.graph_runner_class(model, cache, self.attention, capture_sizes(max_num_seqs),
+                                       cache.num_blocks - self.scratch_blocks, self.device)
+
+
+def cuda_backend(device: torch.device, compute_dtype: torch.dtype | None = None,
+                 kv_cache_dtype: torch.dtype | None = None, attention: str = "auto") -> CudaBackend:
+    """compute_dtype: None = CudaBackend.default_dtype; kv_cache_dtype: None = the compute dtype.
+    attention: "auto" (FlashInfer, else torch with a logged reason), "flashinfer", "torch"."""
     if not torch.cuda.is_available():
         raise ValueError(f"device {device} requested but torch sees no CUDA device "
                          f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})")
@@ -137,6 +190,8 @@ def cuda_backend(device: torch.device, compute_dtype: torch.dtype,
         raise ValueError(f"unknown CUDA attention {attention!r}; choose auto, flashinfer or torch")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if compute_dtype is None:
+        compute_dtype = CudaBackend.default_dtype
     kv = kv_cache_dtype or compute_dtype
     reason = None if attention == "torch" else flashinfer_unavailable_reason()
     if attention == "flashinfer" and reason:
@@ -144,13 +199,7 @@ def cuda_backend(device: torch.device, compute_dtype: torch.dtype,
     if attention == "torch" or reason:
         if reason:
             log.warning("CUDA worker falls back to the torch attention path, no CUDA graphs: %s", reason)
-        return DeviceBackend(device, TorchAttention(), LinearMethod(), kv, sample_on_device=True,
-                             note=f"fallback: {reason}" if reason else "")
-    return DeviceBackend(device, FlashInferAttention(device, kv), LinearMethod(), kv,
-                         sample_on_device=True, scratch_blocks=1, make_graph_runner=_graph_runner)
-
-
-def _graph_runner(model, cache, attention, sizes, scratch_block, device):
-    from worker_svc.cuda_graphs import CudaGraphRunner
-
-    return CudaGraphRunner(model, cache, attention, sizes, scratch_block, device)
+        return CudaBackend(device, TorchAttention(), LinearMethod(), kv, compute_dtype,
+                           note=f"fallback: {reason}" if reason else "")
+    return CudaBackend(device, FlashInferAttention(device, kv), LinearMethod(), kv, compute_dtype,
+                       scratch_blocks=1, graph_runner_class=CudaGraphRunner)

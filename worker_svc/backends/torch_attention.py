@@ -1,4 +1,4 @@
-"""Attention over a hybrid batch and the paged KV cache (CPU path, pure torch).
+"""Attention over a hybrid batch and the paged KV cache in pure torch: the reference any device runs.
 
 The batch's tokens are one flat row set [T]. Each sequence owns a contiguous row range. Its new
 K/V are written to their cache slots first, then its queries attend to the cache: positions
@@ -14,9 +14,13 @@ decode are the same computation; they differ only in how they are batched for sp
 * chunks of more than one token run one SDPA call each, with a causal mask offset by the
   cached prefix.
 
-This is TorchAttention, the attention backend any device can run. The CPU backend
-(worker_svc/backends/cpu.py) subclasses it to run all decodes of a batch in one native kernel
-call that reads K/V in place from the paged cache (bench/results/kernels/attention_kernel.json).
+This is TorchAttention, the attention backend any device can run (the CPU backend's default
+where the native kernel is not faster, and the CUDA backend's fallback without FlashInfer). Its
+metadata (AttentionMetadata) describes the batch in device-neutral terms: slots, chunks, and the
+decodes as plain lists (DecodeSeqs). The CPU backend (worker_svc/backends/cpu/backend.py)
+subclasses it to run all decodes of a batch in one native kernel call that reads K/V in place
+from the paged cache (bench/results/kernels/attention_kernel.json); the kernel's own form of the decodes
+is built there.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from shared.config import cdiv
 from worker_svc.kv_cache import PagedKVCache
 
 
@@ -59,40 +64,39 @@ class DecodeMeta:
 
 
 @dataclass
-class NativeDecode:
-    """All decodes of a batch for the native kernel, in batch row order (CPU int32 tensors):
-    rows [B] batch rows, tables [B, nb] block ids padded with 0 (the kernel reads only the first
-    ceil(lens[b] / bs)), lens [B] context lengths including the new token."""
+class DecodeSeqs:
+    """The single-token sequences (decodes) of a batch, in batch row order: rows[b] its batch
+    row, lens[b] its context length including the new token, tables[b] its first
+    ceil(lens[b] / block_size) block ids."""
 
-    rows: torch.Tensor
-    tables: torch.Tensor
-    lens: torch.Tensor
+    rows: list[int] = field(default_factory=list)
+    lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
 class AttentionMetadata:
     """What every layer's attention needs for one batch; built once per batch.
 
-    slot_mapping [T] int64: cache slot of each token's K/V.
+    slot_mapping [T] int64: cache slot of each token's K/V. chunks: the multi-token sequences;
+    decode_seqs: the single-token ones.
     """
 
     slot_mapping: torch.Tensor
     chunks: list[ChunkMeta] = field(default_factory=list)
-    native_decode: NativeDecode | None = None    # all decodes, for the native kernel
+    decode_seqs: DecodeSeqs = field(default_factory=DecodeSeqs)
     block_size: int = 16
     device: torch.device | str = "cpu"
-    _decode_tables: list[list[int]] = field(default_factory=list)   # block ids, per decode
     _decode_groups: list[DecodeMeta] | None = None
 
     @property
     def decodes(self) -> list[DecodeMeta]:
-        """The decodes grouped for the torch path; built on first use, so a batch served by the
-        native kernel never pays for them (padded tables, masks)."""
+        """The decodes grouped for the torch path; built on first use, so a batch whose decodes
+        a faster kernel serves never pays for them (padded tables, masks)."""
         if self._decode_groups is None:
-            nd = self.native_decode
-            self._decode_groups = [] if nd is None else [
-                _moved(g, self.device) for g in
-                _decode_groups(nd.rows.tolist(), self._decode_tables, nd.lens.tolist(), self.block_size)]
+            d = self.decode_seqs
+            self._decode_groups = [_moved(g, self.device) for g in
+                                   _decode_groups(d.rows, d.tables, d.lens, self.block_size)] if d.rows else []
         return self._decode_groups
 
     def to(self, device: torch.device | str) -> "AttentionMetadata":
@@ -109,38 +113,34 @@ def _moved(d: DecodeMeta, device: torch.device | str) -> DecodeMeta:
     return d
 
 
-def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int) -> AttentionMetadata:
+def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
+                   meta_type: type[AttentionMetadata] = AttentionMetadata) -> AttentionMetadata:
     """seqs: (start_pos, num_new_tokens, block_table) per sequence, in batch row order.
     The caller has validated that each block table covers start_pos + num_new_tokens.
+    meta_type: AttentionMetadata or a backend's subclass of it (whose added fields have defaults).
 
     Slots are computed with Python ints (a block's slots are one range), and every tensor is made
     once per batch, not per sequence: per-sequence torch ops cost ~1 ms a step at 32 decodes."""
     slots: list[int] = []
-    chunks, dec_rows, dec_tables, dec_lens = [], [], [], []
+    chunks, decodes = [], DecodeSeqs()
     row = 0
     for start, n, table in seqs:
         ctx = start + n
-        nb = -(-ctx // block_size)
+        nb = cdiv(ctx, block_size)
         for b in range(start // block_size, nb):          # the blocks this step writes into
             base = table[b] * block_size - b * block_size
             slots.extend(range(base + max(start, b * block_size), base + min(ctx, (b + 1) * block_size)))
         if n == 1:
-            dec_rows.append(row)
-            dec_tables.append(list(table[:nb]))
-            dec_lens.append(ctx)
+            decodes.rows.append(row)
+            decodes.tables.append(list(table[:nb]))
+            decodes.lens.append(ctx)
         else:
             chunks.append(ChunkMeta(row, row + n, start, torch.tensor(table[:nb], dtype=torch.int64)))
         row += n
-    meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64), chunks,
-                             block_size=block_size, _decode_tables=dec_tables)
-    if dec_rows:
-        meta.native_decode = NativeDecode(torch.tensor(dec_rows, dtype=torch.int32),
-                                          _pad_tables(dec_tables, torch.int32),
-                                          torch.tensor(dec_lens, dtype=torch.int32))
-    return meta
+    return meta_type(torch.tensor(slots, dtype=torch.int64), chunks, decodes, block_size=block_size)
 
 
-def _pad_tables(tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+def pad_tables(tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
     """[B, max nb] block tables, padded with block 0 (never read past a sequence's length)."""
     nb = max(len(t) for t in tables)
     return torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=dtype)
@@ -160,7 +160,7 @@ def _decode_groups(rows: list[int], tables: list[list[int]], lens: list[int],
 
 
 def _decode_meta(rows: list[int], tables: list[list[int]], lens: list[int], bs: int) -> DecodeMeta:
-    padded = _pad_tables(tables, torch.int64)
+    padded = pad_tables(tables, torch.int64)
     nb = padded.shape[1]
     valid = torch.arange(nb * bs).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
@@ -184,7 +184,7 @@ class TorchAttention:
         self._write(cache, layer, meta, k, v)
         out = torch.empty_like(q)
         kc, vc = cache.k[layer], cache.v[layer]
-        if meta.native_decode is not None:
+        if meta.decode_seqs.rows:
             self._decodes(q, kc, vc, meta, out, scale)
         for c in meta.chunks:
             _chunk_attention(q, kc, vc, c, out, scale)

@@ -6,11 +6,12 @@ A graph replays them with one launch. Graphs have fixed shapes, so a batch of n 
 the graph of the smallest captured size >= n (capture_sizes), its inputs and attention metadata
 padded with dummy sequences that read and write only the scratch block (flashinfer_meta.
 pad_decode_batch). Hybrid batches (any sequence with more than one new token) and decode batches
-larger than the largest size run eagerly.
+larger than the largest size run eagerly. The runner builds a batch's attention metadata itself
+from the sequences' block tables: the executor only hands it the batch.
 
 The sizing and padding functions are plain code tested on the CPU (tests/test_cuda_graphs.py);
 CudaGraphRunner needs a CUDA device and an attention backend with FlashInfer's graph-safe
-decode wrappers (worker_svc/backends/cuda.py).
+decode wrappers (backend.py's FlashInferAttention).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from typing import Callable
 
 import torch
 
-from worker_svc.flashinfer_meta import PagedBatch, build_paged_batch, pad_decode_batch
+from worker_svc.backends.base import SeqSpec
+from worker_svc.backends.cuda.flashinfer_meta import build_paged_batch, pad_decode_batch
 
 log = logging.getLogger("sarathi.worker")
 
@@ -62,10 +64,12 @@ class CudaGraphRunner:
     """One captured graph per size in `sizes` for `model` over `cache`.
 
     The graphs read their inputs from static device buffers (self.inputs rows: ids, positions,
-    slots) and write logits [size, V] float32 to static outputs; run() copies a batch's padded
-    inputs in, re-plans that size's FlashInfer decode wrapper (its plan() writes into the
-    wrapper's fixed buffers, which the captured kernels read), replays, and returns a view of
-    the real rows. The view is overwritten by the next replay: use it before the next run().
+    slots) and write logits [size, V] float32 to static outputs; run() builds a batch's paged
+    metadata, copies its padded inputs in, re-plans that size's FlashInfer decode wrapper (its
+    plan() writes into the wrapper's fixed buffers, which the captured kernels read), replays,
+    and returns a view of the real rows. The view is overwritten by the next replay: use it
+    before the next run(). scratch_block: the block padding rows read and write (never a
+    request's).
     """
 
     def __init__(self, model: torch.nn.Module, cache, attention, sizes: list[int],
@@ -104,12 +108,15 @@ class CudaGraphRunner:
         self._graphs.append(graph)
         return out, graph.replay
 
-    def run(self, pb: PagedBatch, token_ids: list[int], positions: list[int]) -> torch.Tensor | None:
-        """Logits [pb.num_seqs, V] (float32, on the device) of a decode-only batch, or None when
-        no graph fits (hybrid, or more sequences than the largest size): run it eagerly."""
-        b = bucket_for(pb.num_seqs, self.sizes) if pb.decode_only else None
+    def run(self, seqs: list[SeqSpec], token_ids: list[int], positions: list[int]) -> torch.Tensor | None:
+        """Logits [len(seqs), V] (float32, on the device) of a decode-only batch, or None when no
+        graph fits (hybrid, or more sequences than the largest size): run it eagerly. seqs: the
+        batch's (start_pos, num_new_tokens >= 1, block_table); token_ids, positions: its rows."""
+        # every sequence has at least one new token: one row per sequence means decode-only
+        b = bucket_for(len(seqs), self.sizes) if len(token_ids) == len(seqs) else None
         if b is None:
             return None
+        pb = build_paged_batch(seqs, self.page_size)
         padded = pad_decode_batch(pb, b, self.scratch_block)
         self.inputs[:, :b].copy_(pad_decode_inputs(token_ids, positions, padded.slot_mapping, b))
         self.attention.plan(self.wrappers[b], padded)

@@ -2,7 +2,7 @@
 
 Quantization: symmetric, one fp32 scale per output row: scale[n] = max_k |W[n, k]| / 127,
 q = round(W / scale) in [-127, 127] (an all-zero row gets scale 1). Activations stay float; the
-kernel (worker_svc/csrc/int8_linear.c) widens int8 to fp32 and accumulates in fp32.
+kernel (csrc/int8_linear.c, beside this file) widens int8 to fp32 and accumulates in fp32.
 
 Which path runs is chosen per call by the token count T of the batch:
 * T <= max_tokens: the int8 kernel. It reads a quarter of the fp32 weight bytes, and decode-
@@ -36,8 +36,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker_svc import native
 from worker_svc.backends.base import LinearMethod
+from worker_svc.backends.cpu import native
 
 # (int8 kernel path, large path) -> largest token count at which int8 beats the dense GEMM over
 # a whole SmolLM2 step. ("avx2", "float32"): bench/results/kernels/int8_linear_amd.json, 2 threads, AMD

@@ -1,9 +1,9 @@
 """The CPU backend: torch matmuls (or weight-only int8 for small batches); decode attention on
 the native kernel when it is built and faster than the torch path on this CPU; a 16-bit KV cache.
 
-Chunks (more than one query) always run the torch path (worker_svc.attention): they are
-compute-bound and SDPA is good at them. Decodes run the native paged kernel
-(worker_svc.native: reads each KV block in place, once) when it is chosen and accepts the
+Chunks (more than one query) always run the torch path (worker_svc.backends.torch_attention):
+they are compute-bound and SDPA is good at them. Decodes run the native paged kernel
+(cpu/native.py: reads each KV block in place, once) when it is chosen and accepts the
 shapes/dtypes; otherwise the torch grouped path.
 
 The three choices, each made once per worker and printed by the executor:
@@ -17,29 +17,70 @@ The three choices, each made once per worker and printed by the executor:
   a contended run, ratios only: bench/results/engine_cpu/engine_cpu_amd.md), and bf16 keeps fp32's
   exponent range (fp16 overflows at 65504); fp16's 3 extra mantissa bits remain available as
   --kv-cache-dtype float16;
-* weight quantization "auto": int8 for small batches (worker_svc/quant.py) when the int8 kernel
+* weight quantization "auto": int8 for small batches (cpu/quant.py) when the int8 kernel
   has a SIMD path; "none" keeps the float weights (what HF-exactness tests use).
 
 Besides: the layers' elementwise glue (RMSNorm + residual add, rotary, silu * up) runs fused
 native ops (NativeCpuOps, csrc/cpu_ops.c) when the library has their AVX2 path, and the native
 attention writes each layer's K/V to the paged cache in one native call. SARATHI_NATIVE_OPS=0
 keeps both on the torch reference (worker_svc/backends/base.py Ops; for A/B measurements).
+
+What the executor asks of a backend (CpuBackend): compute dtype "auto" is float32, the KV cache
+holds DEFAULT_CPU_BLOCKS blocks when none were given, tokens are drawn by the host sampler, no
+graphs, and ranks talk over gloo.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from worker_svc import native
-from worker_svc.attention import TorchAttention
-from worker_svc.backends.base import DeviceBackend, LinearMethod, Ops
+from shared.config import DEFAULT_CPU_BLOCKS
+from worker_svc.backends.base import DeviceBackend, LinearMethod, Ops, SeqSpec
+from worker_svc.backends.cpu import native
+from worker_svc.backends.torch_attention import AttentionMetadata, TorchAttention, build_metadata, pad_tables
 
 # native kernel SIMD paths measured faster than the torch decode path (bench/attention_kernel.py:
 # avx512 on Sapphire Rapids 1.7-2x, attention_kernel.json; avx2 on Zen 3 1.6-2.6x,
 # attention_kernel_amd_contended.json). The scalar path lost to torch (issue 11: 93 vs 77 ms).
 NATIVE_FASTER = ("avx512", "avx2")
 AUTO_KV_DTYPE = torch.bfloat16
+
+
+@dataclass
+class CpuBackend(DeviceBackend):
+    """The CPU's answers to the executor's questions (see DeviceBackend)."""
+
+    # float32 for dtype "auto" (bench/results/engine_cpu/engine_iteration.md): this machine's CPUs have
+    # avx512_bf16 but no AMX, so torch's bf16 matmuls run at about half the fp32 rate; prefill
+    # chunks and hybrid batches are 1.4-1.8x slower in bf16, single decodes are no faster, and
+    # bf16 wins only on long-context decode-only batches (half the KV bytes to read)
+    default_dtype: ClassVar[torch.dtype] = torch.float32
+    dist_backend: ClassVar[str] = "gloo"
+
+    def num_kv_blocks(self, model, cfg, num_kv_heads, block_size, config, distributed) -> int:
+        """DEFAULT_CPU_BLOCKS: host memory is not profiled."""
+        return DEFAULT_CPU_BLOCKS
+
+
+@dataclass
+class NativeDecode:
+    """All decodes of a batch in the native kernel's form, in batch row order (CPU int32
+    tensors): rows [B] batch rows, tables [B, nb] block ids padded with 0 (the kernel reads only
+    the first ceil(lens[b] / bs)), lens [B] context lengths including the new token."""
+
+    rows: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+
+
+@dataclass
+class NativeCpuMetadata(AttentionMetadata):
+    """AttentionMetadata plus the batch's decodes for the native kernel (None: no decodes)."""
+
+    native_decode: NativeDecode | None = None
 
 
 class NativeCpuAttention(TorchAttention):
@@ -51,6 +92,17 @@ class NativeCpuAttention(TorchAttention):
         self.name = f"native {native.isa()}"
         self.fused_write = fused_write
         self._write_ok: dict[tuple, bool] = {}     # (k dtype, cache dtype) -> write_kv casts it
+
+    def build_metadata(self, seqs: list[SeqSpec], block_size: int,
+                       device: torch.device | str = "cpu") -> NativeCpuMetadata:
+        """The torch path's metadata (its fallback) with the decodes as the kernel reads them."""
+        meta = build_metadata(seqs, block_size, NativeCpuMetadata)
+        d = meta.decode_seqs
+        if d.rows:
+            meta.native_decode = NativeDecode(torch.tensor(d.rows, dtype=torch.int32),
+                                              pad_tables(d.tables, torch.int32),
+                                              torch.tensor(d.lens, dtype=torch.int32))
+        return meta.to(device)
 
     def _write(self, cache, layer, meta, k, v) -> None:
         """PagedKVCache.write in one native call when the dtypes and layouts allow."""
@@ -130,10 +182,11 @@ def native_ops_enabled() -> bool:
             and native.ops_isa() == "avx2")
 
 
-def cpu_backend(compute_dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None,
-                attention: str = "auto", weight_quant: str = "auto") -> DeviceBackend:
-    """attention: "auto" (native when built and measured faster here, else torch), "native" or
-    "torch". kv_cache_dtype: None = AUTO_KV_DTYPE (the compute dtype when that is 16-bit).
+def cpu_backend(compute_dtype: torch.dtype | None = None, kv_cache_dtype: torch.dtype | None = None,
+                attention: str = "auto", weight_quant: str = "auto") -> CpuBackend:
+    """compute_dtype: None = CpuBackend.default_dtype. attention: "auto" (native when built and
+    measured faster here, else torch), "native" or "torch". kv_cache_dtype: None = AUTO_KV_DTYPE
+    (the compute dtype when that is 16-bit).
     weight_quant: "auto" (int8 when its kernel has a SIMD path here), "none", "int8", or
     "int8-bf16" (int8 for small batches, bf16 GEMM above: faster prefill on CPUs with bf16 dot
     products, but a request's output then depends on which batch carried it; see quant.py)."""
@@ -143,6 +196,8 @@ def cpu_backend(compute_dtype: torch.dtype, kv_cache_dtype: torch.dtype | None =
         raise ValueError(f"attention 'native' requested but {native.unavailable_reason()}")
     if weight_quant not in ("auto", "none", "int8", "int8-bf16"):
         raise ValueError(f"unknown weight quantization {weight_quant!r}; choose auto, none, int8 or int8-bf16")
+    if compute_dtype is None:
+        compute_dtype = CpuBackend.default_dtype
     use_native = attention == "native" or (attention == "auto" and native.available()
                                            and native.isa() in NATIVE_FASTER)
     if kv_cache_dtype is None:
@@ -150,9 +205,9 @@ def cpu_backend(compute_dtype: torch.dtype, kv_cache_dtype: torch.dtype | None =
     linear = LinearMethod()
     if weight_quant in ("int8", "int8-bf16") or (weight_quant == "auto" and native.available()
                                                  and native.int8_isa() != "scalar"):
-        from worker_svc.quant import Int8LinearMethod
+        from worker_svc.backends.cpu.quant import Int8LinearMethod
         linear = Int8LinearMethod(large=torch.bfloat16 if weight_quant == "int8-bf16" else torch.float32)
     fused = native_ops_enabled()
-    return DeviceBackend(torch.device("cpu"),
-                         NativeCpuAttention(fused_write=fused) if use_native else TorchAttention(),
-                         linear, kv_cache_dtype, ops=NativeCpuOps() if fused else Ops())
+    return CpuBackend(torch.device("cpu"),
+                      NativeCpuAttention(fused_write=fused) if use_native else TorchAttention(),
+                      linear, kv_cache_dtype, compute_dtype, ops=NativeCpuOps() if fused else Ops())

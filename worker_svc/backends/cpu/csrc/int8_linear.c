@@ -10,7 +10,7 @@
  * run at memory bandwidth; int8 weights are a quarter of the fp32 bytes. The widening (int8 ->
  * int32 -> fp32: 2 instructions per 8 weights on AVX2) is paid once per weight and shared by the
  * tile's tokens, so for T >= ~16-32 the float GEMM (compute-bound, better blocked) wins again;
- * the caller switches on T (worker_svc/quant.py).
+ * the caller switches on T (quant.py, beside csrc/).
  *
  * Parallel over tiles of 4 output rows (OpenMP, static split: every tile costs the same). Tiles
  * run 4 rows x 2 tokens = 8 independent FMA chains (enough to hide the FMA latency), or for a

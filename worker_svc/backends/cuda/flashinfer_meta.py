@@ -1,6 +1,6 @@
 """FlashInfer's paged-attention metadata for one hybrid batch, built once per batch on the host.
 
-Plain torch on the CPU, no flashinfer import: the CUDA backend (worker_svc/backends/cuda.py)
+Plain torch on the CPU, no flashinfer import: the CUDA backend (backend.py beside this file)
 hands these tensors to a wrapper's plan() once per batch, and every layer's run() reuses the
 plan. Tested on the CPU against what the torch attention path reads (tests/test_flashinfer_meta.py).
 
@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from shared.config import cdiv
 
 
 @dataclass
@@ -61,7 +63,7 @@ def build_paged_batch(seqs: list[tuple[int, int, list[int]]], page_size: int) ->
     decode_only = True
     for start, n, table in seqs:
         ctx = start + n
-        nb = -(-ctx // page_size)
+        nb = cdiv(ctx, page_size)
         indices.extend(table[:nb])
         qo.append(qo[-1] + n)
         kv.append(kv[-1] + nb)

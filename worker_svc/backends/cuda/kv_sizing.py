@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.config import cdiv
 from worker_svc.kv_cache import PagedKVCache
 
 
@@ -46,7 +47,7 @@ def profile_sequences(num_tokens: int, max_model_len: int, block_size: int) -> l
     seqs, next_block = [], 0
     while num_tokens > 0:
         n = min(num_tokens, max_model_len)
-        nb = -(-n // block_size)
+        nb = cdiv(n, block_size)
         seqs.append((0, n, list(range(next_block, next_block + nb))))
         next_block += nb
         num_tokens -= n

@@ -1,8 +1,8 @@
 """Sampling where the logits are (the GPU): only the chosen token ids cross to the host.
 
 The same rules as worker_svc.sampler (temperature 0 = argmax; else logits / temperature, then
-top-k, then top-p, with the same tie and cut-off rules as sampler.filtered_probs), vectorised over
-the rows of a batch. The draw is Gumbel-max: token = argmax(filtered logits / T + g), g = -log(-log u),
+top-k, then top-p through the same function, sampler.top_k_top_p), vectorised over the rows of a
+batch. The draw is Gumbel-max: token = argmax(filtered logits / T + g), g = -log(-log u),
 where u in (0, 1) is a counter-based hash of (seed, output_index, token id) computed in torch
 integer arithmetic. So:
 
@@ -16,15 +16,19 @@ integer arithmetic. So:
 Unseeded rows draw a fresh 62-bit seed from the worker's host generator per token.
 Requests with parameters this module does not implement (supports() is False: any
 SamplingParams field beyond the ones below set away from its default, e.g. penalties or
-logprobs) go to the host sampler; the executor checks that per batch.
+logprobs) go to the host sampler: DeviceFirstSampler, the CUDA backend's sampler, decides that
+per batch.
 """
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
+from shared.messages import SeqChunk
 from shared.sampling import SamplingParams
+from worker_svc.sampler import Sampler, SamplerOutput, top_k_top_p
 
 _M32 = 0xFFFFFFFF
 # the fields this sampler implements, or that do not affect which token is drawn
@@ -61,23 +65,10 @@ def uniform_noise(seeds: list[int], output_indices: list[int], vocab_size: int,
 
 def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """logits [S, V] -> float32 logits / temperature with the tokens top-k and top-p drop set to
-    -inf (row s follows params[s]; no row is greedy). Same rules as sampler.filtered_probs."""
-    dev, vocab = logits.device, logits.shape[-1]
-    x = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-    use_p = top_p < 1.0
-    if all(k == vocab for k in ks) and not any(p.top_p < 1.0 for p in params):
-        return x
-    vals, order = torch.sort(x, dim=-1, descending=True)
-    kth = vals.gather(1, torch.tensor(ks, device=dev)[:, None] - 1)               # [S, 1]
-    vals = vals.masked_fill(vals < kth, float("-inf"))
-    x = x.masked_fill(x < kth, float("-inf"))
-    probs = vals.softmax(-1)
-    # drop a token when the mass strictly before it already reaches top_p (the top one stays)
-    drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & use_p[:, None]
-    drop[:, 0] = False
-    return x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    -inf (row s follows params[s]; no row is greedy). The host sampler's rules and code
+    (sampler.top_k_top_p)."""
+    x = logits.float() / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    return top_k_top_p(x, [p.top_k for p in params], [p.top_p for p in params])
 
 
 class DeviceSampler:
@@ -115,3 +106,29 @@ class DeviceSampler:
 @functools.lru_cache(maxsize=None)
 def _defaults(cls: type) -> dict:
     return cls().to_dict()
+
+
+class DeviceFirstSampler:
+    """The CUDA backend's sampler (a TokenSampler): a batch whose due requests all have
+    parameters DeviceSampler implements is drawn on the device (only token ids cross to the
+    host); any other batch (penalties, min_tokens, logprobs) goes to the host sampler on a host
+    copy of the logits. The host sampler keeps the token histories either way."""
+
+    def __init__(self, seed: int | None = None, eos_token_ids: list[int] | tuple = ()):
+        self.host = Sampler(seed, eos_token_ids=eos_token_ids)
+        self.device_sampler = DeviceSampler(seed)
+
+    def observe(self, chunks: list[SeqChunk]) -> None:
+        self.host.observe(chunks)
+
+    def free(self, req_ids: list[str]) -> None:
+        self.host.free(req_ids)
+
+    def sample_chunks(self, logits: torch.Tensor, due: list[SeqChunk],
+                      agree: Callable[[list[int]], list[int]] | None = None) -> SamplerOutput:
+        """As Sampler.sample_chunks, for logits [S, V] on the device."""
+        ds = self.device_sampler
+        if all(ds.supports(s.sampling) for s in due):
+            tokens = ds.sample(logits, [s.sampling for s in due], [s.output_index for s in due])
+            return SamplerOutput(agree(tokens) if agree is not None else tokens)
+        return self.host.sample_chunks(logits.cpu(), due, agree=agree)
