@@ -12,7 +12,7 @@ from pathlib import Path
 import uvicorn
 
 from gateway.app import create_app
-from shared.config import ModelInfo
+from shared.config import GatewayConfig, ModelInfo
 from shared.model_source import ModelSource, resolve_model
 from shared.queue import QueueConfig, make_gateway_queue
 from shared.tokenizer import load_tokenizer
@@ -39,16 +39,16 @@ def model_info_from_source(source: ModelSource, tokenizer, max_model_len: int | 
                      num_layers=int(layers))
 
 
-def build_gateway(model: str | None, redis_url: str, *, max_model_len: int | None = None,
-                  queue_prefix: str = "sarathi:", gateway_id: str | None = None, **app_kwargs):
-    """The app of a distributed-mode gateway (Redis queue). app_kwargs go to create_app."""
-    source = resolve_model(model)
+def build_gateway(config: GatewayConfig, gateway_id: str | None = None):
+    """The app of a distributed-mode gateway (the Redis queue at config.redis_url)."""
+    source = resolve_model(config.model)
     tokenizer = load_tokenizer(source)
-    info = model_info_from_source(source, tokenizer, max_model_len)
-    queue = make_gateway_queue(redis_url, config=QueueConfig(prefix=queue_prefix), gateway_id=gateway_id)
+    info = model_info_from_source(source, tokenizer, config.max_model_len)
+    queue = make_gateway_queue(config.redis_url, config=QueueConfig(prefix=config.queue_prefix),
+                               gateway_id=gateway_id)
     log.info("gateway %s: model %s (context %d tokens), queue %s", queue.gateway_id, info.name,
-             info.max_model_len, redis_url)
-    return create_app(tokenizer, info, queue, **app_kwargs)
+             info.max_model_len, config.redis_url)
+    return create_app(tokenizer, info, queue, api_key=config.api_key, max_queue_depth=config.max_queue_depth)
 
 
 class DrainingServer(uvicorn.Server):
@@ -88,13 +88,7 @@ def serve_app(app, *, host: str, port: int, log_level: str = "info", drain_timeo
     DrainingServer(config, drain_timeout_s).run()
 
 
-def run_gateway(model: str | None = None, *, redis_url: str = "redis://127.0.0.1:6379/0",
-                host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                max_queue_depth: int = 1024, max_model_len: int | None = None,
-                queue_prefix: str = "sarathi:", log_level: str = "info",
-                drain_timeout_s: float = 30.0) -> None:
-    """Serve until interrupted. model: as for resolve_model (None = the default SmolLM2).
-    drain_timeout_s: on SIGTERM, seconds to let started requests finish (see DrainingServer)."""
-    app = build_gateway(model, redis_url, max_model_len=max_model_len, queue_prefix=queue_prefix,
-                        api_key=api_key, max_queue_depth=max_queue_depth)
-    serve_app(app, host=host, port=port, log_level=log_level, drain_timeout_s=drain_timeout_s)
+def run_gateway(config: GatewayConfig) -> None:
+    """Serve until interrupted (SIGTERM drains: see DrainingServer)."""
+    serve_app(build_gateway(config), host=config.host, port=config.port, log_level=config.log_level,
+              drain_timeout_s=config.drain_timeout_s)

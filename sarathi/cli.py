@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(p, "max-queue-depth", 1024, "queued requests beyond which new ones get 429")
 
     p = sub.add_parser("scheduler", help="the scheduler service (Redis queue in, ZeroMQ workers out)")
-    _add(p, "model", None, "model (for its limits; weights are loaded by workers)")
+    _add(p, "model", None, "accepted for symmetry with the other services: the scheduler serves what its workers loaded")
     _sched_args(p)
     _net_args(p, gateway=False)
     _add(p, "worker-addr", "tcp://127.0.0.1:5555", "ZeroMQ address of the worker")

@@ -6,30 +6,41 @@ import dataclasses
 import os
 import sys
 
+from shared.config import (
+    CacheConfig,
+    GatewayConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SchedulerServiceConfig,
+    ServeConfig,
+    WorkerConfig,
+    WorkerServiceConfig,
+    resolve_token_budget,
+)
 from shared.sampling import SamplingParams
 
 
-def _tau(a: argparse.Namespace) -> int:
-    from shared.config import resolve_token_budget
-
-    return resolve_token_budget(a.token_budget)
-
-
-def _llm_kwargs(a: argparse.Namespace) -> dict:
-    return dict(dtype=a.dtype, threads=a.threads, num_blocks=a.num_blocks, block_size=a.block_size,
-                **_device_kwargs(a), policy=a.policy, token_budget=_tau(a), max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.prefix_caching)
+# -- the config object of each process, built once from the parsed arguments -------------------
+def _engine_config(a: argparse.Namespace) -> WorkerConfig:
+    """The worker's engine (`_model_args`); what sizes graphs and the profiling pass is set by the
+    caller from the scheduler's limits, or by `sarathi worker`'s own flags."""
+    return WorkerConfig(model=a.model, dtype=a.dtype, device=a.device, num_threads=a.threads,
+                        cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks),
+                        gpu_memory_utilization=a.gpu_memory_utilization, cuda_graphs=a.cuda_graphs,
+                        kv_cache_dtype=a.kv_cache_dtype, weight_quant=a.weight_quant)
 
 
-def _device_kwargs(a: argparse.Namespace) -> dict:
-    return dict(device=a.device, gpu_memory_utilization=a.gpu_memory_utilization, cuda_graphs=a.cuda_graphs,
-                kv_cache_dtype=a.kv_cache_dtype, weight_quant=a.weight_quant)
+def _scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
+    """The policy and its limits (`_sched_args`); tau from a number or a plan file."""
+    return SchedulerConfig(policy=a.policy, token_budget=resolve_token_budget(a.token_budget),
+                           max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                           enable_prefix_caching=a.prefix_caching)
 
 
 def generate(a: argparse.Namespace) -> int:
     from sarathi.llm import LLM
 
-    llm = LLM(a.model, **_llm_kwargs(a))
+    llm = LLM.from_config(_engine_config(a), _scheduler_config(a))
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             max_tokens=a.max_tokens, seed=a.seed)
     if a.chat:
@@ -45,19 +56,14 @@ def generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _sched_kwargs(a: argparse.Namespace) -> dict:
-    return dict(policy=a.policy, token_budget=_tau(a), max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=a.max_num_batched_tokens, prefix_caching=a.prefix_caching,
-                max_model_len=a.max_model_len or None, queue_prefix=a.queue_prefix)
-
-
 def serve(a: argparse.Namespace) -> int:
     from sarathi.serve import run_embedded
 
-    run_embedded(model=a.model, host=a.host, port=a.port, redis_url=a.redis_url, dtype=a.dtype,
-                 threads=a.threads, num_blocks=a.num_blocks, block_size=a.block_size,
-                 api_key=a.api_key, drain_timeout_s=a.drain_timeout,
-                 worker_restart_timeout_s=a.worker_restart_timeout, **_device_kwargs(a), **_sched_kwargs(a))
+    run_embedded(ServeConfig(
+        worker=_engine_config(a), scheduler=_scheduler_config(a), host=a.host, port=a.port,
+        redis_url=a.redis_url, queue_prefix=a.queue_prefix, max_model_len=a.max_model_len or None,
+        api_key=a.api_key, drain_timeout_s=a.drain_timeout,
+        worker_restart_timeout_s=a.worker_restart_timeout))
     return 0
 
 
@@ -67,9 +73,10 @@ def gateway(a: argparse.Namespace) -> int:
     if not a.redis_url:
         raise ValueError("the gateway service needs --redis-url (or SARATHI_REDIS_URL); "
                          "for one process use `sarathi serve`")
-    run_gateway(a.model, redis_url=a.redis_url, host=a.host, port=a.port, api_key=a.api_key,
-                max_queue_depth=a.max_queue_depth, max_model_len=a.max_model_len or None,
-                queue_prefix=a.queue_prefix, drain_timeout_s=a.drain_timeout)
+    run_gateway(GatewayConfig(
+        model=a.model, redis_url=a.redis_url, queue_prefix=a.queue_prefix, host=a.host, port=a.port,
+        api_key=a.api_key, max_queue_depth=a.max_queue_depth, max_model_len=a.max_model_len or None,
+        drain_timeout_s=a.drain_timeout))
     return 0
 
 
@@ -78,25 +85,27 @@ def scheduler(a: argparse.Namespace) -> int:
 
     if not a.redis_url:
         raise ValueError("the scheduler service needs --redis-url (or SARATHI_REDIS_URL)")
-    run_scheduler(redis_url=a.redis_url, worker_addr=a.worker_addr.split(","), model=a.model,
-                  metrics_port=a.metrics_port, consumer=a.consumer,
-                  worker_restart_timeout_s=a.worker_restart_timeout, **_sched_kwargs(a))
+    run_scheduler(SchedulerServiceConfig(
+        scheduler=_scheduler_config(a), max_model_len=a.max_model_len or None, redis_url=a.redis_url,
+        queue_prefix=a.queue_prefix, consumer=a.consumer,
+        worker_addrs=[w.strip() for w in a.worker_addr.split(",") if w.strip()],
+        worker_restart_timeout_s=a.worker_restart_timeout, metrics_port=a.metrics_port))
     return 0
 
 
 def worker(a: argparse.Namespace) -> int:
     from worker_svc.service import run_worker
 
-    kw = dict(address=a.bind, model=a.model, dtype=a.dtype, threads=a.threads,
-              num_blocks=a.num_blocks, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
-              max_num_batched_tokens=a.max_num_batched_tokens, **_device_kwargs(a))
+    engine = dataclasses.replace(_engine_config(a), max_num_seqs=a.max_num_seqs,
+                                 max_num_batched_tokens=a.max_num_batched_tokens)
+    config = WorkerServiceConfig(engine, address=a.bind)
     rank = a.rank if a.rank >= 0 else _env_int("RANK")
     if a.tp * a.pp == 1 and rank is None and not a.pp_layers:
-        run_worker(**kw)
+        run_worker(config)
         return 0
     import logging
 
-    from worker_svc.parallel import ParallelConfig, parse_pp_layers
+    from worker_svc.parallel import parse_pp_layers
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -107,7 +116,7 @@ def worker(a: argparse.Namespace) -> int:
                         timeout_s=a.dist_timeout)
     if rank is None:   # every rank of the replica on this machine, one process each
         from worker_svc.launcher import launch_local
-        return launch_local(kw, pc)
+        return launch_local(dataclasses.replace(config, parallel=pc))
     from shared.model_source import resolve_model
     from worker_svc import parallel as par
     from worker_svc.loader import read_config
@@ -115,10 +124,10 @@ def worker(a: argparse.Namespace) -> int:
     world = a.world_size or _env_int("WORLD_SIZE") or pc.world_size
     local = _env_int("LOCAL_RANK")
     if a.device == "cuda" and local is not None:
-        kw["device"] = f"cuda:{local}"     # torchrun: one GPU per local rank
+        engine = dataclasses.replace(engine, device=f"cuda:{local}")     # torchrun: one GPU per local rank
     pc = dataclasses.replace(pc, master_port=pc.master_port or 29500)
     par.check(read_config(resolve_model(a.model)), pc, world)   # before any weight is read
-    run_worker(parallel=pc, **kw)
+    run_worker(WorkerServiceConfig(engine, address=a.bind, parallel=pc))
     return 0
 
 
@@ -158,20 +167,12 @@ def _target(a: argparse.Namespace):
                           max_num_batched_tokens=a.max_num_batched_tokens,
                           enable_prefix_caching=a.prefix_caching)
     from sarathi.llm import LLM
-    from scheduler_svc.engine_loop import EngineLoop
-    from scheduler_svc.scheduler import Scheduler
-    from shared.config import CacheConfig, SchedulerConfig
 
-    llm = LLM(a.model, **_llm_kwargs(a))
+    llm = LLM.from_config(_engine_config(a), _scheduler_config(a))
     info = llm.model_info
 
     def make_real(policy: str, tau: int):
-        cfg = SchedulerConfig(policy=policy, token_budget=tau, max_num_seqs=a.max_num_seqs,
-                              max_num_batched_tokens=a.max_num_batched_tokens,
-                              max_model_len=info.max_model_len,
-                              enable_prefix_caching=a.prefix_caching)
-        # the worker's block count: --num-blocks 0 means sized by the worker
-        return EngineLoop(Scheduler(cfg, CacheConfig(a.block_size, info.num_blocks), info), llm.executor)
+        return llm.make_engine(dataclasses.replace(llm.scheduler_config, policy=policy, token_budget=tau))
     return Target("real", make_engine=make_real, max_model_len=info.max_model_len,
                   vocab_size=info.vocab_size)
 
@@ -235,7 +236,7 @@ def _header(a: argparse.Namespace, target, w=None) -> dict:
 
 def _prepare(a: argparse.Namespace):
     """What bench and capacity share: (SLO, token budget, target, workload, result header)."""
-    slo, tau, target = _slo(a), _tau(a), _target(a)
+    slo, tau, target = _slo(a), resolve_token_budget(a.token_budget), _target(a)
     w = _workload(a, target.max_model_len)
     return slo, tau, target, w, _header(a, target, w)
 
@@ -291,11 +292,10 @@ def profile(a: argparse.Namespace) -> int:
         ex = SimExecutor(a.block_size, verify_kv=False, cost_model=linear_cost_model(), clock=clock)
         info = {"name": "sim", "max_model_len": 8192, "vocab_size": 32000, "eos_token_ids": [0]}
     else:
-        from shared.config import CacheConfig, WorkerConfig
         from worker_svc.executor import Executor
 
-        ex = Executor(WorkerConfig(model=a.model, dtype=a.dtype, num_threads=a.threads,
-                                   cache=CacheConfig(a.block_size, need)))
+        # every engine flag counts (it used to take only model, dtype and threads)
+        ex = Executor(dataclasses.replace(_engine_config(a), cache=CacheConfig(a.block_size, need)))
         clock = time.perf_counter
         mi = ex.model_info
         info = {"name": mi.name, "max_model_len": mi.max_model_len, "vocab_size": mi.vocab_size,

@@ -10,6 +10,7 @@ scheduler with its batching policy (scheduler_svc) and the torch executor (worke
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -55,25 +56,43 @@ class LLM:
                  max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False,
                  device: str = "cpu", gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
                  kv_cache_dtype: str = "auto", weight_quant: str = "auto"):
+        self._start(
+            WorkerConfig(model=model, dtype=dtype, num_threads=threads, device=device,
+                         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                         gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
+                         kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant),
+            SchedulerConfig(policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            enable_prefix_caching=enable_prefix_caching))
+
+    @classmethod
+    def from_config(cls, worker: WorkerConfig, scheduler: SchedulerConfig) -> "LLM":
+        """The same from the config objects the services take (`sarathi generate` / `bench`).
+        scheduler.max_model_len is replaced by the model's context length."""
+        llm = cls.__new__(cls)
+        llm._start(worker, scheduler)
+        return llm
+
+    def _start(self, worker: WorkerConfig, scheduler: SchedulerConfig) -> None:
         from worker_svc.executor import Executor  # torch lives only behind this import
 
-        source = resolve_model(model)
+        source = resolve_model(worker.model)
         self._source, self._tokenizer = source, None
-        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
-        self.executor = Executor(WorkerConfig(
-            model=str(source.path), dtype=dtype, num_threads=threads, cache=cache, device=device,
-            gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
-            kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_num_batched_tokens, token_budget)))
-        info = self.executor.model_info
-        self.model_info = info
-        sched = SchedulerConfig(policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=info.max_model_len,
-                                enable_prefix_caching=enable_prefix_caching)
+        # the worker's profiling pass (CUDA) covers the largest iteration the policy can make
+        self.executor = Executor(dataclasses.replace(
+            worker, model=str(source.path), max_num_seqs=scheduler.max_num_seqs,
+            max_num_batched_tokens=scheduler.max_tokens_per_iteration))
+        info = self.model_info = self.executor.model_info
+        self.scheduler_config = dataclasses.replace(scheduler, max_model_len=info.max_model_len)
         # the worker decides the block count (num_blocks 0 = auto): the scheduler uses its figure
-        self.engine = EngineLoop(Scheduler(sched, CacheConfig(block_size, info.num_blocks), info),
-                                 self.executor)
+        self.engine = self.make_engine(self.scheduler_config)
+
+    def make_engine(self, scheduler: SchedulerConfig) -> EngineLoop:
+        """A fresh scheduler with `scheduler`'s policy and limits on this model's executor (its KV
+        cache is reused: the previous engine must have finished its requests)."""
+        info = self.model_info
+        return EngineLoop(Scheduler(scheduler, CacheConfig(info.block_size, info.num_blocks), info),
+                          self.executor)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -25,33 +25,14 @@ import os
 import tempfile
 import threading
 
+from shared.config import SchedulerServiceConfig, ServeConfig, WorkerConfig, WorkerServiceConfig
+
 log = logging.getLogger("sarathi.serve")
 
 
-def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int = 8000,
-                 redis_url: str | None = None, dtype: str = "auto", threads: int = 0,
-                 num_blocks: int = 0, block_size: int = 16, device: str = "cpu",
-                 gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
-                 policy: str = "sarathi",
-                 token_budget: int = 512, max_num_seqs: int = 128,
-                 max_num_batched_tokens: int = 4096, prefix_caching: bool = False,
-                 max_model_len: int | None = None, api_key: str | None = None,
-                 worker: str = "process", queue_prefix: str = "sarathi:",
-                 log_level: str = "info", drain_timeout_s: float = 30.0,
-                 worker_restart_timeout_s: float = 30.0, kv_cache_dtype: str = "auto",
-                 weight_quant: str = "auto") -> None:
-    """Serve `model` (None: the default SmolLM2) on http://host:port until interrupted.
-
-    redis_url: None = in-process queue; a URL = the Redis queue (same semantics, durable).
-    dtype, threads (torch CPU threads, 0 = default), num_blocks x block_size (KV cache, tokens per
-    block; num_blocks 0 = auto, see WorkerConfig), device ("cpu", "cuda[:n]"),
-    gpu_memory_utilization, cuda_graphs, kv_cache_dtype, weight_quant: the worker. policy, token_budget (tau, tokens), max_num_seqs, max_num_batched_tokens,
-    prefix_caching: the scheduler. max_model_len: tokens; None = the model's context length.
-    api_key: require `Authorization: Bearer <key>` on /v1/*. worker: "process" | "thread".
-    queue_prefix: the Redis key prefix (with redis_url). drain_timeout_s: on SIGTERM, seconds for
-    started requests to finish. worker_restart_timeout_s: seconds the scheduler holds a lost
-    worker's requests for it to come back (then they end with an error).
-    """
+def run_embedded(config: ServeConfig) -> None:
+    """Serve config.worker.model (None: the default SmolLM2) on http://host:port until
+    interrupted (shared.config.ServeConfig says what each field does)."""
     from prometheus_client import CollectorRegistry
 
     from gateway.app import create_app
@@ -63,40 +44,40 @@ def run_embedded(*, model: str | None = None, host: str = "127.0.0.1", port: int
     from shared.queue import QueueConfig, make_queues
     from shared.tokenizer import load_tokenizer
 
+    c = config
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    source = resolve_model(model)  # fail fast on a bad path or file, before starting anything
+        logging.basicConfig(level=c.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    source = resolve_model(c.worker.model)  # fail fast on a bad path or file, before starting anything
     tokenizer = load_tokenizer(source)
-    worker_kw = dict(model=str(source.path), dtype=dtype, threads=threads,
-                     num_blocks=num_blocks, block_size=block_size, device=device,
-                     kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant,
-                     gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
-                     max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=max(max_num_batched_tokens, token_budget))
+    # the worker's profiling pass (CUDA) covers the largest iteration the policy can make
+    engine = dataclasses.replace(c.worker, model=str(source.path),
+                                 max_num_seqs=c.scheduler.max_num_seqs,
+                                 max_num_batched_tokens=c.scheduler.max_tokens_per_iteration)
     with tempfile.TemporaryDirectory(prefix="sarathi-") as tmp:
-        stop_worker, address = _start_worker(worker, worker_kw, tmp)
+        stop_worker, address = _start_worker(c.worker_mode, engine, tmp)
         stop = threading.Event()
         sched_thread = None
         try:
             executor = RemoteExecutor(address, timeout_s=120.0)
             info = _wait_worker(executor, stop_worker)
-            if worker == "process":  # from now on a dead worker is replaced (not while it first loads)
+            if c.worker_mode == "process":  # from now on a dead worker is replaced (not while it first loads)
                 threading.Thread(target=_supervise, args=(stop_worker, stop), name="worker-supervisor",
                                  daemon=True).start()
-            max_len = min(max_model_len or info.max_model_len, info.max_model_len)
-            gateway_queue, scheduler_queue = make_queues(redis_url, config=QueueConfig(prefix=queue_prefix))
+            max_len = min(c.max_model_len or info.max_model_len, info.max_model_len)
+            gateway_queue, scheduler_queue = make_queues(c.redis_url, config=QueueConfig(prefix=c.queue_prefix))
             registry = CollectorRegistry()
-            sched_thread = threading.Thread(target=run_scheduler, name="scheduler", daemon=True, kwargs=dict(
-                queue=scheduler_queue, executor=executor, registry=registry, metrics_port=None,
-                policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
-                max_model_len=max_len, stop=stop, worker_restart_timeout_s=worker_restart_timeout_s))
+            sched_config = SchedulerServiceConfig(
+                scheduler=c.scheduler, max_model_len=max_len, metrics_port=None,
+                worker_restart_timeout_s=c.worker_restart_timeout_s)
+            sched_thread = threading.Thread(target=run_scheduler, args=(sched_config,), name="scheduler",
+                                            daemon=True, kwargs=dict(queue=scheduler_queue, executor=executor,
+                                                                     registry=registry, stop=stop))
             sched_thread.start()
             app = create_app(tokenizer, dataclasses.replace(info, max_model_len=max_len),
-                             gateway_queue, api_key=api_key, metrics=GatewayMetrics(registry))
-            log.info("serving %s on http://%s:%d (queue: %s, worker: %s)", info.name, host, port,
-                     redis_url or "in-process", address)
-            serve_app(app, host=host, port=port, log_level=log_level, drain_timeout_s=drain_timeout_s)
+                             gateway_queue, api_key=c.api_key, metrics=GatewayMetrics(registry))
+            log.info("serving %s on http://%s:%d (queue: %s, worker: %s)", info.name, c.host, c.port,
+                     c.redis_url or "in-process", address)
+            serve_app(app, host=c.host, port=c.port, log_level=c.log_level, drain_timeout_s=c.drain_timeout_s)
         finally:
             stop.set()
             if sched_thread is not None:
@@ -137,16 +118,15 @@ class _WorkerHandle:
         self._stop()
 
 
-def _start_worker(kind: str, worker_kw: dict, tmp: str):
+def _start_worker(kind: str, engine: WorkerConfig, tmp: str):
     if kind == "thread":
         from worker_svc.service import run_worker
         stop = threading.Event()
-        t = threading.Thread(target=run_worker, name="worker", daemon=True,
-                             kwargs=dict(address="inproc://worker", stop=stop, **worker_kw))
+        config = WorkerServiceConfig(engine, address="inproc://worker")
+        t = threading.Thread(target=run_worker, args=(config,), name="worker", daemon=True,
+                             kwargs=dict(stop=stop))
         t.start()
         return _WorkerHandle(lambda: (stop.set(), t.join(10)), t.is_alive), "inproc://worker"
-    if kind != "process":
-        raise ValueError(f"worker must be 'process' or 'thread', not {kind!r}")
     address = f"ipc://{tmp}/worker.sock"
     procs: list = []
     lock = threading.Lock()
@@ -154,7 +134,8 @@ def _start_worker(kind: str, worker_kw: dict, tmp: str):
     def start() -> None:
         # spawn, not fork: a forked child would inherit this process's threads and sockets
         proc = mp.get_context("spawn").Process(target=_worker_main, name="sarathi-worker",
-                                               args=(address, worker_kw, os.getpid()), daemon=True)
+                                               args=(WorkerServiceConfig(engine, address), os.getpid()),
+                                               daemon=True)
         with lock:
             if handle.stopped:
                 return
@@ -176,10 +157,9 @@ def _start_worker(kind: str, worker_kw: dict, tmp: str):
     return handle, address
 
 
-def _worker_main(address: str, worker_kw: dict, parent_pid: int) -> None:
+def _worker_main(config: WorkerServiceConfig, parent_pid: int) -> None:
     """The worker child: serve until the parent is gone (even if it was SIGKILLed)."""
     from worker_svc.service import run_worker, stop_when_parent_exits
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    stop = stop_when_parent_exits(parent_pid)
-    run_worker(address=address, stop=stop, **worker_kw)
+    run_worker(config, stop=stop_when_parent_exits(parent_pid))

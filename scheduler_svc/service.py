@@ -43,6 +43,7 @@ from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.metrics import SchedulerMetrics, start_http
 from scheduler_svc.remote_executor import WorkerError, WorkerLostError, WorkerRestartedError
 from scheduler_svc.scheduler import Scheduler
+from shared.config import CacheConfig, SchedulerServiceConfig
 from shared.messages import RequestMsg, TokenEvent
 from shared.queue import QueueUnavailableError, SchedulerQueue
 from shared.sampling import InvalidRequestError
@@ -265,71 +266,50 @@ def _seeded(msg: RequestMsg):
     return dataclasses.replace(msg.sampling, seed=zlib.crc32(msg.req_id.encode()))
 
 
-def run_scheduler(*, redis_url: str | None = None, worker_addr: str | list[str] = "tcp://127.0.0.1:5555",
-                  policy: str = "sarathi", token_budget: int = 512, max_num_seqs: int = 128,
-                  max_num_batched_tokens: int = 4096, prefix_caching: bool = False,
-                  max_model_len: int | None = None, metrics_port: int | None = 9100,
-                  metrics_host: str = "0.0.0.0", consumer: str | None = None,
-                  queue_prefix: str = "sarathi:",
-                  worker_timeout_s: float = 120.0, worker_restart_timeout_s: float = 30.0,
-                  model: str | None = None,
-                  queue: SchedulerQueue | None = None, executor=None,
-                  registry=None, stop: threading.Event | None = None,
+def run_scheduler(config: SchedulerServiceConfig, *, queue: SchedulerQueue | None = None,
+                  executor=None, registry=None, stop: threading.Event | None = None,
                   on_ready=None) -> None:
-    """Run a scheduler service until `stop` is set (forever when None).
+    """Run a scheduler service (shared.config.SchedulerServiceConfig) until `stop` is set
+    (forever when None).
 
-    redis_url: the Redis queue (None: `queue` must be given, e.g. embedded mode's in-process one).
-    worker_addr: ZeroMQ address(es) of the workers, a list or comma-separated (all ranks of this
-    replica; the last one samples).
-    policy, token_budget (tau, tokens), max_num_seqs, max_num_batched_tokens, prefix_caching: the
-    scheduling knobs (shared.config.SchedulerConfig). max_model_len: tokens; None = the model's.
-    metrics_port: HTTP port for /metrics /health /ready /stats (None: no server; 0: any free port).
-    consumer: the queue consumer name (default: stable per host, see shared.queue); a restarted
-    scheduler with the same name replays its own pending requests. queue_prefix: Redis key prefix.
-    worker_timeout_s: seconds to wait for a batch's reply; worker_restart_timeout_s: seconds to
-    hold the requests of a lost worker for a worker to answer again (then they fail).
-    model: accepted for symmetry with the other services; the model is what the workers loaded.
-    executor: use this object instead of connecting to workers (tests: a SimExecutor; it must have
-    a `model_info`). registry: Prometheus registry (default: a new one with the process metrics;
-    embedded mode passes the gateway's, so that one /metrics shows both).
-    on_ready: called with the SchedulerService once the workers answered and before the loop.
+    The objects a caller may hand in instead of what the config names: queue (instead of the
+    Redis queue at config.redis_url; embedded mode's in-process one), executor (instead of
+    connecting to config.worker_addrs; tests: a SimExecutor, which must have a `model_info`),
+    registry (the Prometheus registry; default: a new one with the process metrics; embedded mode
+    passes the gateway's, so that one /metrics shows both). on_ready: called with the
+    SchedulerService once the workers answered and before the loop.
     """
     from scheduler_svc.remote_executor import RemoteExecutor
-    from shared.config import CacheConfig, SchedulerConfig
     from shared.queue import QueueConfig, make_scheduler_queue
 
+    c = config
     metrics = SchedulerMetrics(registry if registry is not None else _process_registry())
-    metrics.set_config(policy, token_budget)
+    metrics.set_config(c.scheduler.policy, c.scheduler.token_budget)
     services: list[SchedulerService] = []  # filled once the workers answered
     server = None
-    if metrics_port is not None:  # up first: /health answers while the workers still load
-        server, _ = start_http(metrics_port, metrics_host, metrics.registry,
+    if c.metrics_port is not None:  # up first: /health answers while the workers still load
+        server, _ = start_http(c.metrics_port, c.metrics_host, metrics.registry,
                                lambda: bool(services) and services[0].running and services[0].worker_up,
                                lambda: services[0].snapshot if services else {})
-        log.info("scheduler metrics on http://%s:%d/metrics", metrics_host, server.server_port)
+        log.info("scheduler metrics on http://%s:%d/metrics", c.metrics_host, server.server_port)
     try:
         if executor is None:
-            executor = RemoteExecutor(worker_addr, timeout_s=worker_timeout_s)
-            log.info("waiting for workers at %s", worker_addr)
+            executor = RemoteExecutor(c.worker_addrs, timeout_s=c.worker_timeout_s)
+            log.info("waiting for workers at %s", ", ".join(c.worker_addrs))
         info = _wait_for_model_info(executor, stop)
         if info is None:
             return
         metrics.set_worker(info.name, info.backend)
-        if model is not None and str(model) not in ("", "default", info.name):
-            log.info("--model %s given to the scheduler; the workers serve %s", model, info.name)
-        cfg = SchedulerConfig(policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens,
-                              enable_prefix_caching=prefix_caching,
-                              max_model_len=max_model_len or info.max_model_len)
+        cfg = dataclasses.replace(c.scheduler, max_model_len=c.max_model_len or info.max_model_len)
         scheduler = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info)
-        queue = queue or make_scheduler_queue(redis_url, consumer=consumer,
-                                              config=QueueConfig(prefix=queue_prefix))
+        queue = queue or make_scheduler_queue(c.redis_url, consumer=c.consumer,
+                                              config=QueueConfig(prefix=c.queue_prefix))
         service = SchedulerService(scheduler, executor, queue, metrics,
-                                   worker_restart_timeout_s=worker_restart_timeout_s)
+                                   worker_restart_timeout_s=c.worker_restart_timeout_s)
         service.http_port = server.server_port if server is not None else None
         services.append(service)
         log.info("scheduler ready: policy=%s tau=%d model=%s max_model_len=%d kv=%dx%d worker=%s",
-                 policy, token_budget, info.name, scheduler.max_model_len, info.num_blocks,
+                 cfg.policy, cfg.token_budget, info.name, scheduler.max_model_len, info.num_blocks,
                  info.block_size, info.backend)
         if on_ready is not None:
             on_ready(service)

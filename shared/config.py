@@ -50,6 +50,12 @@ class SchedulerConfig:
         if self.token_budget < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("token_budget, max_num_seqs and max_num_batched_tokens must be >= 1")
 
+    @property
+    def max_tokens_per_iteration(self) -> int:
+        """Tokens one iteration may hold under any policy (tau or the whole-prefill cap): what a
+        worker's profiling pass must cover (WorkerConfig.max_num_batched_tokens)."""
+        return max(self.max_num_batched_tokens, self.token_budget)
+
 
 DEFAULT_PLAN_FILE = "sarathi-plan.json"    # what `sarathi plan` writes and `--token-budget auto` reads
 
@@ -150,3 +156,121 @@ def rank_address(base: str, rank: int) -> str:
     if base.startswith(("ipc://", "inproc://")):
         return f"{base}.rank{rank}"
     raise ValueError(f"unsupported ZeroMQ address {base!r}; use tcp://, ipc:// or inproc://")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """One rank's place in a tensor x pipeline parallel replica. rank: global rank 0 .. tp * pp - 1.
+    pp_layers: layers per stage (sums to the model's layer count; None = balanced, earlier stages
+    get the remainder). master_addr/master_port: the TCP rendezvous of torch.distributed (rank 0
+    listens there; port 0 = a free one, chosen by the launcher that starts every rank here).
+    timeout_s: seconds a collective or recv may wait before the peer is declared lost."""
+
+    tp: int = 1
+    pp: int = 1
+    rank: int = 0
+    pp_layers: tuple[int, ...] | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    timeout_s: float = 60.0
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    def describe(self) -> str:
+        return f"rank {self.rank}/{self.world_size} (tp {self.tp_rank}/{self.tp}, stage {self.stage}/{self.pp})"
+
+
+# -- one config object per process: what `sarathi worker | scheduler | gateway | serve` run --------
+@dataclass
+class WorkerServiceConfig:
+    """A worker process: the engine it loads and where it listens.
+
+    address: the ZeroMQ address to bind (tcp://host:port, ipc://path, inproc://name); rank r of a
+    replica binds rank_address(address, r). parallel: None for a one-rank worker; with tp x pp > 1
+    and no rank of its own (`sarathi worker --tp 2`) every rank is started on this machine."""
+
+    engine: WorkerConfig = field(default_factory=WorkerConfig)
+    address: str = "tcp://0.0.0.0:5555"
+    parallel: ParallelConfig | None = None
+
+
+@dataclass
+class SchedulerServiceConfig:
+    """A scheduler process: its policy and limits, its queue, its workers, its HTTP endpoint.
+
+    max_model_len: tokens, None = the model's (what the workers report); scheduler.max_model_len
+        is replaced by min(this, the model's) once the workers answer.
+    redis_url: the Redis queue; None = a queue object handed to run_scheduler (embedded mode).
+    queue_prefix: Redis key prefix. consumer: the queue consumer name (None: stable per host; a
+        restarted scheduler with the same name replays its own pending requests).
+    worker_addrs: ZeroMQ addresses of every rank of this replica in rank order, or rank 0's alone.
+    worker_timeout_s: seconds to wait for a batch's reply. worker_restart_timeout_s: seconds to
+        hold the requests of a lost worker for a worker to answer again (then they fail).
+    metrics_port: HTTP port of /metrics /health /ready /stats (None: no server; 0: any free port).
+    """
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_model_len: int | None = None
+    redis_url: str | None = None
+    queue_prefix: str = "sarathi:"
+    consumer: str | None = None
+    worker_addrs: list[str] = field(default_factory=lambda: ["tcp://127.0.0.1:5555"])
+    worker_timeout_s: float = 120.0
+    worker_restart_timeout_s: float = 30.0
+    metrics_port: int | None = 9100
+    metrics_host: str = "0.0.0.0"
+
+
+@dataclass
+class GatewayConfig:
+    """A gateway process. model: whose tokenizer and chat template (None: the default SmolLM2).
+    max_model_len: tokens, None = the model's. max_queue_depth: queued requests beyond which new
+    ones get 429. api_key: require `Authorization: Bearer <key>` on /v1/*. drain_timeout_s: on
+    SIGTERM, seconds for started requests to finish (new ones get 503)."""
+
+    model: str | None = None
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    queue_prefix: str = "sarathi:"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue_depth: int = 1024
+    max_model_len: int | None = None
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+
+
+@dataclass
+class ServeConfig:
+    """Embedded mode (`sarathi serve`): gateway, scheduler and one worker in one process tree.
+
+    worker: the engine (worker.model is the model served). scheduler: the policy and limits.
+    redis_url: None = the in-process queue. worker_mode: "process" (a child process, restarted
+    when it dies) or "thread". The rest as in GatewayConfig / SchedulerServiceConfig."""
+
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str | None = None
+    queue_prefix: str = "sarathi:"
+    max_model_len: int | None = None
+    api_key: str | None = None
+    drain_timeout_s: float = 30.0
+    worker_restart_timeout_s: float = 30.0
+    worker_mode: str = "process"
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.worker_mode not in ("process", "thread"):
+            raise ValueError(f"worker_mode must be 'process' or 'thread', not {self.worker_mode!r}")

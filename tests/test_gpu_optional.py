@@ -72,15 +72,15 @@ def test_serve_and_worker_pass_device_options_through(monkeypatch):
     from worker_svc import service
 
     seen = {}
-    monkeypatch.setattr(serve, "run_embedded", lambda **kw: seen.setdefault("serve", kw))
-    monkeypatch.setattr(service, "run_worker", lambda **kw: seen.setdefault("worker", kw))
+    monkeypatch.setattr(serve, "run_embedded", lambda config: seen.setdefault("serve", config))
+    monkeypatch.setattr(service, "run_worker", lambda config: seen.setdefault("worker", config))
     assert cli.main(["serve", "--device", "cuda", "--model", "/m", "--no-cuda-graphs",
                      "--gpu-memory-utilization", "0.8"]) == 0
     assert cli.main(["worker", "--device", "cuda:1", "--max-num-seqs", "64"]) == 0
-    s, w = seen["serve"], seen["worker"]
-    assert (s["device"], s["cuda_graphs"], s["gpu_memory_utilization"], s["model"]) == ("cuda", False, 0.8, "/m")
-    assert s["num_blocks"] == 0                                # auto: sized by the worker
-    assert (w["device"], w["cuda_graphs"], w["max_num_seqs"]) == ("cuda:1", True, 64)
+    s, w = seen["serve"].worker, seen["worker"].engine
+    assert (s.device, s.cuda_graphs, s.gpu_memory_utilization, s.model) == ("cuda", False, 0.8, "/m")
+    assert s.cache.num_blocks == 0                             # auto: sized by the worker
+    assert (w.device, w.cuda_graphs, w.max_num_seqs) == ("cuda:1", True, 64)
 
 
 def test_cuda_graphs_flag_reads_the_environment(monkeypatch):

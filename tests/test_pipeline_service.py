@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.service import run_scheduler
-from shared.config import CacheConfig, SchedulerConfig, rank_address
+from shared.config import CacheConfig, SchedulerConfig, SchedulerServiceConfig, rank_address
 from shared.messages import BatchOutput
 from shared.queue import make_queues
 from tests.test_services_scheduler import SimWorker, collect, request
@@ -49,9 +49,10 @@ class Replica:
 
         self.threads = [threading.Thread(target=s.serve_forever, args=(self.stop,), daemon=True)
                         for s in self.servers]
-        self.threads.append(threading.Thread(target=run_scheduler, daemon=True, kwargs=dict(
-            worker_addr=self.address, queue=self.sq, metrics_port=None, registry=CollectorRegistry(),
-            max_num_seqs=8, token_budget=16, stop=self.stop, on_ready=on_ready)))
+        config = SchedulerServiceConfig(SchedulerConfig(max_num_seqs=8, token_budget=16),
+                                        worker_addrs=[self.address], metrics_port=None)
+        self.threads.append(threading.Thread(target=run_scheduler, args=(config,), daemon=True, kwargs=dict(
+            queue=self.sq, registry=CollectorRegistry(), stop=self.stop, on_ready=on_ready)))
         for t in self.threads:
             t.start()
         assert ready.wait(10)

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from scheduler_svc.service import run_scheduler
 from scheduler_svc.sim_executor import SimExecutor
-from shared.config import ModelInfo
+from shared.config import ModelInfo, SchedulerConfig, SchedulerServiceConfig
 from shared.messages import RequestMsg
 from shared.queue import make_queues
 from shared.sampling import SamplingParams
@@ -65,10 +65,11 @@ class Stack:
             ready.set()
 
         self.threads = [threading.Thread(target=self.server.serve_forever, args=(self.stop,), daemon=True),
-                        threading.Thread(target=run_scheduler, daemon=True, kwargs=dict(
-                            worker_addr=self.server.address, queue=self.sq, metrics_port=0,
-                            metrics_host="127.0.0.1", registry=CollectorRegistry(),
-                            max_num_seqs=8, token_budget=16, stop=self.stop, on_ready=on_ready))]
+                        threading.Thread(target=run_scheduler, daemon=True, args=(SchedulerServiceConfig(
+                            SchedulerConfig(max_num_seqs=8, token_budget=16),
+                            worker_addrs=[self.server.address], metrics_port=0, metrics_host="127.0.0.1"),),
+                            kwargs=dict(queue=self.sq, registry=CollectorRegistry(), stop=self.stop,
+                                        on_ready=on_ready))]
         for t in self.threads:
             t.start()
         assert ready.wait(10)
@@ -239,9 +240,10 @@ def test_health_answers_while_the_workers_load_and_ready_only_once_they_answer(t
 
     port, stop = free_port(), threading.Event()
     _, sq = make_queues(None)
-    t = threading.Thread(target=run_scheduler, daemon=True, kwargs=dict(
-        worker_addr=f"ipc://{tmp_path}/not-yet.sock", queue=sq, metrics_port=port,
-        metrics_host="127.0.0.1", registry=CollectorRegistry(), stop=stop))
+    config = SchedulerServiceConfig(worker_addrs=[f"ipc://{tmp_path}/not-yet.sock"], metrics_port=port,
+                                    metrics_host="127.0.0.1")
+    t = threading.Thread(target=run_scheduler, args=(config,), daemon=True, kwargs=dict(
+        queue=sq, registry=CollectorRegistry(), stop=stop))
     t.start()
     url = f"http://127.0.0.1:{port}"
     assert eventually(lambda: _status(url + "/health") == 200)

@@ -23,6 +23,8 @@ import time
 from dataclasses import replace
 from multiprocessing.connection import wait
 
+from shared.config import ParallelConfig, WorkerServiceConfig
+
 log = logging.getLogger("sarathi.worker")
 
 
@@ -32,19 +34,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(worker_kw: dict, parallel) -> int:
-    """Run all ranks of `parallel` (a ParallelConfig; rank ignored) with run_worker(**worker_kw);
+def launch_local(config: WorkerServiceConfig) -> int:
+    """Run every rank of config.parallel (its rank ignored) with run_worker, one process each;
     returns the exit code of the first rank to exit (0 when stopped by a signal)."""
     from shared.model_source import resolve_model
     from worker_svc import parallel as par
     from worker_svc.loader import read_config
 
-    par.check(read_config(resolve_model(worker_kw.get("model"))), parallel)
+    parallel = config.parallel
+    par.check(read_config(resolve_model(config.engine.model)), parallel)
     if not parallel.master_port:
         parallel = replace(parallel, master_port=free_port())
     ctx = mp.get_context("spawn")   # not fork: each rank starts clean (threads, torch state)
     procs = [ctx.Process(target=_rank_main, name=f"sarathi-rank{r}", daemon=False,
-                         args=(worker_kw, replace(parallel, rank=r), os.getpid()))
+                         args=(_rank_config(config, replace(parallel, rank=r)), os.getpid()))
              for r in range(parallel.world_size)]
     for p in procs:
         p.start()
@@ -82,13 +85,20 @@ def launch_local(worker_kw: dict, parallel) -> int:
     return code
 
 
-def _rank_main(worker_kw: dict, parallel, parent_pid: int) -> None:
+def _rank_config(config: WorkerServiceConfig, parallel: ParallelConfig) -> WorkerServiceConfig:
+    """Rank `parallel.rank`'s config: its place in the replica, and on CUDA its own GPU."""
+    engine = config.engine
+    if engine.device == "cuda":    # one GPU per rank of this machine
+        engine = replace(engine, device=f"cuda:{parallel.rank}")
+    return replace(config, engine=engine, parallel=parallel)
+
+
+def _rank_main(config: WorkerServiceConfig, parent_pid: int) -> None:
     """One rank: serve until stopped; exit when the launcher is gone (even if SIGKILLed)."""
     from worker_svc.service import run_worker, stop_when_parent_exits
 
-    logging.basicConfig(level="INFO", format=f"%(asctime)s rank{parallel.rank} %(name)s %(levelname)s %(message)s")
+    rank = config.parallel.rank
+    logging.basicConfig(level="INFO", format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
     stop = stop_when_parent_exits(parent_pid)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    if worker_kw.get("device") == "cuda":    # one GPU per rank of this machine
-        worker_kw = {**worker_kw, "device": f"cuda:{parallel.rank}"}
-    run_worker(stop=stop, parallel=parallel, **worker_kw)
+    run_worker(config, stop=stop)

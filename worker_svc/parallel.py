@@ -27,13 +27,12 @@ import datetime
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shared.config import cdiv
+from shared.config import ParallelConfig, cdiv
 from worker_svc.model.config import ModelConfig
 from worker_svc.model.linear import TensorParallel
 
@@ -49,37 +48,6 @@ class RankLostError(RuntimeError):
     the process group is unusable, the worker must exit (its launcher restarts the replica)."""
 
     fatal = True
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """One rank's place in a replica. rank: global rank 0 .. tp * pp - 1. pp_layers: layers per
-    stage (sums to the model's layer count; None = balanced, earlier stages get the remainder).
-    master_addr/master_port: the TCP rendezvous of torch.distributed (rank 0 listens there).
-    timeout_s: seconds a collective or recv may wait before the peer is declared lost."""
-
-    tp: int = 1
-    pp: int = 1
-    rank: int = 0
-    pp_layers: tuple[int, ...] | None = None
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    timeout_s: float = 60.0
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp
-
-    @property
-    def stage(self) -> int:
-        return self.rank // self.tp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
-
-    def describe(self) -> str:
-        return f"rank {self.rank}/{self.world_size} (tp {self.tp_rank}/{self.tp}, stage {self.stage}/{self.pp})"
 
 
 def parse_pp_layers(text: str | None) -> tuple[int, ...] | None:

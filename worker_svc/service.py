@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from shared.config import single_rank_layout
+from shared.config import WorkerServiceConfig, rank_address, single_rank_layout
 from shared.messages import Batch, BatchOutput
 from shared.wire import BatchDecoder, UnknownRequestError, error_reply, output_reply, pack, unpack
 
@@ -149,40 +149,20 @@ def stop_when_parent_exits(parent_pid: int, poll_s: float = 0.5) -> threading.Ev
     return stop
 
 
-def run_worker(*, address: str = "tcp://0.0.0.0:5555", model: str | None = None,
-               dtype: str = "auto", device: str = "cpu", threads: int = 0,
-               num_blocks: int = 1024, block_size: int = 16,
-               gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
-               max_num_seqs: int = 128, max_num_batched_tokens: int = 4096,
-               kv_cache_dtype: str = "auto", weight_quant: str = "auto",
-               executor: ExecutorLike | None = None,
-               stop: threading.Event | None = None,
-               ready: threading.Event | None = None, parallel=None) -> None:
-    """Load the model and serve it on `address` until `stop` is set (forever when None).
+def run_worker(config: WorkerServiceConfig, *, executor: ExecutorLike | None = None,
+               stop: threading.Event | None = None, ready: threading.Event | None = None) -> None:
+    """Load config.engine's model and serve it on config.address until `stop` is set (forever
+    when None); rank r of a replica (config.parallel) binds shared.config.rank_address(address, r).
 
-    address: where to bind (tcp://host:port, ipc://path, inproc://name). model: GGUF file or HF
-    directory; None = the default SmolLM2. dtype: "auto" | "float32" | "bfloat16". device: "cpu"
-    or "cuda[:n]". threads: torch CPU threads (0 = torch's default). num_blocks x block_size:
-    the paged KV cache (blocks per layer, tokens per block; 0 blocks = auto, see WorkerConfig).
-    gpu_memory_utilization, cuda_graphs, max_num_seqs (largest graph), max_num_batched_tokens
-    (profiling pass): CUDA only, see WorkerConfig. kv_cache_dtype, weight_quant: see
-    WorkerConfig. executor: serve this object instead
-    of loading a model (tests, the simulated worker). ready: set once the socket is bound and the
-    model is loaded. parallel: this rank's worker_svc.parallel.ParallelConfig in a TP x PP
-    replica (None: one rank); rank r binds shared.config.rank_address(address, r). Raises
-    SystemExit(3) when a fatal error (a lost rank) stopped the server.
+    executor: serve this object instead of loading a model (tests, the simulated worker). ready:
+    set once the socket is bound and the model is loaded. Raises SystemExit(3) when a fatal error
+    (a lost rank) stopped the server.
     """
+    address, parallel = config.address, config.parallel
     if executor is None:
-        from shared.config import CacheConfig, WorkerConfig
         from worker_svc.executor import Executor  # torch: imported only where a model runs
-        cfg = WorkerConfig(model=model, dtype=dtype, device=device, num_threads=threads,
-                           cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
-                           gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
-                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant)
-        executor = Executor(cfg, parallel=parallel)
+        executor = Executor(config.engine, parallel=parallel)
     if parallel is not None:
-        from shared.config import rank_address
         address = rank_address(address, parallel.rank)
     server = WorkerServer(executor, address)
     log.info("worker serving %s on %s", executor.model_info.name, server.address)
