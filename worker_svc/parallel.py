@@ -27,6 +27,7 @@ import datetime
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
