@@ -34,6 +34,7 @@ serve: install
 	$(VENV)/bin/sarathi serve --port $(PORT)
 
 test: install
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider
 
 generate: install

@@ -14,19 +14,21 @@ so background load on this shared machine hits both alike; medians over rounds a
 and the speedup is the ratio of the two medians.
 
 --baseline REV also times the kernel of git revision REV (paged_decode.c built beside this one,
-with native.py's flags: SARATHI_NATIVE_MARCH=znver3 A/Bs the AVX2 path on an AVX-512 machine), and "read": a plain AVX2 read of the same K/V blocks in block-table order (16-bit
+with native.py's flags: SARATHI_NATIVE_MARCH=znver3 A/Bs the AVX2 path on an AVX-512 machine), and
+"read": a plain AVX2 read of the same K/V blocks in block-table order (16-bit
 caches only), the memory bound for this access pattern on one thread.
 
-    python -m bench.attention_kernel [--rounds 7] [--threads 1,2] [--baseline HEAD~1] [--out bench/results/kernels/attention_kernel.json]
+    python -m bench.attention_kernel [--rounds 7] [--threads 1,2] [--baseline HEAD~1] \
+        [--out bench/results/kernels/attention_kernel.json]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import json
 import math
 import shlex
-import ctypes
 import statistics
 import subprocess
 import sys
@@ -159,7 +161,8 @@ def run_case(batch: int, ctx: int, dtype_name: str, threads: list[int], rounds: 
         torch_pass(layers, q, meta, out_t, scale)
         native_pass(layers, q, tables, lens, out_n, scale)
     diff = (out_t.float() - out_n.float()).abs().max().item()
-    variants = ["torch", "native"] + (["baseline"] if base else []) + (["read"] if rd and dtype != torch.float32 else [])
+    variants = (["torch", "native"] + (["baseline"] if base else [])
+                + (["read"] if rd and dtype != torch.float32 else []))
     out_b = torch.empty_like(q)
     if base:
         baseline_pass(base, layers, q, tables, lens, out_b, scale, threads[0])

@@ -9,9 +9,10 @@ up to `chunk` tokens on the blocks after them. The executor's cache holds exactl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sarathi.measure.env import machine   # the one record of the machine; scripts import it from here
+from sarathi.measure.env import machine  # the one record of the machine; scripts import it from here
 from shared.config import CacheConfig, WorkerConfig
 from shared.messages import Batch, SeqChunk
 from shared.sampling import SamplingParams
@@ -83,7 +84,7 @@ def make_batch(series: str, size: int, layout: Layout = FULL) -> Batch:
 def make_executor(spec: str, layout: Layout = FULL) -> Executor:
     """DTYPE[:KV[:WEIGHTS[:ATTENTION]]] -> an Executor with the layout's cache. A bare DTYPE (the
     --dtypes runs) keeps the KV cache in the compute dtype and float weights, as before issue 11."""
-    from worker_svc.executor import Executor     # torch: only for scripts that build an engine
+    from worker_svc.executor import Executor  # torch: only for scripts that build an engine
 
     dtype, kv, wq, attn = (spec.split(":") + ["auto", "auto", "auto"])[:4]
     if kv == "auto" and ":" not in spec:
@@ -126,3 +127,64 @@ def layer_shapes() -> list[tuple[int, int]]:
     qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     per_layer = [(qkv, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
     return per_layer * LAYERS + [(VOCAB, HIDDEN)]
+
+
+# -- the engine in a process of its own: A/B of two source trees (or two settings) interleaved ---
+ENGINE_PROCESS = r"""
+import json, sys, time
+import torch
+torch.set_num_threads(int(sys.argv[1]))
+spec = sys.argv[2]
+try:
+    from bench import common as c
+    ex = c.make_executor(spec, c.SMALL)
+    machine, make_batch = c.machine_line(), lambda s, n: c.make_batch(s, n, c.SMALL)
+except ImportError:   # a tree from before bench/common.py: the helpers were engine_iteration's
+    import bench.engine_iteration as ei
+    ei.DECODE_SIZES, ei.PREFILL_SIZES = [32], [512]
+    ei.NUM_BLOCKS = 32 * (ei.CONTEXT // ei.BLOCK_SIZE + 1) + 512 // ei.BLOCK_SIZE
+    ex = ei.make_executor(spec)
+    machine, make_batch = ei.machine(), ei.make_batch
+print(json.dumps({"ready": ex.backend.describe(), "machine": machine}), flush=True)
+batches = {}
+for line in sys.stdin:
+    series, n = line.split()
+    batch = batches.get((series, n)) or batches.setdefault((series, n), make_batch(series, int(n)))
+    t0 = time.perf_counter()
+    out = ex.execute(batch)
+    dt = time.perf_counter() - t0
+    print(json.dumps({"s": dt, **{k: out.timings[k] for k in ("prepare_s", "forward_s", "sample_s")}}),
+          flush=True)
+"""
+
+
+class EngineProcess:
+    """One executor (`make_executor(spec, SMALL)`) of the source tree `tree` in a process of its own,
+    stepped on request: `step("decode:32")` runs that batch once and returns {"s": seconds around
+    Executor.execute, "prepare_s", "forward_s", "sample_s"}. `info`: its backend line and machine.
+    Several of them asked in turn (A, B, A, B, ...) see the same load drifts."""
+
+    def __init__(self, tree: Path, threads: int, spec: str = "float32:auto:auto:auto",
+                 env: dict | None = None):
+        import json
+        import os
+        import subprocess
+        import sys
+
+        self._json = json
+        env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads), **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, "-c", ENGINE_PROCESS, str(threads), spec], cwd=tree,
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the engine process of {tree} ({spec}) exited: {self.proc.wait()}")
+        self.info = json.loads(line)
+
+    def step(self, case: str) -> dict:
+        self.proc.stdin.write(case.replace(":", " ") + "\n")
+        self.proc.stdin.flush()
+        return self._json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()

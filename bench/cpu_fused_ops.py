@@ -22,48 +22,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-WORKER = r"""
-import json, os, sys, time
-import torch
-torch.set_num_threads(int(sys.argv[1]))
-try:
-    from bench import common as c
-    ex = c.make_executor("float32:auto:auto:auto", c.SMALL)
-    machine, make_batch = c.machine_line(), lambda s, n: c.make_batch(s, n, c.SMALL)
-except ImportError:   # a --base-tree from before bench/common.py: the helpers were engine_iteration's
-    import bench.engine_iteration as ei
-    ei.DECODE_SIZES, ei.PREFILL_SIZES = [32], [512]
-    ei.NUM_BLOCKS = 32 * (ei.CONTEXT // ei.BLOCK_SIZE + 1) + 512 // ei.BLOCK_SIZE
-    ex = ei.make_executor("float32:auto:auto:auto")
-    machine, make_batch = ei.machine(), ei.make_batch
-print(json.dumps({"ready": ex.backend.describe(), "machine": machine}), flush=True)
-batches = {}
-for line in sys.stdin:
-    series, n = line.split()
-    batch = batches.get((series, n)) or batches.setdefault((series, n), make_batch(series, int(n)))
-    t0 = time.perf_counter()
-    out = ex.execute(batch)
-    dt = time.perf_counter() - t0
-    print(json.dumps({"s": dt, **{k: out.timings[k] for k in ("prepare_s", "forward_s", "sample_s")}}), flush=True)
-"""
-
-
-def start(tree: Path, threads: int, env_extra: dict) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads), **env_extra}
-    return subprocess.Popen([sys.executable, "-c", WORKER, str(threads)], cwd=tree, env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-
-def ask(p: subprocess.Popen, case: str) -> dict:
-    p.stdin.write(case.replace(":", " ") + "\n")
-    p.stdin.flush()
-    return json.loads(p.stdout.readline())
+from bench.common import EngineProcess
 
 
 def main() -> None:
@@ -77,19 +39,19 @@ def main() -> None:
     here = Path(__file__).resolve().parent.parent
     specs = ([("base", Path(args.base_tree).resolve(), {})] if args.base_tree else []) + [
         ("torch_ops", here, {"SARATHI_NATIVE_OPS": "0"}), ("native_ops", here, {"SARATHI_NATIVE_OPS": "1"})]
-    procs = {name: start(tree, args.threads, env) for name, tree, env in specs}
-    info = {name: json.loads(p.stdout.readline()) for name, p in procs.items()}
+    procs = {name: EngineProcess(tree, args.threads, env=env) for name, tree, env in specs}
+    info = {name: p.info for name, p in procs.items()}
     assert "ops native" in info["native_ops"]["ready"], info
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     res = {}
     for case in args.cases.split(","):
         for p in procs.values():
             for _ in range(3):
-                ask(p, case)
+                p.step(case)
         got = {v: [] for v in procs}
         for _ in range(args.reps):
             for v, p in procs.items():
-                got[v].append(ask(p, case))
+                got[v].append(p.step(case))
         r = {}
         for v, xs in got.items():
             r[v] = {"median_ms": round(statistics.median(x["s"] for x in xs) * 1e3, 3),
@@ -103,8 +65,7 @@ def main() -> None:
         res[case] = r
         print(case, {v: (r[v]["median_ms"], r[v][f"speedup_vs_{ref}"]) for v in r}, flush=True)
     for p in procs.values():
-        p.stdin.close()
-        p.wait()
+        p.close()
     result = {"command": "python -m bench.cpu_fused_ops " + " ".join(f"--{k.replace('_', '-')} {v}"
                                                                      for k, v in vars(args).items()),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

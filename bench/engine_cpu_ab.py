@@ -8,6 +8,9 @@ Results print as they come (a partial run still says something).
 
     python -m bench.engine_cpu_ab THREADS OUT [MEMBW_JSON]   (e.g. 2 bench/results/engine_cpu/engine_cpu_zen4_2t
                                                               bench/results/engine_cpu/membw_zen4.json)
+    python -m bench.engine_cpu_ab THREADS OUT [REPS] --base-tree DIR
+        (this tree against another, e.g. `git worktree add /tmp/base <commit>`: fp32 and the
+        defaults, four interleaved processes; see tree_ab)
 
 MEMBW_JSON: the read bandwidth of this machine (python -m bench.membw --out ...), default
 bench/results/engine_cpu/membw_amd.json (Zen 3). When llama.cpp's llama-bench is built
@@ -27,10 +30,19 @@ from pathlib import Path
 
 import torch
 
-from bench.common import SMALL, machine_line, make_batch, make_executor, step_bytes
+from bench.common import SMALL, EngineProcess, machine_line, make_batch, make_executor, step_bytes
+
+CASES = [("decode", 1), ("decode", 32), ("decode_short", 32), ("decode_short", 1), ("prefill", 512)]
+# engine settings compared across trees: the float path (exact against Hugging Face) and the defaults
+TREE_SPECS = {"fp32": "float32:float32:none:auto", "defaults": "float32:auto:auto:auto"}
 
 
 def main() -> None:
+    if "--base-tree" in sys.argv:
+        i = sys.argv.index("--base-tree")
+        base, rest = Path(sys.argv[i + 1]), sys.argv[1:i] + sys.argv[i + 2:]
+        tree_ab(int(rest[0]), Path(rest[1]), base, int(rest[2]) if len(rest) > 2 else 10)
+        return
     threads, out = int(sys.argv[1]), Path(sys.argv[2])
     torch.set_num_threads(threads)
     exs = {"before": make_executor("float32:float32:none:auto", SMALL),
@@ -41,7 +53,7 @@ def main() -> None:
     bw = json.loads(membw.read_text())["results"][f"{threads}t"]["read_gb_per_s"]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     res = {}
-    for s, n in [("decode", 1), ("decode", 32), ("decode_short", 32), ("decode_short", 1), ("prefill", 512)]:
+    for s, n in CASES:
         batch = make_batch(s, n, SMALL)
         for ex in exs.values():
             ex.execute(batch)
@@ -69,6 +81,79 @@ def main() -> None:
               "results": res}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
+
+
+def tree_ab(threads: int, out: Path, base: Path, reps: int) -> None:
+    """The engine of another source tree (`base`, e.g. `git worktree add DIR <commit>`) against this
+    one, for each of TREE_SPECS: four processes (base/this x fp32/defaults), asked for one step
+    each in turn, `reps` rounds per case (prefill: a third of them) after two warm-up steps, so
+    load drifts hit all alike. Writes OUT.json (medians, minima, samples, this/base ratios) and
+    OUT.png."""
+    here = Path(__file__).resolve().parent.parent
+    procs = {f"{tree} {name}": EngineProcess(path, threads, spec)
+             for tree, path in (("base", base.resolve()), ("this", here)) for name, spec in TREE_SPECS.items()}
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    res = {}
+    for s, n in CASES:
+        case = f"{s}:{n}"
+        for p in procs.values():
+            for _ in range(2):
+                p.step(case)
+        ts = {v: [] for v in procs}
+        for _ in range(max(2, reps // 3) if s == "prefill" else reps):
+            for v, p in procs.items():
+                ts[v].append(p.step(case)["s"])
+        r = {v: {"median_ms": round(statistics.median(x) * 1e3, 2), "min_ms": round(min(x) * 1e3, 2),
+                 "samples_ms": [round(t * 1e3, 2) for t in x]} for v, x in ts.items()}
+        for name in TREE_SPECS:
+            r[f"this {name}"]["this_over_base"] = round(r[f"this {name}"]["median_ms"]
+                                                        / r[f"base {name}"]["median_ms"], 3)
+        res[case] = r
+        print(case, {v: (x["median_ms"], x.get("this_over_base")) for v, x in r.items()}, flush=True)
+    info = {v: p.info for v, p in procs.items()}
+    for p in procs.values():
+        p.close()
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=base, capture_output=True, text=True)
+    result = {"command": "python -m bench.engine_cpu_ab " + " ".join(sys.argv[1:]).replace(str(base), "BASE"),
+              "base_tree": {"name": base.name, "commit": rev.stdout.strip() or None},
+              "this_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                                            capture_output=True, text=True).stdout.strip(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": info["this defaults"]["machine"], "threads": threads, "reps": reps,
+              "backends": {v: i["ready"] for v, i in info.items()},
+              "loadavg_before_after": [load_before, Path("/proc/loadavg").read_text().split()[:3]],
+              "results": res}
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    plot_tree_ab(result, out.with_suffix(".png"))
+
+
+def plot_tree_ab(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(result["results"])
+    fig, axes = plt.subplots(1, len(TREE_SPECS), figsize=(6 * len(TREE_SPECS), 4.5))
+    for ax, name in zip(axes, TREE_SPECS):
+        for i, (tree, color) in enumerate((("base", "tab:gray"), ("this", "tab:blue"))):
+            xs = [j + (i - 0.5) * 0.38 for j in range(len(cases))]
+            r = [result["results"][c][f"{tree} {name}"] for c in cases]
+            ax.bar(xs, [x["median_ms"] for x in r], 0.38, color=color,
+                   label=f"{tree} ({result['base_tree']['commit'] if tree == 'base' else result['this_commit']})")
+            for x, p in zip(xs, r):
+                ax.scatter([x] * len(p["samples_ms"]), p["samples_ms"], s=4, color="k", zorder=3)
+        for j, c in enumerate(cases):
+            ratio = result["results"][c][f"this {name}"]["this_over_base"]
+            ax.annotate(f"{ratio:.2f}x", (j, result["results"][c][f"this {name}"]["median_ms"] * 1.15),
+                        ha="center", fontsize=8)
+        ax.set_xticks(range(len(cases)), [c.replace("decode_short", "decode@128").replace("decode:", "decode@1k:")
+                                          for c in cases], fontsize=8)
+        ax.set(yscale="log", ylabel="step time (ms): median, samples", title=f"{name}: this / base")
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    fig.suptitle(f"{result['machine'][:48]}, {result['threads']} thread(s), {result['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def llama_bench(threads: int) -> dict | None:
@@ -122,7 +207,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(range(len(keys)), [k.replace("decode_short", "decode@128").replace("decode:", "decode@1k:")
                                      for k in keys])
     ax.set(yscale="log", ylabel="step time (ms)",
-           title=f"{result['machine'][:40]}, {result['threads']} thread(s), load {result['loadavg_before_after'][0][0]}")
+           title=f"{result['machine'][:40]}, {result['threads']} thread(s), "
+                 f"load {result['loadavg_before_after'][0][0]}")
     ax.legend(fontsize=7)
     ax.grid(True, axis="y", which="both", alpha=0.3)
     fig.tight_layout()

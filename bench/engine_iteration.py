@@ -34,8 +34,18 @@ from pathlib import Path
 
 import torch
 
-from bench.common import (CONTEXT, FULL, HYBRID_DECODES, SHORT_CONTEXT, SMALL, Layout, machine_line, make_batch,
-                          make_executor, step_bytes)
+from bench.common import (
+    CONTEXT,
+    FULL,
+    HYBRID_DECODES,
+    SHORT_CONTEXT,
+    SMALL,
+    Layout,
+    machine_line,
+    make_batch,
+    make_executor,
+    step_bytes,
+)
 from worker_svc.executor import Executor
 
 DECODE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -160,7 +170,8 @@ def plot_bounds(summary: dict, path: Path) -> None:
 
 def profile(executors: dict[str, Executor], threads: int, path: Path, layout: Layout) -> None:
     """torch.profiler tables (ops by self CPU time) of the cases the targets are about."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     torch.set_num_threads(threads)
     parts = [f"# python -m bench.engine_iteration --profile --threads {threads}  ({machine_line()}, "
@@ -224,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "command": "python -m bench.engine_iteration " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_line(), "torch": torch.__version__, "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+        "machine": machine_line(), "torch": torch.__version__,
+        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
         "loadavg_before_after": [load_before, Path("/proc/loadavg").read_text().split()[:3]],
         "note": args.note, "rounds": args.rounds, "context_tokens": CONTEXT,
         "backends": {name: ex.backend.describe() for name, ex in executors.items()},

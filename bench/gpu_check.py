@@ -54,7 +54,8 @@ def flashinfer_importable(python: str = sys.executable) -> bool:
                           capture_output=True).returncode == 0
 
 
-def plan(args: argparse.Namespace, have_flashinfer: bool, python: str = sys.executable) -> list[tuple[str, list[str], Path | None]]:
+def plan(args: argparse.Namespace, have_flashinfer: bool,
+         python: str = sys.executable) -> list[tuple[str, list[str], Path | None]]:
     """(name, argv, log file) of each step, in order."""
     steps: list[tuple[str, list[str], Path | None]] = [
         ("environment", [python, "-c", ENV_SCRIPT], RESULTS / "gpu_check_env.txt")]

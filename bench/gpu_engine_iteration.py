@@ -202,7 +202,8 @@ def plot(summary: dict, path: Path) -> None:
 
 def profile(ex: Executor, tiny: bool, path: Path) -> None:
     """Kernel table (CUDA time) of the decode-32 and hybrid 32+512 steps: what remains."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ex.backend.device.type == "cuda" else [])
     sort = "cuda_time_total" if ex.backend.device.type == "cuda" else "self_cpu_time_total"

@@ -3,7 +3,8 @@ PREFETCH_HINT), A/B in one run: each variant is the same source built with other
 timed over all linear layers of one SmolLM2-135M step (163 MB of int8 weights, more than the
 L3), variants interleaved per round, medians of --rounds.
 
-    python -m bench.int8_prefetch [--threads 2] [--sizes 1,2,8] [--rounds 7] [--out bench/results/kernels/int8_prefetch_zen4]
+    python -m bench.int8_prefetch [--threads 2] [--sizes 1,2,8] [--rounds 7] \
+        [--out bench/results/kernels/int8_prefetch_zen4]
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Merge `sarathi bench` result files (their "runs", sorted by QPS) into one, e.g. the QPS points of
 one server taken in several holds:  python -m bench.merge_runs OUT.json A.json B.json ..."""
-import json, sys
+import json
+import sys
+
 out, parts = sys.argv[1], sys.argv[2:]
 ds = [json.load(open(p)) for p in parts]
 m = {"command": [c for d in ds for c in (d["command"] if isinstance(d["command"], list) else [d["command"]])],

@@ -145,7 +145,10 @@ def analyse(trace: list[dict], pp: int, saturated: bool = False) -> dict:
 
 def _dist(xs: list[float]) -> dict:
     ms = sorted(x * 1000 for x in xs)
-    pick = lambda q: ms[min(len(ms) - 1, int(round(q * (len(ms) - 1))))]
+
+    def pick(q: float) -> float:
+        return ms[min(len(ms) - 1, int(round(q * (len(ms) - 1))))]
+
     return {"mean": statistics.mean(ms), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99),
             "max": ms[-1], "std": statistics.pstdev(ms)}
 
@@ -214,7 +217,8 @@ def main() -> None:
                    if Path(f"{out}_{p}{args.tag}.json").exists()}
         out = Path(f"{out}{args.tag}")
         plot(results, out.with_suffix(".png"))
-        summary = {p: {k: r["analysis"][k] for k in ("bubble_fraction", "iteration_time_cv", "wall_s", "iterations", "saturated")}
+        keys = ("bubble_fraction", "iteration_time_cv", "wall_s", "iterations", "saturated")
+        summary = {p: {k: r["analysis"][k] for k in keys}
                    | {"stages": [{k: v for k, v in st.items() if k != "intervals"} for st in r["analysis"]["stages"]]}
                    | {k: r[k] for k in ("command", "date", "machine", "loadavg", "config", "scheduler_stats")}
                    for p, r in results.items()}
@@ -245,7 +249,8 @@ def main() -> None:
                     "machine": machine(), "loadavg": [load0, Path("/proc/loadavg").read_text().split()[:3]],
                     "workload": {"requests": args.requests, "qps": args.qps, "scale": args.scale,
                                  "prompt_tokens": [p for _, p, _ in reqs], "decode_tokens": [d for _, _, d in reqs]},
-                    "config": {k: getattr(args, k) for k in ("token_budget", "max_batched_tokens", "max_num_seqs", "pp", "pp_layers")},
+                    "config": {k: getattr(args, k) for k in ("token_budget", "max_batched_tokens", "max_num_seqs",
+                                                             "pp", "pp_layers")},
                     "scheduler_stats": stats, "analysis": r,
                     "trace": [{k: e[k] for k in ("batch_id", "num_tokens", "waiting", "submitted_at", "collected_at")}
                               | {k: v for k, v in e["timings"].items() if k.startswith("rank")}

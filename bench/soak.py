@@ -247,7 +247,10 @@ def probe(base: str, model: str, args, qps: float) -> dict:
     asyncio.run(load.run(args.probe_s))
     wall = time.monotonic() - t0
     ttfts = sorted(t for t in load.ttfts if t is not None)
-    pct = lambda f: ttfts[min(len(ttfts) - 1, int(f * len(ttfts)))] if ttfts else float("inf")
+
+    def pct(f: float) -> float:
+        return ttfts[min(len(ttfts) - 1, int(f * len(ttfts)))] if ttfts else float("inf")
+
     c = load.counts
     # errors here include streams still open when the probe stopped waiting (cancelled by the client)
     row = {"qps": qps, "sent": c["sent"], "completed": c["completed"], "errors_or_unfinished": c["errors"],

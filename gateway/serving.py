@@ -152,7 +152,8 @@ class Serving:
             first = None
             for j in range(body.n):
                 k = len(gens)
-                sp = sampling if j == 0 or sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + j)
+                sp = (sampling if j == 0 or sampling.seed is None
+                      else dataclasses.replace(sampling, seed=sampling.seed + j))
                 req = RequestMsg(base_id if k == 0 else f"{base_id}-{k}", ids, sp, self.queue.gateway_id,
                                  arrival, share_prompt_with=first)
                 first = first or req.req_id

@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(p, "max-queue-depth", 1024, "queued requests beyond which new ones get 429")
 
     p = sub.add_parser("scheduler", help="the scheduler service (Redis queue in, ZeroMQ workers out)")
-    _add(p, "model", None, "accepted for symmetry with the other services: the scheduler serves what its workers loaded")
+    _add(p, "model", None, "accepted for symmetry with the other services: the scheduler serves what its "
+         "workers loaded")
     _sched_args(p)
     _net_args(p, gateway=False)
     _add(p, "worker-addr", "tcp://127.0.0.1:5555", "ZeroMQ address of the worker")
@@ -146,12 +147,14 @@ def _executor_args(p: argparse.ArgumentParser) -> None:
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
-    _add(p, "trace", None, "CSV of request lengths (default: the ShareGPT-4 length trace shipped in sarathi/measure/data)")
+    _add(p, "trace", None, "CSV of request lengths (default: the ShareGPT-4 length trace shipped in "
+         "sarathi/measure/data)")
     _add(p, "prompt-column", "num_prefill_tokens", "trace column of prompt lengths (tokens)")
     _add(p, "output-column", "num_decode_tokens", "trace column of output lengths (tokens)")
     _add(p, "length-scale", 1.0, "multiply every trace length by this (e.g. 0.125 on a CPU)")
     _add(p, "num-requests", 100, "requests per run (per probe for capacity)")
-    _add(p, "duration", 0.0, "> 0: a run is this many seconds of arrivals (qps x duration requests; overrides --num-requests)")
+    _add(p, "duration", 0.0, "> 0: a run is this many seconds of arrivals (qps x duration requests; overrides "
+         "--num-requests)")
     _add(p, "arrival", "poisson", "arrival process", choices=["poisson", "gamma", "burst"])
     _add(p, "cv", 1.0, "coefficient of variation of gamma inter-arrival times")
     _add(p, "burst-size", 8, "requests per burst (--arrival burst)")

@@ -87,6 +87,8 @@ class SchedulerService:
         unfinished at the stop are not acked: the next start replays them."""
         # Start-up objects live forever: move them out of the GC's sight, so cyclic collections
         # stay short (bench/results/scheduler/scheduler_overhead.md: p99 at 1024 running 52 -> 8 ms).
+        # Collect first: frozen garbage would never be freed (nor its sockets closed).
+        gc.collect()
         gc.freeze()
         self._admit(self.queue.replay_pending())
         self._last_replay = time.monotonic()
@@ -165,7 +167,8 @@ class SchedulerService:
             pass
         down_s = time.monotonic() - self.worker_down_since
         if down_s > self.worker_restart_timeout_s and self.scheduler.has_unfinished():
-            message = f"no worker answered for {down_s:.0f} s (worker_restart_timeout_s={self.worker_restart_timeout_s:g})"
+            message = (f"no worker answered for {down_s:.0f} s "
+                       f"(worker_restart_timeout_s={self.worker_restart_timeout_s:g})")
             log.error("%s; failing %d requests", message, len(self.scheduler.requests))
             for req_id in list(self.scheduler.requests):
                 self.scheduler.abort(req_id, error=message)
@@ -292,9 +295,10 @@ def run_scheduler(config: SchedulerServiceConfig, *, queue: SchedulerQueue | Non
                                lambda: bool(services) and services[0].running and services[0].worker_up,
                                lambda: services[0].snapshot if services else {})
         log.info("scheduler metrics on http://%s:%d/metrics", c.metrics_host, server.server_port)
+    owned = None   # the RemoteExecutor made here, closed at the end (a given executor is the caller's)
     try:
         if executor is None:
-            executor = RemoteExecutor(c.worker_addrs, timeout_s=c.worker_timeout_s)
+            executor = owned = RemoteExecutor(c.worker_addrs, timeout_s=c.worker_timeout_s)
             log.info("waiting for workers at %s", ", ".join(c.worker_addrs))
         info = _wait_for_model_info(executor, stop)
         if info is None:
@@ -318,6 +322,8 @@ def run_scheduler(config: SchedulerServiceConfig, *, queue: SchedulerQueue | Non
         finally:
             queue.close()
     finally:
+        if owned is not None:
+            owned.close()
         if server is not None:
             server.shutdown()
             server.server_close()

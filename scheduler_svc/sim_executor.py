@@ -122,7 +122,7 @@ def sim_engine(policy: str = "sarathi", *, token_budget: int = 512, block_size: 
                vocab_size: int = 32000, verify_kv: bool = True, clock=None, **executor_kw):
     """An EngineLoop over a Scheduler and a SimExecutor, configured in one call (tests,
     benchmarks). Extra keyword arguments go to SimExecutor (scripts, cost_model)."""
-    from scheduler_svc.engine_loop import EngineLoop   # imported here: sim_executor stays a leaf
+    from scheduler_svc.engine_loop import EngineLoop  # imported here: sim_executor stays a leaf
     from scheduler_svc.scheduler import Scheduler
     from shared.config import CacheConfig, ModelInfo, SchedulerConfig
     sched = Scheduler(

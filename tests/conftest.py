@@ -1,7 +1,10 @@
-"""Fixtures every test module may use. Keep this small; specific helpers live beside their tests."""
+"""Fixtures every test module may use. Tests are grouped by component (gateway/, queue/,
+scheduler/, worker/, kvstore/, measure/, e2e/, gpu/, shared/); what several of them share lives in
+tests/support/. The fixtures of support modules are registered here as plugins, so a test names
+a fixture without importing it."""
 import pytest
 
-from tests.redis_fixture import redis_prefix, redis_server_url  # noqa: F401 (fixtures)
+pytest_plugins = ["tests.support.redis_fixture", "tests.support.gateway_fakes"]
 
 
 @pytest.fixture

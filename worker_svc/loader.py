@@ -24,6 +24,7 @@ import torch
 from shared.model_source import ModelSource
 from worker_svc.model.config import ModelConfig, ModelConfigError
 
+
 class ModelLoadError(RuntimeError):
     """The model files exist but cannot be used (corrupt, truncated, missing tensors)."""
 

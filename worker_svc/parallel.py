@@ -197,7 +197,8 @@ class Parallel:
                             lambda: [dist.isend(header, dst), dist.isend(x, dst)])
         self._pending.append((works, (header, x)))
 
-    def recv_hidden(self, batch_id: int, num_tokens: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    def recv_hidden(self, batch_id: int, num_tokens: int, hidden: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, float]:
         """(hidden states [T, H] of batch batch_id from the previous stage, seconds waited).
         Activations of an older batch (one this stage was never sent, e.g. after an error) are
         received and dropped; anything else out of order is a RankLostError."""

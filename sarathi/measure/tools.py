@@ -17,7 +17,7 @@ from typing import Callable
 from sarathi.measure import plots
 from sarathi.measure.capacity import search_capacity
 from sarathi.measure.loadgen import make_workload, run_http, run_inprocess
-from sarathi.measure.metrics import meets_slo, summarize, json_safe
+from sarathi.measure.metrics import json_safe, meets_slo, summarize
 from sarathi.measure.trace import Trace
 from scheduler_svc.engine_loop import EngineLoop
 

@@ -10,8 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from worker_svc.backends.base import (AttentionBackend, DeviceBackend, GraphRunner, LinearMethod, Ops,
-                                      SeqSpec, TokenSampler)
+from worker_svc.backends.base import (
+    AttentionBackend,
+    DeviceBackend,
+    GraphRunner,
+    LinearMethod,
+    Ops,
+    SeqSpec,
+    TokenSampler,
+)
 
 __all__ = ["AttentionBackend", "DeviceBackend", "GraphRunner", "LinearMethod", "Ops", "SeqSpec",
            "TokenSampler", "parse_dtype", "parse_kv_cache_dtype", "select_backend"]

@@ -214,7 +214,8 @@ def _decode_attention(q, kc, vc, d: DecodeMeta, out, scale) -> None:
     if keys.dtype != q.dtype:    # a 16-bit cache under an fp32 model: SDPA wants one dtype
         keys, vals = keys.to(q.dtype), vals.to(q.dtype)
     if q.dtype not in d.bias:   # an additive float mask runs faster than a bool one in SDPA on CPU
-        d.bias[q.dtype] = torch.zeros(d.valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~d.valid, float("-inf"))
+        d.bias[q.dtype] = torch.zeros(d.valid.shape, dtype=q.dtype,
+                                      device=q.device).masked_fill_(~d.valid, float("-inf"))
     o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=d.bias[q.dtype], scale=scale)
     o = o.reshape(B, hkv * group, dim)
     if d.contiguous_rows is not None:

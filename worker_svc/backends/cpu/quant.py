@@ -11,10 +11,11 @@ Which path runs is chosen per call by the token count T of the batch:
   compute-bound (prefill chunks, Sarathi's budget-sized hybrid batches). Its dtype (`large`):
   - float32 by default: F.linear on a float copy of the dequantized weight, the same function
     as the int8 kernel up to fp32 summation order, so a request's greedy output does not depend
-    on how many tokens shared its batch (tests/test_offline_api.py: every policy, token budget
+    on how many tokens shared its batch (tests/e2e/test_offline_api.py: every policy, token budget
     and preemption gives the same tokens);
-  - bfloat16 when asked for (`--weight-quant int8-bf16`), worth it on CPUs with native bf16 dot products (AVX512_BF16 or AMX-BF16: oneDNN runs
-    bf16 GEMMs 2-2.7x faster than fp32 there, Zen 4 measured in bench/results/kernels/linear_paths_*):
+  - bfloat16 when asked for (`--weight-quant int8-bf16`), worth it on CPUs with native bf16 dot
+    products (AVX512_BF16 or AMX-BF16: oneDNN runs bf16 GEMMs 2-2.7x faster than fp32 there,
+    Zen 4 measured in bench/results/kernels/linear_paths_*):
     activations are rounded to bf16 for the multiply, products accumulate in fp32, the output
     returns to the compute dtype. The bf16 copy of a dequantized int8 weight is exact up to bf16
     rounding of q * scale (q has 8 significant bits, bf16 keeps 8). Measured on SmolLM2 against

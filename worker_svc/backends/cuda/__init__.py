@@ -2,8 +2,13 @@
 (flashinfer_meta.py), CUDA graphs for decode batches (cuda_graphs.py), sampling on the device
 (device_sampler.py) and KV sizing from device memory (kv_sizing.py). Importing this package does
 not import flashinfer: only building a FlashInfer attention backend does."""
-from worker_svc.backends.cuda.backend import (CudaBackend, FlashInferAttention, FlashInferMetadata, cuda_backend,
-                                              flashinfer_unavailable_reason)
+from worker_svc.backends.cuda.backend import (
+                                              CudaBackend,
+                                              FlashInferAttention,
+                                              FlashInferMetadata,
+                                              cuda_backend,
+                                              flashinfer_unavailable_reason,
+)
 
 __all__ = ["CudaBackend", "FlashInferAttention", "FlashInferMetadata", "cuda_backend",
            "flashinfer_unavailable_reason"]

@@ -7,7 +7,7 @@ data-dependent shapes). attention="flashinfer" makes a missing FlashInfer an err
 attention="torch" picks the torch path on purpose (the reference the GPU tests compare with).
 
 FlashInfer is imported here, lazily, only when a CUDA backend is built: the CPU install and
-the CPU test suite never import it (tests/test_gpu_optional.py).
+the CPU test suite never import it (tests/gpu/test_optional.py).
 
 Per batch: flashinfer_meta.py builds qo/kv indptr, page indices, last-page lengths and
 the slot mapping on the host from the block tables, and one wrapper's plan() runs (the decode
@@ -62,7 +62,7 @@ class FlashInferAttention:
     workspace_bytes = WORKSPACE_BYTES
 
     def __init__(self, device: torch.device, kv_cache_dtype: torch.dtype):
-        import flashinfer   # the optional [gpu] extra; only ever imported on a CUDA worker
+        import flashinfer  # the optional [gpu] extra; only ever imported on a CUDA worker
 
         self.flashinfer = flashinfer
         self.device = device

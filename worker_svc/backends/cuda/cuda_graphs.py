@@ -9,7 +9,7 @@ pad_decode_batch). Hybrid batches (any sequence with more than one new token) an
 larger than the largest size run eagerly. The runner builds a batch's attention metadata itself
 from the sequences' block tables: the executor only hands it the batch.
 
-The sizing and padding functions are plain code tested on the CPU (tests/test_cuda_graphs.py);
+The sizing and padding functions are plain code tested on the CPU (tests/worker/test_cuda_graphs.py);
 CudaGraphRunner needs a CUDA device and an attention backend with FlashInfer's graph-safe
 decode wrappers (backend.py's FlashInferAttention).
 """

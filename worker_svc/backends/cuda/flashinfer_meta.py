@@ -2,7 +2,7 @@
 
 Plain torch on the CPU, no flashinfer import: the CUDA backend (backend.py beside this file)
 hands these tensors to a wrapper's plan() once per batch, and every layer's run() reuses the
-plan. Tested on the CPU against what the torch attention path reads (tests/test_flashinfer_meta.py).
+plan. Tested on the CPU against what the torch attention path reads (tests/worker/test_flashinfer_meta.py).
 
 FlashInfer's paged KV format: sequence i owns the pages kv_indices[kv_indptr[i]:kv_indptr[i+1]]
 in position order; every page is full but the last, which holds kv_last_page_len[i] tokens

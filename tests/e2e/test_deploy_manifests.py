@@ -1,0 +1,131 @@
+"""Deployment files, validated offline: Kubernetes manifests against the API schemas (strict: no
+unknown fields), the compose file against the compose spec, plus the properties the design asks
+for (GPU request, probes, resources, /dev/shm, SARATHI_<OPTION> configuration)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+MANIFESTS = sorted((ROOT / "k8s").glob("*.yaml"))
+
+
+def docs():
+    return [d for p in MANIFESTS for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def find(kind, component):
+    return next(d for d in docs() if d["kind"] == kind
+                and d["metadata"]["labels"]["app.kubernetes.io/component"] == component)
+
+
+def containers(kind, component):
+    return find(kind, component)["spec"]["template"]["spec"]["containers"]
+
+
+def test_kubernetes_manifests_pass_strict_schema_validation():
+    r = subprocess.run([BIN / "kubernetes-validate", "--strict", *MANIFESTS], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.parallel.yml"])
+def test_compose_file_passes_the_compose_spec(name):
+    r = subprocess.run([BIN / "check-jsonschema", "--builtin-schema", "vendor.compose-spec",
+                        ROOT / name], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_parallel_examples_run_tp_2_x_pp_2_with_a_gpu_per_rank():
+    worker = yaml.safe_load((ROOT / "docker-compose.parallel.yml").read_text())["services"]["worker"]
+    assert (worker["environment"]["SARATHI_TP"], worker["environment"]["SARATHI_PP"]) == ("2", "2")
+    spec = find("StatefulSet", "replica-parallel")["spec"]["template"]["spec"]
+    w = next(c for c in spec["containers"] if c["name"] == "worker")
+    env = {e["name"]: e["value"] for e in w["env"]}
+    assert int(env["SARATHI_TP"]) * int(env["SARATHI_PP"]) == int(w["resources"]["limits"]["nvidia.com/gpu"])
+    s = next(c for c in spec["containers"] if c["name"] == "scheduler")
+    assert {e["name"]: e.get("value") for e in s["env"]}["SARATHI_WORKER_ADDR"] == env["SARATHI_BIND"]
+
+
+def test_strict_validation_rejects_an_unknown_field(tmp_path):
+    bad = yaml.safe_load((ROOT / "k8s" / "gateway.yaml").read_text().split("---")[0])
+    bad["spec"]["template"]["spec"]["containers"][0]["gpus"] = 1
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    r = subprocess.run([BIN / "kubernetes-validate", "--strict", path], capture_output=True, text=True)
+    assert r.returncode != 0
+
+
+def test_gateway_is_a_deployment_behind_a_service_with_health_and_ready_probes():
+    (gw,) = containers("Deployment", "gateway")
+    assert gw["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert gw["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert find("Service", "gateway")["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_replica_statefulset_requests_a_gpu_and_mounts_a_memory_backed_shm():
+    spec = find("StatefulSet", "replica")["spec"]["template"]["spec"]
+    worker = next(c for c in spec["containers"] if c["name"] == "worker")
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]
+    assert next(v for v in spec["volumes"] if v["name"] == "dshm")["emptyDir"]["medium"] == "Memory"
+    scheduler = next(c for c in spec["containers"] if c["name"] == "scheduler")
+    assert scheduler["readinessProbe"]["httpGet"]["path"] == "/ready"
+
+
+def test_every_container_declares_requests_and_limits():
+    for d in docs():
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                assert {"requests", "limits"} <= set(c["resources"]), c["name"]
+
+
+def test_compose_runs_the_four_services_configured_by_sarathi_env_vars():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert set(compose["services"]) == {"redis", "gateway", "scheduler", "worker"}
+    for name in ("gateway", "scheduler", "worker"):
+        svc = compose["services"][name]
+        assert svc["command"] == [name]
+        assert all(k.startswith("SARATHI_") for k in svc["environment"])
+    assert compose["services"]["scheduler"]["environment"]["SARATHI_WORKER_ADDR"] == "tcp://worker:5555"
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", ".dockerignore"])
+def test_image_files_exist(name):
+    assert (ROOT / name).is_file()
+
+
+def cli_options(command: str) -> set[str]:
+    """The SARATHI_<OPTION> names the `sarathi <command>` parser reads."""
+    from sarathi.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd").choices[command]
+    return {"SARATHI_" + o[2:].upper().replace("-", "_")
+            for a in sub._actions for o in a.option_strings if o.startswith("--")}
+
+
+def deployed_env() -> list[tuple[str, str]]:
+    """(command, env var name) for every container of compose and k8s running `sarathi`."""
+    pairs = []
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    for svc in compose["services"].values():
+        if svc.get("command") and svc["command"][0] in ("gateway", "scheduler", "worker"):
+            pairs += [(svc["command"][0], k) for k in svc["environment"]]
+    parallel = yaml.safe_load((ROOT / "docker-compose.parallel.yml").read_text())
+    for name, svc in parallel["services"].items():   # an override: the command is the base's
+        pairs += [(compose["services"][name]["command"][0], k) for k in svc.get("environment", {})]
+    for d in docs():
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                if c.get("args") and c["args"][0] in ("gateway", "scheduler", "worker"):
+                    pairs += [(c["args"][0], e["name"]) for e in c.get("env", [])]
+    return pairs
+
+
+def test_every_sarathi_env_var_in_the_deployments_is_an_option_of_its_command():
+    unknown = [(cmd, var) for cmd, var in deployed_env() if var not in cli_options(cmd)]
+    assert not unknown, f"env vars no CLI option reads: {unknown}"

@@ -1,0 +1,173 @@
+"""The GPU extra stays optional: the CPU install and suite never import flashinfer; asking for
+CUDA where there is none is a clear error; the CLI routes --device cuda and the GPU options to
+the worker; the GPU runner and benchmark work up to where they need a GPU."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+
+
+def test_cpu_worker_never_imports_flashinfer(tmp_path):
+    """A fake `flashinfer` package first on the path records any import of it; a CPU executor
+    is built and runs a batch; then neither the marker nor the module may exist."""
+    fake = tmp_path / "fake" / "flashinfer"
+    fake.mkdir(parents=True)
+    marker = tmp_path / "imported"
+    (fake / "__init__.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\n")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path / 'fake')!r})
+        from pathlib import Path
+        from shared.messages import Batch
+        from tests.support.engine_helpers import chunk, make_executor, make_tiny_checkpoint
+        import worker_svc.backends.cuda, worker_svc.backends.cuda.cuda_graphs, worker_svc.backends.cuda.device_sampler
+        ex = make_executor(make_tiny_checkpoint(Path({str(tmp_path)!r}), "llama"), num_blocks=8)
+        out = ex.execute(Batch(0, [chunk("r", [5, 6, 7], 0, [0], True)]))
+        assert list(out.sampled) == ["r"]
+        print("flashinfer" in sys.modules)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "False"
+    assert not marker.exists()
+
+
+@no_cuda
+def test_cuda_device_without_cuda_is_a_clear_error():
+    from worker_svc.backends import select_backend
+
+    with pytest.raises(ValueError, match="no CUDA device"):
+        select_backend("cuda", torch.bfloat16)
+
+
+@no_cuda
+def test_cli_generate_on_cuda_without_cuda_says_so():
+    r = subprocess.run([sys.executable, "-m", "sarathi.cli", "generate", "--device", "cuda",
+                        "--prompt", "hi"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "no CUDA device" in r.stderr
+
+
+def test_missing_flashinfer_is_named_with_the_install_command(monkeypatch):
+    from worker_svc.backends.cuda import flashinfer_unavailable_reason
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)      # makes `import flashinfer` fail
+    reason = flashinfer_unavailable_reason()
+    assert "flashinfer not importable" in reason and ".[gpu]" in reason
+
+
+def test_serve_and_worker_pass_device_options_through(monkeypatch):
+    """`sarathi serve --device cuda --model DIR` reaches the worker's CUDA backend options."""
+    from sarathi import cli, serve
+    from worker_svc import service
+
+    seen = {}
+    monkeypatch.setattr(serve, "run_embedded", lambda config: seen.setdefault("serve", config))
+    monkeypatch.setattr(service, "run_worker", lambda config: seen.setdefault("worker", config))
+    assert cli.main(["serve", "--device", "cuda", "--model", "/m", "--no-cuda-graphs",
+                     "--gpu-memory-utilization", "0.8"]) == 0
+    assert cli.main(["worker", "--device", "cuda:1", "--max-num-seqs", "64"]) == 0
+    s, w = seen["serve"].worker, seen["worker"].engine
+    assert (s.device, s.cuda_graphs, s.gpu_memory_utilization, s.model) == ("cuda", False, 0.8, "/m")
+    assert s.cache.num_blocks == 0                             # auto: sized by the worker
+    assert (w.device, w.cuda_graphs, w.max_num_seqs) == ("cuda:1", True, 64)
+
+
+def test_cuda_graphs_flag_reads_the_environment(monkeypatch):
+    from sarathi.cli import build_parser
+
+    monkeypatch.setenv("SARATHI_CUDA_GRAPHS", "0")
+    assert build_parser().parse_args(["worker"]).cuda_graphs is False
+
+
+def test_auto_block_count_on_cpu_reaches_the_scheduler(tmp_path):
+    """num_blocks 0 = auto: the worker decides (2048 on a CPU) and the offline API's scheduler
+    uses the worker's figure."""
+    from sarathi.llm import LLM
+    from shared.config import DEFAULT_CPU_BLOCKS
+    from tests.support.engine_helpers import make_tiny_checkpoint
+
+    llm = LLM(str(make_tiny_checkpoint(tmp_path, "llama")), num_blocks=0, dtype="float32")
+    assert llm.model_info.num_blocks == DEFAULT_CPU_BLOCKS
+    assert llm.executor.cache.num_blocks == DEFAULT_CPU_BLOCKS
+    assert llm.engine.scheduler.block_manager.num_blocks == DEFAULT_CPU_BLOCKS
+
+
+def test_gpu_check_plans_install_tests_and_benchmarks(tmp_path, capsys):
+    from bench import gpu_check
+
+    sdist = tmp_path / "flashinfer_python-0.3.1.tar.gz"
+    args = gpu_check.parse_args(["--flashinfer", str(sdist), "--rounds", "3"])
+    steps = gpu_check.plan(args, have_flashinfer=False, python="py")
+    names = [n for n, _, _ in steps]
+    assert names[0] == "environment" and names[1] == "install flashinfer (local)"
+    install = steps[1][1]
+    assert install[-1] == str(sdist) and {"--no-index", "--no-deps", "--no-build-isolation"} <= set(install)
+    tests = next(cmd for n, cmd, _ in steps if n == "GPU tests")
+    assert tests[tests.index("-m", 2) + 1] == "gpu"
+    bench = [cmd for n, cmd, _ in steps if n.startswith("benchmark")]
+    assert len(bench) == 2 and all(c[c.index("--rounds") + 1] == "3" for c in bench)
+    assert "torch" in bench[1] and "--no-cuda-graphs" in bench[1]
+    # flashinfer already there: no install; --skip-*: fewer steps
+    quick = gpu_check.plan(gpu_check.parse_args(["--skip-bench"]), have_flashinfer=True)
+    assert [n for n, _, _ in quick] == ["environment", "GPU tests"]
+    assert gpu_check.main(["--dry-run", "--flashinfer", str(sdist)]) == 0
+    assert "pip install --no-index" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--pip", "--flashinfer", "x"])
+
+
+@no_cuda
+def test_gpu_check_refuses_to_run_without_cuda(capsys):
+    from bench import gpu_check
+
+    assert gpu_check.main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_benchmark_runs_end_to_end_on_a_tiny_model(tmp_path):
+    """The benchmark's own code (random-init model, cases, bounds, goals, plot, profile) at tiny
+    size on the CPU; on a GPU the same code runs Llama-3-8B shapes."""
+    from bench import gpu_engine_iteration as g
+
+    out = tmp_path / "tiny"
+    result = g.main(["--tiny", "--device", "cpu", "--rounds", "1", "--out", str(out)])
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["goals"] == json.loads(json.dumps(result["goals"]))
+    assert out.with_suffix(".png").stat().st_size > 0 and Path(f"{out}_profile.txt").is_file()
+    pts = {(p["series"], p["size"]) for p in saved["results"]["eager"]}
+    assert ("decode", 1) in pts and ("hybrid", 64) in pts and ("prefill", 64) in pts
+    assert all(p["median_s"] > 0 and p["bound_s"] > 0 for p in saved["results"]["eager"])
+
+
+def test_llama3_8b_shapes_and_bounds_match_gpu_md():
+    from bench import gpu_engine_iteration as g
+    from worker_svc.loader import expected_shapes
+
+    cfg = g.llama3_8b_config()
+    params = sum(torch.Size(s).numel() for n, s in expected_shapes(cfg).items() if n != "model.embed_tokens.weight")
+    assert abs(params * 2 / 1e9 - 14.4) < 0.1                      # GPU.md: 14.4 GB of weights
+    kv_tok = 2 * 32 * 8 * 128 * 2
+    assert abs(g.bound_s(cfg, "decode", 1, 1024, False, kv_tok) - 4.75e-3) < 0.1e-3
+    assert abs(g.bound_s(cfg, "decode", 128, 1024, False, kv_tok) - 10.5e-3) < 0.3e-3
+    assert abs(g.bound_s(cfg, "prefill", 2048, 0, False, kv_tok) - 45e-3) < 3e-3
+
+
+def test_random_weights_are_deterministic_and_in_the_target_dtype():
+    from bench import gpu_engine_iteration as g
+
+    cfg = g.tiny_config()
+    a, b = g.random_weights(cfg, torch.bfloat16, "cpu", seed=1), g.random_weights(cfg, torch.bfloat16, "cpu", seed=1)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert a[name].dtype == torch.bfloat16 and torch.equal(a[name], b[name])
+    assert not torch.equal(a[name], a["model.layers.1.self_attn.q_proj.weight"])

@@ -1,0 +1,136 @@
+"""Helpers for the engine tests: tiny random Llama-family checkpoints in a temp dir, and a
+minimal driver that runs prompts through an Executor the way a scheduler would."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shared.config import CacheConfig, WorkerConfig
+from shared.messages import Batch, SeqChunk
+from shared.sampling import SamplingParams
+from worker_svc.executor import Executor
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               rms_norm_eps=1e-5, initializer_range=0.2, eos_token_id=1, bos_token_id=0,
+               tie_word_embeddings=False)
+
+TINY_CONFIGS = {
+    "llama": ("llama", {}),
+    "qwen2_bias": ("qwen2", {"tie_word_embeddings": True}),
+    "llama3_rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 64},
+                              "rope_theta": 500000.0}),
+}
+
+
+def make_tiny_checkpoint(root: Path, name: str, seed: int = 0) -> Path:
+    """Save a random-initialised tiny model of TINY_CONFIGS[name] (safetensors) under root."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, extra = TINY_CONFIGS[name]
+    cfg = AutoConfig.for_model(model_type, **{**_COMMON, **extra})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if model_type == "qwen2":    # init zeroes biases; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    path = root / name
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_executor(model: str | Path | None, dtype: str = "float32", num_blocks: int = 256,
+                  block_size: int = 16, kv_cache_dtype: str | None = None,
+                  weight_quant: str = "none") -> Executor:
+    """The exactness setting by default: float weights and a KV cache in the compute dtype
+    (HF-equal greedy output); quantized modes are asked for explicitly."""
+    return Executor(WorkerConfig(model=None if model is None else str(model), dtype=dtype,
+                                 cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                                 kv_cache_dtype=kv_cache_dtype or dtype, weight_quant=weight_quant))
+
+
+class BlockPool:
+    """Hands out block ids like the scheduler would: contiguous by default, or shuffled."""
+
+    def __init__(self, num_blocks: int, shuffle_seed: int | None = None):
+        ids = list(range(num_blocks))
+        if shuffle_seed is not None:
+            ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(shuffle_seed)).tolist()
+        self.free = ids
+
+    def take(self, n: int) -> list[int]:
+        taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def chunk(req_id: str, tokens: list[int], start: int, table: list[int], sample: bool,
+          params: SamplingParams = GREEDY, output_index: int = 0) -> SeqChunk:
+    return SeqChunk(req_id, list(tokens), start, table, sample, params, output_index)
+
+
+def prefill_logits(ex: Executor, prompt: list[int], table: list[int], chunk_size: int,
+                   req_id: str = "r") -> torch.Tensor:
+    """Prefill `prompt` in chunks of chunk_size; the logits [V] after its last token."""
+    logits = None
+    for start in range(0, len(prompt), chunk_size):
+        piece = prompt[start:start + chunk_size]
+        last = start + len(piece) == len(prompt)
+        out = ex.compute_logits(Batch(0, [chunk(req_id, piece, start, table, last)]))
+        logits = out.get(req_id, logits)
+    return logits
+
+
+def greedy_generate(ex: Executor, prompt: list[int], max_new: int, table: list[int],
+                    chunk_size: int | None = None) -> list[int]:
+    """Greedy continuation through execute(): chunked prefill, then one decode per step."""
+    chunk_size = chunk_size or len(prompt)
+    out: list[int] = []
+    for start in range(0, len(prompt), chunk_size):
+        piece = prompt[start:start + chunk_size]
+        res = ex.execute(Batch(0, [chunk("g", piece, start, table, start + len(piece) == len(prompt))]))
+    out.append(res.sampled["g"])
+    while len(out) < max_new:
+        pos = len(prompt) + len(out) - 1
+        res = ex.execute(Batch(0, [chunk("g", [out[-1]], pos, table, True, output_index=len(out))]))
+        out.append(res.sampled["g"])
+    return out
+
+
+def use_threads(n: int):
+    """A module fixture body: run with n torch threads, restore afterwards. The tests use 1:
+    on a shared 2-core machine, 2 threads stall badly whenever anything else runs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    yield
+    torch.set_num_threads(before)
+
+
+# the real default model against transformers (worker/test_engine_smollm2.py, worker/test_cpu_backend.py)
+PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+
+
+def hf_model_from_gguf(path: str):
+    """transformers' GGUF path without `accelerate` (which from_pretrained(gguf_file=) needs)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = load_gguf_checkpoint(path, return_tensors=False)["config"]
+    with no_init_weights():
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing = model.load_state_dict(tensors, strict=False).missing_keys
+    assert missing == ["lm_head.weight"]          # tied to the embedding
+    model.tie_weights()
+    return model.eval()

@@ -1,0 +1,66 @@
+"""The worker service over real ZeroMQ gives the same tokens as the in-process executor, with the
+real default model (SmolLM2): chunked prefills, decodes that carry only diffs, and a seeded
+sampled request next to a greedy one in the same batches."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from scheduler_svc.remote_executor import RemoteExecutor
+from shared.messages import Batch, SeqChunk
+from shared.sampling import SamplingParams
+from worker_svc.service import WorkerServer
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+REQUESTS = {  # req_id -> (prompt tokens, sampling, first block id)
+    "greedy": (list(range(1000, 1037)), SamplingParams(temperature=0.0), 0),
+    "seeded": (list(range(2000, 2021)), SamplingParams(temperature=0.8, top_p=0.9, seed=11), 8),
+}
+
+
+def generate(execute, steps: int = 10, chunk: int = 16) -> dict[str, list[int]]:
+    """Drive both requests like a scheduler: prefill in chunks of `chunk` tokens, then decode."""
+    state = {r: {"toks": list(p), "done": 0, "out": []} for r, (p, _, _) in REQUESTS.items()}
+    for step in range(steps):
+        seqs = []
+        for r, (prompt, sp, first) in REQUESTS.items():
+            st = state[r]
+            n = min(chunk, len(st["toks"]) - st["done"])
+            end = st["done"] + n
+            table = list(range(first, first + -(-end // BLOCK)))
+            seqs.append(SeqChunk(r, st["toks"][st["done"]:end], st["done"], table,
+                                 end == len(st["toks"]), sp, len(st["out"])))
+            st["done"] = end
+        out = execute(Batch(step, seqs))
+        for r, tok in out.sampled.items():
+            state[r]["toks"].append(tok)
+            state[r]["out"].append(tok)
+    return {r: st["out"] for r, st in state.items()}
+
+
+@pytest.fixture(scope="module")
+def executor():
+    from tests.support.engine_helpers import make_executor
+    return make_executor(None, num_blocks=32, block_size=BLOCK)
+
+
+def test_remote_worker_samples_the_same_tokens_as_the_in_process_executor(executor, tmp_path):
+    local = generate(executor.execute)
+    assert all(len(toks) >= 7 for toks in local.values())
+
+    server = WorkerServer(executor, f"ipc://{tmp_path}/worker.sock")
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve_forever, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        remote = RemoteExecutor(server.address, timeout_s=60)
+        assert remote.model_info.name == executor.model_info.name
+        assert generate(remote.execute) == local
+        remote.close()
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
