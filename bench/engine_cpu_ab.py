@@ -8,7 +8,7 @@ Results print as they come (a partial run still says something).
 
     python -m bench.engine_cpu_ab THREADS OUT [MEMBW_JSON]   (e.g. 2 bench/results/engine_cpu/engine_cpu_zen4_2t
                                                               bench/results/engine_cpu/membw_zen4.json)
-    python -m bench.engine_cpu_ab THREADS OUT [REPS] --base-tree DIR
+    python -m bench.engine_cpu_ab THREADS OUT [REPS] --base-tree DIR [--cases decode:32,prefill:512]
         (this tree against another, e.g. `git worktree add /tmp/base <commit>`: fp32 and the
         defaults, four interleaved processes; see tree_ab)
 
@@ -41,7 +41,12 @@ def main() -> None:
     if "--base-tree" in sys.argv:
         i = sys.argv.index("--base-tree")
         base, rest = Path(sys.argv[i + 1]), sys.argv[1:i] + sys.argv[i + 2:]
-        tree_ab(int(rest[0]), Path(rest[1]), base, int(rest[2]) if len(rest) > 2 else 10)
+        cases = CASES
+        if "--cases" in rest:     # e.g. --cases decode:32,prefill:512 to re-measure an outlier
+            j = rest.index("--cases")
+            cases = [(c.split(":")[0], int(c.split(":")[1])) for c in rest[j + 1].split(",")]
+            rest = rest[:j] + rest[j + 2:]
+        tree_ab(int(rest[0]), Path(rest[1]), base, int(rest[2]) if len(rest) > 2 else 10, cases)
         return
     threads, out = int(sys.argv[1]), Path(sys.argv[2])
     torch.set_num_threads(threads)
@@ -83,33 +88,37 @@ def main() -> None:
     plot(result, out.with_suffix(".png"))
 
 
-def tree_ab(threads: int, out: Path, base: Path, reps: int) -> None:
+def tree_ab(threads: int, out: Path, base: Path, reps: int, cases=CASES) -> None:
     """The engine of another source tree (`base`, e.g. `git worktree add DIR <commit>`) against this
     one, for each of TREE_SPECS: four processes (base/this x fp32/defaults), asked for one step
-    each in turn, `reps` rounds per case (prefill: a third of them) after two warm-up steps, so
-    load drifts hit all alike. Writes OUT.json (medians, minima, samples, this/base ratios) and
-    OUT.png."""
+    each in turn, the order reversed every round, `reps` rounds per case (prefill: a third of
+    them) after two warm-up steps, so load drifts and cache effects hit all alike. Writes OUT.json
+    (medians, minima, samples, this/base median ratios with a 95% bootstrap interval) and OUT.png."""
     here = Path(__file__).resolve().parent.parent
     procs = {f"{tree} {name}": EngineProcess(path, threads, spec)
              for tree, path in (("base", base.resolve()), ("this", here)) for name, spec in TREE_SPECS.items()}
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     res = {}
-    for s, n in CASES:
+    for s, n in cases:
         case = f"{s}:{n}"
         for p in procs.values():
             for _ in range(2):
                 p.step(case)
         ts = {v: [] for v in procs}
+        order = list(procs)
         for _ in range(max(2, reps // 3) if s == "prefill" else reps):
-            for v, p in procs.items():
-                ts[v].append(p.step(case)["s"])
+            for v in order:
+                ts[v].append(procs[v].step(case)["s"])
+            order.reverse()   # ABCD DCBA ...: no variant always runs right after the same one
         r = {v: {"median_ms": round(statistics.median(x) * 1e3, 2), "min_ms": round(min(x) * 1e3, 2),
                  "samples_ms": [round(t * 1e3, 2) for t in x]} for v, x in ts.items()}
         for name in TREE_SPECS:
-            r[f"this {name}"]["this_over_base"] = round(r[f"this {name}"]["median_ms"]
-                                                        / r[f"base {name}"]["median_ms"], 3)
+            this, base_ = ts[f"this {name}"], ts[f"base {name}"]
+            r[f"this {name}"]["this_over_base"] = round(statistics.median(this) / statistics.median(base_), 3)
+            r[f"this {name}"]["this_over_base_ci95"] = ratio_ci(this, base_)
         res[case] = r
-        print(case, {v: (x["median_ms"], x.get("this_over_base")) for v, x in r.items()}, flush=True)
+        print(case, {v: (x["median_ms"], x.get("this_over_base"), x.get("this_over_base_ci95"))
+                     for v, x in r.items()}, flush=True)
     info = {v: p.info for v, p in procs.items()}
     for p in procs.values():
         p.close()
@@ -125,6 +134,18 @@ def tree_ab(threads: int, out: Path, base: Path, reps: int) -> None:
               "results": res}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot_tree_ab(result, out.with_suffix(".png"))
+
+
+def ratio_ci(this: list[float], base: list[float], rounds: int = 4000, seed: int = 0) -> list[float]:
+    """95% bootstrap interval of median(this) / median(base): resample each side's steps with
+    replacement. A ratio whose interval holds 1 is no measurable difference on this machine."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(this), np.asarray(base)
+    ratios = (np.median(rng.choice(a, (rounds, a.size)), axis=1)
+              / np.median(rng.choice(b, (rounds, b.size)), axis=1))
+    return [round(float(x), 3) for x in np.percentile(ratios, [2.5, 97.5])]
 
 
 def plot_tree_ab(result: dict, path: Path) -> None:
@@ -143,12 +164,14 @@ def plot_tree_ab(result: dict, path: Path) -> None:
             for x, p in zip(xs, r):
                 ax.scatter([x] * len(p["samples_ms"]), p["samples_ms"], s=4, color="k", zorder=3)
         for j, c in enumerate(cases):
-            ratio = result["results"][c][f"this {name}"]["this_over_base"]
-            ax.annotate(f"{ratio:.2f}x", (j, result["results"][c][f"this {name}"]["median_ms"] * 1.15),
-                        ha="center", fontsize=8)
+            r = result["results"][c][f"this {name}"]
+            lo, hi = r["this_over_base_ci95"]
+            ax.annotate(f"{r['this_over_base']:.2f}x\n[{lo:.2f}, {hi:.2f}]", (j, r["median_ms"] * 1.15),
+                        ha="center", fontsize=7)
         ax.set_xticks(range(len(cases)), [c.replace("decode_short", "decode@128").replace("decode:", "decode@1k:")
                                           for c in cases], fontsize=8)
-        ax.set(yscale="log", ylabel="step time (ms): median, samples", title=f"{name}: this / base")
+        ax.set(yscale="log", ylabel="step time (ms): median, samples",
+               title=f"{name}: this / base (median ratio, 95% bootstrap interval)")
         ax.legend(fontsize=8)
         ax.grid(True, axis="y", which="both", alpha=0.3)
     fig.suptitle(f"{result['machine'][:48]}, {result['threads']} thread(s), {result['date'][:10]}", fontsize=9)
