@@ -166,13 +166,16 @@ def plot_tree_ab(result: dict, path: Path) -> None:
         for j, c in enumerate(cases):
             r = result["results"][c][f"this {name}"]
             lo, hi = r["this_over_base_ci95"]
-            ax.annotate(f"{r['this_over_base']:.2f}x\n[{lo:.2f}, {hi:.2f}]", (j, r["median_ms"] * 1.15),
-                        ha="center", fontsize=7)
+            top = max(max(result["results"][c][v]["samples_ms"]) for v in (f"base {name}", f"this {name}"))
+            ax.annotate(f"{r['this_over_base']:.2f}x\n[{lo:.2f}, {hi:.2f}]", (j, top * 1.1),   # above the samples
+                        ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(cases)), [c.replace("decode_short", "decode@128").replace("decode:", "decode@1k:")
                                           for c in cases], fontsize=8)
+        every = [t for c in cases for v in ("base", "this") for t in result["results"][c][f"{v} {name}"]["samples_ms"]]
+        ax.set_ylim(min(every) * 0.7, max(every) * 3)     # room for the labels above the samples
         ax.set(yscale="log", ylabel="step time (ms): median, samples",
                title=f"{name}: this / base (median ratio, 95% bootstrap interval)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left")
         ax.grid(True, axis="y", which="both", alpha=0.3)
     fig.suptitle(f"{result['machine'][:48]}, {result['threads']} thread(s), {result['date'][:10]}", fontsize=9)
     fig.tight_layout()
