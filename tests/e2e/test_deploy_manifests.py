@@ -33,7 +33,7 @@ def test_kubernetes_manifests_pass_strict_schema_validation():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.parallel.yml"])
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.parallel.yml", "docker-compose.local.yml"])
 def test_compose_file_passes_the_compose_spec(name):
     r = subprocess.run([BIN / "check-jsonschema", "--builtin-schema", "vendor.compose-spec",
                         ROOT / name], capture_output=True, text=True)
