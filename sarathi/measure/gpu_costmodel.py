@@ -258,6 +258,15 @@ class GPUCostModel:
         self._cache[tokens] = ms
         return ms
 
+    def _linear_s(self, tokens: int) -> tuple[float, float]:
+        """(embedding, one layer's linear ops) in seconds at `tokens` tokens."""
+        key = ("s", tokens)
+        hit = self._cache.get(key)
+        if hit is None:
+            ms = self._linear_ms(tokens)
+            hit = self._cache[key] = (float(ms[0]) / 1e3, float(ms[1:].sum()) / 1e3)
+        return hit
+
     def _device_ratio(self, tokens: int) -> np.ndarray:
         """Per op: roofline time on this device / on the A100 (effective rates)."""
         m, d, a = self.shape, self._dev, self._a100
@@ -305,8 +314,7 @@ class GPUCostModel:
         if tokens == 0:
             return {"stages": [0.0] * self.pp, "total": 0.0}
         sampled = len(shapes) if sampled is None else sampled
-        ms = self._linear_ms(tokens)
-        layer_linear = float(ms[1:].sum()) / 1e3
+        embed_s, layer_linear = self._linear_s(tokens)
         attn = self._attention_s(shapes)
         ar = 2 * self._tp_ar(tokens * self.shape.hidden * BYTES) if self._tp_ar else 0.0
         send = self._pp_sr(tokens * self.shape.hidden * BYTES) if self._pp_sr else 0.0
@@ -315,7 +323,7 @@ class GPUCostModel:
             ar *= scale
             send *= scale
         terms = {"linear": 0.0, "attention": 0.0, "tp_comm": 0.0, "pp_comm": 0.0,
-                 "embed": float(ms[0]) / 1e3, "lm_head": self._lm_head_s(sampled),
+                 "embed": embed_s, "lm_head": self._lm_head_s(sampled),
                  "cpu": self.cpu_fixed_s + self.cpu_per_seq_s * len(shapes),
                  "kv_transfer": kv_transfer_tokens * self.shape.kv_bytes_per_token(
                      self.shape.num_layers, 1) / (self.kv_link_gbs * 1e9)}
