@@ -233,6 +233,9 @@ def _measure_parsers(sub) -> None:
     _add(p, "resolution", 0.05, "stop when (hi - lo) / hi <= this (--capacity)")
     _add(p, "max-sched-delay", 2.0, "P50 scheduling delay bound (s), the paper's 2 s")
     _add(p, "details", False, "keep the per-request token times and per-iteration log in the JSON")
+    _add(p, "shift-prompt-scale", 0.0, "> 0: requests of the run's second half get prompts this many times "
+         "longer (a step change in the workload)")
+    _add(p, "windows", 0, "> 0: also report P99 TBT in this many equal time windows of each run")
 
     p = sub.add_parser("profile", help="iteration-time table, SLOs and cost model of this machine")
     _model_args(p)

@@ -13,9 +13,10 @@ clock. Discrete-event: nothing sleeps; the clock jumps from one event to the nex
   queue; the replica with the earliest clock steps next. A replica sees a request at its next
   iteration boundary, as the real scheduler does; with one replica this is run_inprocess.
 
-Bubble fraction (pipeline parallelism): the share of stage time a stage spends idle waiting for
-an earlier stage to hand over a batch that was already submitted (uneven micro-batch times),
-out of that idle time plus busy time, over stages and replicas.
+Bubble fraction (pipeline parallelism): the share of stage time a stage spends idle between two
+batches, waiting for an earlier stage to hand over the next one although that batch had entered
+the pipeline before the stage went idle (uneven micro-batch times), out of that idle time plus
+busy time, over stages and replicas. Filling an empty pipeline is not counted.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Callable
 
 from sarathi.measure.costmodel import aggregates, batch_shapes
 from sarathi.measure.loadgen import RequestSpec, RunResult, _record, bench_sampling
-from sarathi.measure.metrics import IterationRecord
+from sarathi.measure.metrics import IterationRecord, windowed_tbt_p99
 from sarathi.measure.tools import Target
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.scheduler import Scheduler
@@ -57,8 +58,10 @@ class SimulatedWorker:
         submitted = t = self.clock.now
         for s, dt in enumerate(times):
             start = max(t, self.stage_free[s])
-            if s > 0:   # idle since this stage was free and the batch was in the pipeline
-                self.bubble[s] += max(0.0, start - max(self.stage_free[s], submitted))
+            if s > 0 and self.stage_free[s] > submitted:
+                # the stage finished its last batch after this one entered the pipeline and then
+                # waited for an earlier stage to hand it over (pipeline fill after idle is not a bubble)
+                self.bubble[s] += max(0.0, start - self.stage_free[s])
             t = start + dt
             self.stage_free[s] = t
             self.busy[s] += dt
@@ -94,7 +97,7 @@ class Replica:
 
 
 def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_s: float,
-                 on_progress: Callable[[int], None] | None = None) -> tuple[RunResult, dict]:
+                 on_progress: Callable[[int], None] | None = None, windows: int = 0) -> tuple[RunResult, dict]:
     """Drive the replicas through the workload on virtual time (see the module doc). Returns the
     run (records of every request, iterations of every replica in start order) and extras:
     per-replica request counts and the pipeline bubble fraction."""
@@ -143,15 +146,23 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
              "pp_bubble_fraction": bubble_s / (busy_s + bubble_s) if busy_s + bubble_s else 0.0,
              "stage_busy_s": [[round(b, 4) for b in r.worker.busy] for r in replicas]}
     iterations.sort(key=lambda it: it.start)
-    return RunResult(records, iterations, max(r.clock.now for r in replicas)), extra
+    end_time = max(r.clock.now for r in replicas)
+    if windows:
+        extra["windows"] = windowed_tbt_p99(records, 0.0, end_time, windows)
+    adaptive = getattr(replicas[0].scheduler.policy, "adaptive", None)
+    if adaptive is not None:   # tau over time (replica 0), at most ~1000 points
+        h = adaptive.history
+        extra["tau_history"] = [[round(t, 3), tau] for t, tau in h[::max(1, len(h) // 1000)]]
+    return RunResult(records, iterations, end_time), extra
 
 
 def simulated_target(cost, *, replicas: int = 1, depth: int = 1, block_size: int = 16,
                      num_blocks: int = 2048, max_model_len: int = 8192, vocab_size: int = 32000,
-                     sched_config: SchedulerConfig | None = None, description: dict | None = None) -> Target:
+                     sched_config: SchedulerConfig | None = None, description: dict | None = None,
+                     windows: int = 0) -> Target:
     """A Target whose runs go to `replicas` simulated replicas (each `depth` micro-batches in
     flight: the PP degree) with the given cost model; sched_config is the template each run
-    copies with its policy and tau."""
+    copies with its policy and tau. windows > 0: each run's summary has P99 TBT per time window."""
     import dataclasses
 
     base = sched_config or SchedulerConfig()
@@ -161,7 +172,7 @@ def simulated_target(cost, *, replicas: int = 1, depth: int = 1, block_size: int
         reps = [Replica(cost, cfg, block_size=block_size, num_blocks=num_blocks,
                         max_model_len=max_model_len, vocab_size=vocab_size, depth=depth)
                 for _ in range(replicas)]
-        return run_replicas(reps, workload, drain_s=drain_s, on_progress=on_progress)
+        return run_replicas(reps, workload, drain_s=drain_s, on_progress=on_progress, windows=windows)
 
     return Target("sim", run=run, max_model_len=max_model_len, vocab_size=vocab_size,
                   description=description or {})

@@ -16,7 +16,7 @@ from typing import Callable
 
 from sarathi.measure import plots
 from sarathi.measure.capacity import search_capacity
-from sarathi.measure.loadgen import make_workload, run_http, run_inprocess
+from sarathi.measure.loadgen import make_workload, run_http, run_inprocess, shift_prompts
 from sarathi.measure.metrics import json_safe, meets_slo, summarize
 from sarathi.measure.trace import Trace
 from scheduler_svc.engine_loop import EngineLoop
@@ -53,6 +53,7 @@ class Workload:
     seed: int = 0
     drain_s: float = 60.0
     duration_s: float = 0.0   # > 0: a run is this many seconds of arrivals (qps x duration requests)
+    shift_prompt_scale: float = 0.0   # > 0: prompts of the second half x this (loadgen.shift_prompts)
 
     def requests_at(self, qps: float) -> int:
         """Requests in a run at qps. A fixed duration keeps overload visible at any rate: the
@@ -102,6 +103,9 @@ def run_once(target: Target, w: Workload, qps: float, *, policy: str = "sarathi"
     n = w.requests_at(qps)
     workload = make_workload(w.trace, n, qps, arrival=w.arrival, cv=w.cv,
                              burst_size=w.burst_size, seed=w.seed, vocab_size=vocab)
+    if w.shift_prompt_scale > 0:
+        workload = shift_prompts(workload, w.shift_prompt_scale, vocab_size=vocab, seed=w.seed,
+                                 max_total_len=engine.scheduler.max_model_len if engine else target.max_model_len)
     in_process = target.kind != "http"
     extra = {}
     with _bar(n, f"{policy if in_process else 'http'} @ {qps:.3g} QPS", progress) as bar:
