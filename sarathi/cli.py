@@ -236,6 +236,8 @@ def _measure_parsers(sub) -> None:
     _add(p, "shift-prompt-scale", 0.0, "> 0: requests of the run's second half get prompts this many times "
          "longer (a step change in the workload)")
     _add(p, "windows", 0, "> 0: also report P99 TBT in this many equal time windows of each run")
+    _add(p, "noise-sigma", 0.0, "> 0: each iteration's time x a lognormal factor (mean 1, this sigma; seeded): "
+         "the iteration-to-iteration variation a fitted cost model leaves out")
 
     p = sub.add_parser("profile", help="iteration-time table, SLOs and cost model of this machine")
     _model_args(p)

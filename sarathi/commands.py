@@ -419,11 +419,12 @@ def simulate(a: argparse.Namespace) -> int:
     max_len = 8192 if desc["kind"] == "gpu" else _read_profile(a.profile)["model_info"]["max_model_len"]
     target = simulated_target(cost, replicas=a.replicas, depth=a.pp, block_size=a.block_size,
                               num_blocks=num_blocks, max_model_len=max_len, sched_config=sched,
-                              description=desc, windows=a.windows)
+                              description=desc, windows=a.windows, noise_sigma=a.noise_sigma)
     w = dataclasses.replace(_workload(a, max_len), shift_prompt_scale=a.shift_prompt_scale)
     label = f"{a.policy} tau={'adaptive' if tau.adaptive_slo else tau.budget}"
     result = {"command": command_line(), "machine": machine(), "target": "sim",
               "simulated": {**desc, "replicas": a.replicas, "num_blocks": num_blocks,
+                            "noise_sigma": a.noise_sigma,
                             "slo_base_decode_b32_s": slo_base},
               "workload": {"trace": w.trace.source, "num_requests": w.num_requests, "arrival": w.arrival,
                            "cv": w.cv, "burst_size": w.burst_size, "seed": w.seed, "drain_s": w.drain_s,

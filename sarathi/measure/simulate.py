@@ -20,8 +20,11 @@ busy time, over stages and replicas. Filling an empty pipeline is not counted.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Callable
+
+import numpy as np
 
 from sarathi.measure.costmodel import aggregates, batch_shapes
 from sarathi.measure.loadgen import RequestSpec, RunResult, _record, bench_sampling
@@ -38,10 +41,15 @@ class SimulatedWorker:
     """submit(batch) / collect() -> (batch, output): a pipelined worker on a SimClock.
 
     cost: an object with stage_times(batch) -> [seconds per stage] (GPUCostModel), or a callable
-    batch -> seconds (one stage). Keeps busy / bubble seconds per stage."""
+    batch -> seconds (one stage). noise_sigma > 0: each batch's times x exp(sigma z - sigma^2 / 2),
+    z standard normal from a generator seeded with `seed` (mean 1; deterministic for a run).
+    Keeps busy / bubble seconds per stage."""
 
-    def __init__(self, cost, clock: SimClock, block_size: int, vocab_size: int):
+    def __init__(self, cost, clock: SimClock, block_size: int, vocab_size: int,
+                 noise_sigma: float = 0.0, seed: int = 0):
         self.cost, self.clock = cost, clock
+        self.noise_sigma = noise_sigma
+        self._rng = np.random.default_rng(seed)
         self.stage_times: Callable[[Batch], list[float]] = (
             cost.stage_times if hasattr(cost, "stage_times") else (lambda b: [cost(b)]))
         self.vocab_size = vocab_size
@@ -52,6 +60,9 @@ class SimulatedWorker:
 
     def submit(self, batch: Batch) -> None:
         times = self.stage_times(batch)
+        if self.noise_sigma > 0:   # iteration-to-iteration variation: lognormal, mean 1, seeded
+            f = math.exp(self.noise_sigma * self._rng.standard_normal() - self.noise_sigma ** 2 / 2)
+            times = [t * f for t in times]
         if self.stage_free is None:
             self.stage_free = [0.0] * len(times)
             self.busy, self.bubble = [0.0] * len(times), [0.0] * len(times)
@@ -83,12 +94,13 @@ class Replica:
     """One scheduler + its simulated worker, on its own SimClock."""
 
     def __init__(self, cost, sched_config: SchedulerConfig, *, block_size: int, num_blocks: int,
-                 max_model_len: int, vocab_size: int = 32000, depth: int = 1):
+                 max_model_len: int, vocab_size: int = 32000, depth: int = 1, noise_sigma: float = 0.0,
+                 seed: int = 0):
         self.clock = SimClock()
         self.scheduler = Scheduler(sched_config, CacheConfig(block_size=block_size, num_blocks=num_blocks),
                                    ModelInfo("sim", max_model_len, vocab_size, [0], block_size=block_size,
                                              num_blocks=num_blocks), clock=self.clock)
-        self.worker = SimulatedWorker(cost, self.clock, block_size, vocab_size)
+        self.worker = SimulatedWorker(cost, self.clock, block_size, vocab_size, noise_sigma, seed)
         self.engine = EngineLoop(self.scheduler, self.worker, depth=depth)
 
     @property
@@ -159,10 +171,11 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
 def simulated_target(cost, *, replicas: int = 1, depth: int = 1, block_size: int = 16,
                      num_blocks: int = 2048, max_model_len: int = 8192, vocab_size: int = 32000,
                      sched_config: SchedulerConfig | None = None, description: dict | None = None,
-                     windows: int = 0) -> Target:
+                     windows: int = 0, noise_sigma: float = 0.0) -> Target:
     """A Target whose runs go to `replicas` simulated replicas (each `depth` micro-batches in
     flight: the PP degree) with the given cost model; sched_config is the template each run
-    copies with its policy and tau. windows > 0: each run's summary has P99 TBT per time window."""
+    copies with its policy and tau. windows > 0: each run's summary has P99 TBT per time window.
+    noise_sigma: lognormal iteration-time variation (SimulatedWorker)."""
     import dataclasses
 
     base = sched_config or SchedulerConfig()
@@ -170,8 +183,9 @@ def simulated_target(cost, *, replicas: int = 1, depth: int = 1, block_size: int
     def run(policy: str, tau: int, workload: list[RequestSpec], drain_s: float, on_progress) -> tuple:
         cfg = dataclasses.replace(base, policy=policy, token_budget=tau, max_model_len=max_model_len)
         reps = [Replica(cost, cfg, block_size=block_size, num_blocks=num_blocks,
-                        max_model_len=max_model_len, vocab_size=vocab_size, depth=depth)
-                for _ in range(replicas)]
+                        max_model_len=max_model_len, vocab_size=vocab_size, depth=depth,
+                        noise_sigma=noise_sigma, seed=i)
+                for i in range(replicas)]
         return run_replicas(reps, workload, drain_s=drain_s, on_progress=on_progress, windows=windows)
 
     return Target("sim", run=run, max_model_len=max_model_len, vocab_size=vocab_size,
