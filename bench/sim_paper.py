@@ -2,8 +2,9 @@
 profile-driven A100 cost model (`sarathi simulate`), every number from a `sarathi` command kept in
 commands.json.
 
-  python -m bench.sim_paper run [--jobs 2] [--only r1,r2,r3,r4]   the simulations (no lock needed:
-                                                                   virtual time, nothing is timed)
+  python -m bench.sim_paper run [--jobs 2] [--only r1,r2,r3,r4]   the simulations (virtual time, nothing
+                                                                   is timed; results already there are kept)
+  python -m bench.sim_paper windows                                r4 at the best fixed tau's capacity
   python -m bench.sim_paper figures                                summary.json + PNGs
 
 Results (the issue's numbering):
@@ -22,6 +23,7 @@ import json
 import shlex
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -79,20 +81,28 @@ def plan() -> dict[str, list[str]]:
     return c
 
 
-def run_one(args: list[str]) -> None:
-    print("$ " + " ".join(shlex.quote(a) for a in args), file=sys.stderr, flush=True)
-    subprocess.run([sys.executable, "-m", "sarathi.cli", *args[1:]], check=True, stdout=subprocess.DEVNULL)
+_record_lock = threading.Lock()
 
 
-def run(jobs: int, only: set[str] | None) -> None:
+def run_one(name: str, args: list[str], skip_done: bool = False) -> None:
+    """Run one `sarathi` command; record it in commands.json once it wrote its result."""
+    line = " ".join(shlex.quote(a) for a in args)
+    if not (skip_done and (OUT / f"{name}.json").is_file()):
+        print("$ " + line, file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "sarathi.cli", *args[1:]], check=True, stdout=subprocess.DEVNULL)
+    with _record_lock:
+        path = OUT / "commands.json"
+        done = json.loads(path.read_text()) if path.is_file() else {}
+        done[name] = line
+        path.write_text(json.dumps(done, indent=1, sort_keys=True))
+
+
+def run(jobs: int, only: set[str] | None, todo: dict[str, list[str]] | None = None,
+        skip_done: bool = True) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    todo = {k: v for k, v in plan().items() if only is None or k.split("_")[0] in only}
+    todo = todo or {k: v for k, v in plan().items() if only is None or k.split("_")[0] in only}
     with ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(run_one, todo.values()))
-    path = OUT / "commands.json"
-    old = json.loads(path.read_text()) if path.is_file() else {}
-    old.update({k: " ".join(shlex.quote(a) for a in v) for k, v in todo.items()})
-    path.write_text(json.dumps(old, indent=1, sort_keys=True))
+        list(pool.map(lambda kv: run_one(*kv, skip_done=skip_done), todo.items()))
 
 
 def r4_windows() -> dict[str, list[str]]:
@@ -119,13 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.what == "run":
         run(a.jobs, set(a.only.split(",")) if a.only else None)
     elif a.what == "windows":
-        todo = r4_windows()
-        with ThreadPoolExecutor(a.jobs) as pool:
-            list(pool.map(run_one, todo.values()))
-        path = OUT / "commands.json"
-        old = json.loads(path.read_text()) if path.is_file() else {}
-        old.update({k: " ".join(shlex.quote(x) for x in v) for k, v in todo.items()})
-        path.write_text(json.dumps(old, indent=1, sort_keys=True))
+        run(a.jobs, None, r4_windows(), skip_done=False)
     else:
         from bench.sim_figures import figures
         figures()
