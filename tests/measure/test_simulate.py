@@ -137,3 +137,11 @@ def test_pipeline_parallel_runs_keep_pp_batches_in_flight(pp, tmp_path):
     s = run_once(target, w, 1.0, policy="vllm", progress=False, keep_requests=False)["summary"]
     assert s["finished"] == 60 and 0 < s["pp_bubble_fraction"] < 1
     assert len(s["stage_busy_s"][0]) == pp
+
+
+def test_plan_against_a_simulated_device_fits_the_models_strict_slo(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--device", "a100", "--model", "llama-3-8b", "--slo", "strict", "--out", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["token_budget"] % 32 == 0 and plan["token_budget"] >= 256
+    assert plan["iteration_s"] <= plan["tbt_slo_s"] and plan["simulated"]["device"]["name"] == "a100"
