@@ -5,6 +5,7 @@ commands.json.
   python -m bench.sim_paper run [--jobs 2] [--only r1,r2,r3,r4]   the simulations (virtual time, nothing
                                                                    is timed; results already there are kept)
   python -m bench.sim_paper windows                                r4 at the best fixed tau's capacity
+  python -m bench.sim_paper record                                 commands.json from the results there
   python -m bench.sim_paper figures                                summary.json + PNGs
 
 Results (the issue's numbering):
@@ -122,12 +123,18 @@ def load(name: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["run", "windows", "figures"])
+    ap.add_argument("what", choices=["run", "windows", "record", "figures"])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--only", default="")
     a = ap.parse_args(argv)
     if a.what == "run":
         run(a.jobs, set(a.only.split(",")) if a.only else None)
+    elif a.what == "record":   # commands.json from plan() for every result there (after parallel runs)
+        path = OUT / "commands.json"
+        done = json.loads(path.read_text()) if path.is_file() else {}
+        done.update({k: " ".join(shlex.quote(x) for x in v) for k, v in plan().items()
+                     if (OUT / f"{k}.json").is_file()})
+        path.write_text(json.dumps(done, indent=1, sort_keys=True))
     elif a.what == "windows":
         run(a.jobs, None, r4_windows(), skip_done=False)
     else:
