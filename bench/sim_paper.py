@@ -65,6 +65,11 @@ def plan() -> dict[str, list[str]]:
         name = f"r2_bubbles_{pol}"
         c[name] = cmd(*R2, "--policy", pol, "--token-budget", tau, "--qps", "1.0", "--num-requests", "500",
                       "--drain", "120", "--seed", "0", "--out", str(OUT / name))
+    for pol in ("sarathi", "hybrid_only", "chunked_only"):
+        name = f"r3_ablation_{pol}"
+        c[name] = cmd(*R1, "--policy", pol, "--token-budget", "512", "--qps", R3_ABLATION_QPS,
+                      "--num-requests", "500", "--drain", "120", "--seed", "0", "--tbt-slo", "0.1",
+                      "--out", str(OUT / name))
     for slo, s in R1_SLOS.items():
         for tau in R3_TAUS:
             if tau in ("512", "2048"):
@@ -72,11 +77,6 @@ def plan() -> dict[str, list[str]]:
             name = f"r3_{slo}_sarathi_tau{tau}"
             c[name] = cmd(*R1, "--policy", "sarathi", "--token-budget", tau, "--tbt-slo", s, "--capacity",
                           "--qps-start", "2", *SMALL, "--out", str(OUT / name))
-    for pol in ("sarathi", "hybrid_only", "chunked_only"):
-        name = f"r3_ablation_{pol}"
-        c[name] = cmd(*R1, "--policy", pol, "--token-budget", "512", "--qps", R3_ABLATION_QPS,
-                      "--num-requests", "500", "--drain", "120", "--seed", "0", "--tbt-slo", "0.1",
-                      "--out", str(OUT / name))
     for tau in R4_TAUS + ("adaptive",):
         name = f"r4_capacity_{tau}"
         c[name] = cmd(*R4, "--token-budget", tau, "--capacity", "--qps-start", "2", *SMALL,

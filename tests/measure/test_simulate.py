@@ -31,26 +31,26 @@ def constant_cost(seconds: float) -> CostModel:
 
 
 def test_a_simulated_run_is_deterministic_and_takes_seconds():
-    """Same inputs, same outputs: every token time of 400 ShareGPT requests on an A100 model."""
+    """Same inputs, same outputs: every token time of 150 ShareGPT requests on an A100 model."""
     model = GPUCostModel("llama-3-8b", "a100")
-    w = Workload(load_trace(max_total_len=8192), 400, drain_s=30, seed=3)
+    w = Workload(load_trace(max_total_len=8192), 150, drain_s=30, seed=3)
 
     def once():
         target = simulated_target(model, num_blocks=model.kv_blocks(16))
         return run_once(target, w, 3.0, policy="sarathi", token_budget=512, progress=False)
 
     a, b = once(), once()
-    assert a["summary"]["finished"] == 400
+    assert a["summary"]["finished"] == 150
     assert a["requests"] == b["requests"] and a["summary"] == b["summary"]
 
 
 def test_capacity_search_finds_the_known_capacity_of_a_synthetic_model(tmp_path):
-    """Every iteration 10 ms, 4 running requests at most, 1-token prompts and 10-token outputs: a
-    request holds a slot for 10 iterations, so the deployment serves 4 / (10 x 10 ms) = 40 QPS;
+    """Every iteration 10 ms, 2 running requests at most, 1-token prompts and 5-token outputs: a
+    request holds a slot for 5 iterations, so the deployment serves 2 / (5 x 10 ms) = 40 QPS;
     above that the queue (and the scheduling delay) grows without bound. A finite run of D = 60 s
     passes up to ~4 / D above it (the median request then waits <= 2 s): the bound allows 10%."""
-    target = simulated_target(constant_cost(0.010), sched_config=SchedulerConfig(max_num_seqs=4))
-    w = Workload(fixed_trace(tmp_path, 1, 10), 0, drain_s=5, duration_s=60)
+    target = simulated_target(constant_cost(0.010), sched_config=SchedulerConfig(max_num_seqs=2))
+    w = Workload(fixed_trace(tmp_path, 1, 5), 0, drain_s=5, duration_s=60)
     res = capacity(target, w, tbt_slo_s=1.0, policy="sarathi", token_budget=512, qps_start=10,
                    resolution=0.03, progress=False)
     assert 0.95 * 40 <= res["capacity_qps"] <= 1.1 * 40, res["probes"]
@@ -116,7 +116,7 @@ def test_adaptive_budget_keeps_the_slo_in_every_window_across_a_prompt_length_st
 def test_simulate_command_writes_capacity_json_and_png(tmp_path):
     out = tmp_path / "cap"
     rc = main(["simulate", "--model", "llama-3-8b", "--device", "h100", "--capacity", "--tbt-slo", "0.1",
-               "--num-requests", "60", "--qps-start", "4", "--resolution", "0.25", "--drain", "20",
+               "--num-requests", "30", "--qps-start", "4", "--resolution", "0.25", "--drain", "20",
                "--out", str(out), "--no-progress"])
     assert rc == 0
     res = json.loads(out.with_suffix(".json").read_text())
