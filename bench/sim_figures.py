@@ -38,7 +38,8 @@ def summary() -> dict:
     for p, _ in R2_POLICIES:
         if (OUT / f"r2_bubbles_{p}.json").is_file():
             s["r2"][f"bubbles_{p}"] = {f"{r['qps']:g} QPS": {
-                "pp_bubble_fraction": r["summary"]["pp_bubble_fraction"], "tbt_p99_s": r["summary"]["tbt_p99_s"],
+                "pp_bubble_fraction": r["summary"]["pp_bubble_fraction"],
+                "pp_idle_fraction": r["summary"].get("pp_idle_fraction"), "tbt_p99_s": r["summary"]["tbt_p99_s"],
                 "ttft_p50_s": r["summary"]["ttft_p50_s"]} for r in load(f"r2_bubbles_{p}")["runs"]}
     for slo in R1_SLOS:
         s["r3"]["tau_sweep"][slo] = {t: _cap(_r1_name(slo, "sarathi", t)) for t in R3_TAUS}

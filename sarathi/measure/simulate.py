@@ -13,10 +13,13 @@ clock. Discrete-event: nothing sleeps; the clock jumps from one event to the nex
   queue; the replica with the earliest clock steps next. A replica sees a request at its next
   iteration boundary, as the real scheduler does; with one replica this is run_inprocess.
 
-Bubble fraction (pipeline parallelism): the share of stage time a stage spends idle between two
-batches, waiting for an earlier stage to hand over the next one although that batch had entered
-the pipeline before the stage went idle (uneven micro-batch times), out of that idle time plus
-busy time, over stages and replicas. Filling an empty pipeline is not counted.
+Pipeline parallelism, two measures over stages and replicas:
+* pp_idle_fraction: the share of stage time a stage is idle while its replica has unfinished
+  requests (busy periods only): every bubble, including a pipeline the policy cannot fill (a policy
+  that puts every decode in one micro-batch leaves the other stages waiting);
+* pp_bubble_fraction: only the idle time between two batches where the stage waits for an earlier
+  stage to hand over a batch that had already entered the pipeline (uneven micro-batch times), out
+  of that time plus busy time.
 """
 from __future__ import annotations
 
@@ -102,6 +105,7 @@ class Replica:
                                              num_blocks=num_blocks), clock=self.clock)
         self.worker = SimulatedWorker(cost, self.clock, block_size, vocab_size, noise_sigma, seed)
         self.engine = EngineLoop(self.scheduler, self.worker, depth=depth)
+        self.busy_s = 0.0   # virtual seconds this replica had unfinished requests (s)
 
     @property
     def unfinished(self) -> int:
@@ -139,6 +143,7 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
         started = r.clock.now
         last_batch.clear()
         events = r.engine.step()     # raises StalledError when nothing can ever run
+        r.busy_s += r.clock.now - started
         done = sum(1 for e in events if e.finish_reason is not None)
         if done and on_progress:
             on_progress(done)
@@ -154,8 +159,10 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
     records += [_record(spec, 0.0, [], None, False, None) for spec in pending]
     busy_s = sum(sum(r.worker.busy) for r in replicas)
     bubble_s = sum(sum(r.worker.bubble) for r in replicas)
+    stage_time = sum(len(r.worker.busy) * r.busy_s for r in replicas)
     extra = {"replica_requests": routed,
              "pp_bubble_fraction": bubble_s / (busy_s + bubble_s) if busy_s + bubble_s else 0.0,
+             "pp_idle_fraction": max(0.0, 1 - busy_s / stage_time) if stage_time else 0.0,
              "stage_busy_s": [[round(b, 4) for b in r.worker.busy] for r in replicas]}
     iterations.sort(key=lambda it: it.start)
     end_time = max(r.clock.now for r in replicas)

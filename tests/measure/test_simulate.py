@@ -135,8 +135,15 @@ def test_pipeline_parallel_runs_keep_pp_batches_in_flight(pp, tmp_path):
     target = simulated_target(model, depth=pp, num_blocks=model.kv_blocks(16))
     w = Workload(load_trace(max_total_len=8192), 60, drain_s=60)
     s = run_once(target, w, 1.0, policy="vllm", progress=False, keep_requests=False)["summary"]
-    assert s["finished"] == 60 and 0 < s["pp_bubble_fraction"] < 1
+    assert s["finished"] == 60 and 0 < s["pp_bubble_fraction"] <= s["pp_idle_fraction"] < 1
     assert len(s["stage_busy_s"][0]) == pp
+
+
+def test_a_single_stage_is_never_idle_while_it_has_work(tmp_path):
+    target = simulated_target(constant_cost(0.010), sched_config=SchedulerConfig(max_num_seqs=4))
+    w = Workload(fixed_trace(tmp_path, 1, 10), 50, drain_s=5)
+    s = run_once(target, w, 5.0, progress=False, keep_requests=False)["summary"]
+    assert s["pp_idle_fraction"] == pytest.approx(0.0, abs=1e-9) and s["pp_bubble_fraction"] == 0.0
 
 
 def test_plan_against_a_simulated_device_fits_the_models_strict_slo(tmp_path):
