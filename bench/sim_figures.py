@@ -81,11 +81,19 @@ def figures() -> None:
         sweep = s["r3"]["tau_sweep"][slo]
         ax.plot([int(t) for t in sweep], [_finite(v or math.nan) for v in sweep.values()], "o-", label=slo)
     ax.set(xscale="log", xlabel="token budget tau", ylabel="capacity (QPS)", title="r3: tau sweep (Fig. 9 shape)")
+    ax.set_xticks([int(t) for t in R3_TAUS], list(R3_TAUS))
+    ax.minorticks_off()
     ax.legend()
     ax = axes[2]
-    for slo, ls in (("strict", "-"), ("relaxed", "--")):
-        row = s["r2"].get(slo, {})
-        ax.bar([p + f"\n{slo}" for p, _ in R2_POLICIES], [_finite(row.get(p) or math.nan) for p, _ in R2_POLICIES])
+    row = s["r2"].get("strict", {})
+    ax.bar([p for p, _ in R2_POLICIES], [_finite(row.get(p) or math.nan) for p, _ in R2_POLICIES],
+           label="capacity, strict SLO")
+    ax2 = ax.twinx()
+    ax2.plot([p for p, _ in R2_POLICIES],
+             [_finite(s["r2"].get(f"bubbles_{p}", {}).get("1 QPS", {}).get("pp_idle_fraction", math.nan))
+              for p, _ in R2_POLICIES], "ro-", label="stage idle share at 1 QPS")
+    ax2.set(ylabel="stage idle while busy", ylim=(0, 1))
+    ax2.legend(loc="upper right")
     ax.set(ylabel="capacity (QPS)", title="r2: Llama-2-70B TP4-PP2 (8x A100)")
     ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
