@@ -55,7 +55,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _sched_args(p: argparse.ArgumentParser) -> None:
     _add(p, "policy", "sarathi", "batching policy", choices=list(POLICIES))
     _add(p, "token-budget", "512", "tau: tokens per iteration (sarathi, chunked_only): a number, "
-         "a plan file written by `sarathi plan`, or auto (= ./sarathi-plan.json)")
+         "a plan file written by `sarathi plan`, auto (= ./sarathi-plan.json), or adaptive (sarathi: tau "
+         "follows the observed iteration times to stay under --tbt-slo, within [32, --max-num-batched-tokens])")
+    _add(p, "tbt-slo", 0.0, "P99 TBT SLO in seconds: what --token-budget adaptive keeps iterations under, "
+         "and the capacity criterion of bench / capacity / simulate")
     _add(p, "max-num-seqs", 128, "cap on running requests")
     _add(p, "max-num-batched-tokens", 4096, "tokens per iteration for whole-prefill policies")
     _add(p, "prefix-caching", False, "reuse KV blocks of shared prompt prefixes")
@@ -146,7 +149,7 @@ def _executor_args(p: argparse.ArgumentParser) -> None:
     _add(p, "profile", None, "profile JSON from `sarathi profile` (cost model, SLOs, model limits)")
 
 
-def _workload_args(p: argparse.ArgumentParser) -> None:
+def _workload_args(p: argparse.ArgumentParser, http: bool = True) -> None:
     _add(p, "trace", None, "CSV of request lengths (default: the ShareGPT-4 length trace shipped in "
          "sarathi/measure/data)")
     _add(p, "prompt-column", "num_prefill_tokens", "trace column of prompt lengths (tokens)")
@@ -160,16 +163,34 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     _add(p, "burst-size", 8, "requests per burst (--arrival burst)")
     _add(p, "seed", 0, "workload seed (lengths, arrivals, prompt ids)")
     _add(p, "drain", 60.0, "seconds to wait after the last arrival; unfinished requests are misses")
-    _add(p, "url", None, "an OpenAI-compatible server to load over streamed HTTP instead of in-process")
-    _add(p, "api-key", None, "bearer key for --url")
-    _add(p, "served-model", None, "model name to request at --url (default: the first /v1/models lists)")
-    _add(p, "vocab-size", 32000, "prompt token ids are drawn below this (--url; in-process: the model's)")
+    if http:
+        _add(p, "url", None, "an OpenAI-compatible server to load over streamed HTTP instead of in-process")
+        _add(p, "api-key", None, "bearer key for --url")
+        _add(p, "served-model", None, "model name to request at --url (default: the first /v1/models lists)")
+        _add(p, "vocab-size", 32000, "prompt token ids are drawn below this (--url; in-process: the model's)")
     _add(p, "out", None, "output prefix: writes <out>.json and <out>.png")
     _add(p, "progress", True, "show a progress bar")
 
 
-def _slo_args(p: argparse.ArgumentParser) -> None:
-    _add(p, "tbt-slo", 0.0, "P99 TBT SLO in seconds (or take --slo from --profile)")
+def _sim_device_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    from sarathi.measure.gpu_costmodel import DEVICES, MODELS, TOPOLOGIES
+
+    _add(p, "device", "a100" if required else None, "simulated GPU (operator profiles measured on A100; "
+         "H100 scaled from ../shared/GPU.md's figures)", choices=list(DEVICES))
+    _add(p, "model", "llama-3-8b", "model shape (others than the profiled Llama-2-7B / Llama-3-8B are "
+         "scaled from them by weight size)", choices=list(MODELS))
+    _add(p, "tp", 1, "tensor-parallel degree (1, 2, 4, 8)")
+    _add(p, "pp", 1, "pipeline stages (the scheduler keeps this many micro-batches in flight)")
+    _add(p, "topology", "a100_dgx", "network profile for TP all-reduce and PP send/recv",
+         choices=list(TOPOLOGIES))
+    if required:
+        _add(p, "profile", None, "instead of a GPU: a profile JSON from `sarathi profile` (its fitted CPU "
+             "cost model, one stage)")
+
+
+def _slo_args(p: argparse.ArgumentParser, tbt: bool = False) -> None:
+    if tbt:   # commands with _sched_args have --tbt-slo from there
+        _add(p, "tbt-slo", 0.0, "P99 TBT SLO in seconds (or take --slo from --profile)")
     _add(p, "slo", None, "strict or relaxed: the SLO from --profile (5x / 25x a batch-32 decode)",
          choices=["strict", "relaxed"])
 
@@ -195,6 +216,29 @@ def _measure_parsers(sub) -> None:
     _add(p, "max-sched-delay", 2.0, "P50 scheduling delay bound (s), the paper's 2 s")
     _add(p, "max-ttft-p50", 0.0, "optional P50 TTFT bound in seconds (0 = none)")
 
+    p = sub.add_parser("simulate", help="the real scheduler against a simulated GPU (or profiled) worker "
+                       "on a virtual clock: latency at QPS, or a capacity search")
+    _sim_device_args(p)
+    _add(p, "replicas", 1, "replicas behind the shared queue (arrivals go to the one with the fewest "
+         "unfinished requests)")
+    _add(p, "block-size", 16, "tokens per KV block")
+    _add(p, "num-blocks", 0, "KV blocks per replica (0 = what fits the device's memory after the weights)")
+    _add(p, "gpu-memory-utilization", 0.9, "fraction of device memory for weights, activations and KV")
+    _sched_args(p)
+    _workload_args(p, http=False)
+    _slo_args(p)
+    _add(p, "qps", "1.0", "mean request rate(s), comma-separated (ignored with --capacity)")
+    _add(p, "capacity", False, "binary search for the highest QPS within the SLO instead")
+    _add(p, "qps-start", 1.0, "first QPS probed (--capacity)")
+    _add(p, "resolution", 0.05, "stop when (hi - lo) / hi <= this (--capacity)")
+    _add(p, "max-sched-delay", 2.0, "P50 scheduling delay bound (s), the paper's 2 s")
+    _add(p, "details", False, "keep the per-request token times and per-iteration log in the JSON")
+    _add(p, "shift-prompt-scale", 0.0, "> 0: requests of the run's second half get prompts this many times "
+         "longer (a step change in the workload)")
+    _add(p, "windows", 0, "> 0: also report P99 TBT in this many equal time windows of each run")
+    _add(p, "noise-sigma", 0.0, "> 0: each iteration's time x a lognormal factor (mean 1, this sigma; seeded): "
+         "the iteration-to-iteration variation a fitted cost model leaves out")
+
     p = sub.add_parser("profile", help="iteration-time table, SLOs and cost model of this machine")
     _model_args(p)
     _add(p, "executor", "real", "real: time the torch engine; sim: the synthetic cost model (quick test)",
@@ -206,9 +250,9 @@ def _measure_parsers(sub) -> None:
     _add(p, "out", "sarathi-profile", "output prefix: writes <out>.json and <out>.png")
     _add(p, "progress", True, "show a progress bar")
 
-    p = sub.add_parser("plan", help="token budget tau for a TBT SLO, from a profile")
-    _add(p, "profile", "sarathi-profile.json", "profile JSON from `sarathi profile`")
-    _slo_args(p)
+    p = sub.add_parser("plan", help="token budget tau for a TBT SLO, from a profile or a simulated GPU")
+    _add(p, "profile", "sarathi-profile.json", "profile JSON from `sarathi profile` (not read with --device)")
+    _slo_args(p, tbt=True)
     _add(p, "decode-batch", 32, "decodes expected in an iteration (ignored with --qps)")
     _add(p, "qps", 0.0, "expected load: derive the decode batch from it and the trace (0 = use --decode-batch)")
     _add(p, "trace", None, "trace for the mean output length with --qps (default: ShareGPT)")
@@ -218,6 +262,7 @@ def _measure_parsers(sub) -> None:
     _add(p, "tile", 32, "tau is a multiple of this many tokens")
     _add(p, "max-num-seqs", 128, "cap on running requests")
     _add(p, "out", "sarathi-plan.json", "plan file (JSON; a PNG is written next to it)")
+    _sim_device_args(p, required=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from typing import NamedTuple
 
 from shared.config import (
     CacheConfig,
@@ -30,9 +31,33 @@ def _engine_config(a: argparse.Namespace) -> WorkerConfig:
                         kv_cache_dtype=a.kv_cache_dtype, weight_quant=a.weight_quant)
 
 
-def _scheduler_config(a: argparse.Namespace) -> SchedulerConfig:
-    """The policy and its limits (`_sched_args`); tau from a number or a plan file."""
-    return SchedulerConfig(policy=a.policy, token_budget=resolve_token_budget(a.token_budget),
+class TokenBudget(NamedTuple):
+    """--token-budget resolved: tau (tokens; where an adaptive budget starts) and the SLO (s) an
+    adaptive budget follows (0.0: fixed)."""
+
+    budget: int
+    adaptive_slo: float
+
+
+ADAPTIVE_START = 512   # tokens: where `--token-budget adaptive` starts (the controller moves it)
+
+
+def _token_budget(a: argparse.Namespace, slo: float | None = None) -> TokenBudget:
+    """A number, a plan file, auto, or `adaptive` (needs an SLO: --tbt-slo, or `slo` given)."""
+    if str(a.token_budget).strip() != "adaptive":
+        return TokenBudget(resolve_token_budget(a.token_budget), 0.0)
+    if a.policy != "sarathi":
+        raise ValueError(f"--token-budget adaptive applies to the sarathi policy, not {a.policy}")
+    slo = a.tbt_slo if a.tbt_slo > 0 else slo
+    if not slo:
+        raise ValueError("--token-budget adaptive needs the SLO to keep: --tbt-slo SECONDS")
+    return TokenBudget(ADAPTIVE_START, slo)
+
+
+def _scheduler_config(a: argparse.Namespace, slo: float | None = None) -> SchedulerConfig:
+    """The policy and its limits (`_sched_args`); tau from a number, a plan file or adaptive."""
+    tau = _token_budget(a, slo)
+    return SchedulerConfig(policy=a.policy, token_budget=tau.budget, adaptive_tbt_slo_s=tau.adaptive_slo,
                            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                            enable_prefix_caching=a.prefix_caching)
 
@@ -168,7 +193,7 @@ def _target(a: argparse.Namespace):
                           enable_prefix_caching=a.prefix_caching)
     from sarathi.llm import LLM
 
-    llm = LLM.from_config(_engine_config(a), _scheduler_config(a))
+    llm = LLM.from_config(_engine_config(a), _scheduler_config(a, _slo(a)))
     info = llm.model_info
 
     def make_real(policy: str, tau: int):
@@ -236,7 +261,8 @@ def _header(a: argparse.Namespace, target, w=None) -> dict:
 
 def _prepare(a: argparse.Namespace):
     """What bench and capacity share: (SLO, token budget, target, workload, result header)."""
-    slo, tau, target = _slo(a), resolve_token_budget(a.token_budget), _target(a)
+    slo, target = _slo(a), _target(a)
+    tau = _token_budget(a, slo).budget
     w = _workload(a, target.max_model_len)
     return slo, tau, target, w, _header(a, target, w)
 
@@ -324,8 +350,17 @@ def plan(a: argparse.Namespace) -> int:
     from sarathi.measure.plan import plan_token_budget
     from sarathi.measure.profile import load_cost_model
 
-    prof = _read_profile(a.profile)
-    slo = _slo(a)
+    if a.device:   # a simulated GPU instead of a measured profile
+        from sarathi.measure.profile import RELAXED, STRICT
+
+        model, desc, base, _ = _sim_cost_model(a)
+        prof = {"slo": {"context": 4096}}
+        slo = a.tbt_slo if a.tbt_slo > 0 else (
+            {"strict": STRICT, "relaxed": RELAXED}[a.slo] * base if a.slo else None)
+    else:
+        prof = _read_profile(a.profile)
+        slo = _slo(a)
+        model, desc = load_cost_model(prof), None
     if slo is None:
         raise ValueError("plan needs a TBT SLO: --tbt-slo SECONDS or --slo strict|relaxed")
     mean_out = None
@@ -334,12 +369,87 @@ def plan(a: argparse.Namespace) -> int:
 
         t = load_trace(a.trace, output_column=a.output_column, length_scale=a.length_scale)
         mean_out = sum(t.output_lens) / len(t)
-    res = plan_token_budget(load_cost_model(prof), slo, context=a.context or prof["slo"]["context"],
+    res = plan_token_budget(model, slo, context=a.context or prof["slo"]["context"],
                             tile=a.tile, decode_batch=a.decode_batch, qps=a.qps or None,
                             mean_output_tokens=mean_out, max_num_seqs=a.max_num_seqs)
-    result = {"command": command_line(), "machine": machine(), "profile": a.profile, **res}
+    result = {"command": command_line(), "machine": machine(),
+              **({"simulated": desc} if desc else {"profile": a.profile}), **res}
     out = Path(a.out if a.out.endswith(".json") else a.out + ".json")
     _report("plan", result, str(out), str(out))
     print(f"token budget {res['token_budget']} (predicted iteration {res['iteration_s']:.3f} s "
           f"with {res['decode_batch']} decodes at {res['context']} tokens; SLO {slo:.3f} s) -> {out}")
+    return 0
+
+
+# -- simulation -------------------------------------------------------------------------------
+def _sim_cost_model(a: argparse.Namespace):
+    """(cost model, description, SLO base seconds or None, default KV blocks) of `simulate` / `plan`:
+    the GPU model of --device/--model/--tp/--pp, or the fitted CPU model of --profile."""
+    if getattr(a, "profile", None) and a.cmd == "simulate":
+        from sarathi.measure.profile import load_cost_model
+
+        prof = _read_profile(a.profile)
+        if a.tp != 1 or a.pp != 1:
+            raise ValueError("a --profile cost model is one CPU worker: --tp and --pp must be 1")
+        return (load_cost_model(prof), {"kind": "profile", "profile": a.profile},
+                prof["slo"]["decode_b32_s"], None)
+    from sarathi.measure.gpu_costmodel import GPUCostModel, slo_decode_s
+
+    m = GPUCostModel(a.model, a.device, tp=a.tp, pp=a.pp, topology=a.topology)
+    ctx = max(4, round(4096 * getattr(a, "length_scale", 1.0)))
+    blocks = m.kv_blocks(a.block_size, a.gpu_memory_utilization) if hasattr(a, "block_size") else None
+    return m, {**m.describe(), "slo_context": ctx}, slo_decode_s(m, ctx), blocks
+
+
+def simulate(a: argparse.Namespace) -> int:
+    from sarathi.measure.env import command_line, machine
+    from sarathi.measure.profile import RELAXED, STRICT
+    from sarathi.measure.simulate import simulated_target
+    from sarathi.measure.tools import capacity as search
+    from sarathi.measure.tools import run_once
+
+    if a.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {a.replicas}")
+    cost, desc, slo_base, blocks = _sim_cost_model(a)
+    num_blocks = a.num_blocks or blocks or 2048
+    slo = a.tbt_slo if a.tbt_slo > 0 else (
+        {"strict": STRICT, "relaxed": RELAXED}[a.slo] * slo_base if a.slo else None)
+    tau = _token_budget(a, slo)
+    sched = _scheduler_config(a, slo)
+    max_len = 8192 if desc["kind"] == "gpu" else _read_profile(a.profile)["model_info"]["max_model_len"]
+    target = simulated_target(cost, replicas=a.replicas, depth=a.pp, block_size=a.block_size,
+                              num_blocks=num_blocks, max_model_len=max_len, sched_config=sched,
+                              description=desc, windows=a.windows, noise_sigma=a.noise_sigma)
+    w = dataclasses.replace(_workload(a, max_len), shift_prompt_scale=a.shift_prompt_scale)
+    label = f"{a.policy} tau={'adaptive' if tau.adaptive_slo else tau.budget}"
+    result = {"command": command_line(), "machine": machine(), "target": "sim",
+              "simulated": {**desc, "replicas": a.replicas, "num_blocks": num_blocks,
+                            "noise_sigma": a.noise_sigma,
+                            "slo_base_decode_b32_s": slo_base},
+              "workload": {"trace": w.trace.source, "num_requests": w.num_requests, "arrival": w.arrival,
+                           "cv": w.cv, "burst_size": w.burst_size, "seed": w.seed, "drain_s": w.drain_s,
+                           "duration_s": w.duration_s, "shift_prompt_scale": w.shift_prompt_scale},
+              "tbt_slo_s": slo, "adaptive_tbt_slo_s": tau.adaptive_slo}
+    if a.capacity:
+        if slo is None:
+            raise ValueError("--capacity needs a TBT SLO: --tbt-slo SECONDS or --slo strict|relaxed")
+        result.update(search(target, w, slo, policy=a.policy, token_budget=tau.budget, qps_start=a.qps_start,
+                             resolution=a.resolution, max_sched_delay_s=a.max_sched_delay,
+                             progress=a.progress))
+        result["label"] = label
+        print(f"capacity: {result['capacity_qps']:.4g} QPS ({label}, {a.replicas} replica(s); P99 TBT <= "
+              f"{slo:.3g} s, P50 scheduling delay <= {a.max_sched_delay:g} s; {len(result['probes'])} probes)")
+        _report("capacity", result, a.out, f"sarathi-simulate-capacity-{a.policy}")
+        return 0
+    result["runs"] = []
+    for q in _qps_list(a.qps):
+        run = run_once(target, w, q, policy=a.policy, token_budget=tau.budget, progress=a.progress,
+                       keep_requests=a.details)
+        result["runs"].append(run)
+        s = run["summary"]
+        print(f"{q:g} QPS: TTFT P50 {s['ttft_p50_s']:.3f} s | TBT P50 {s['tbt_p50_s']:.4f} s, P99 "
+              f"{s['tbt_p99_s']:.4f} s | sched delay P50 {s['sched_delay_p50_s']:.3f} s | "
+              f"{s['finished']}/{s['requests']} finished"
+              + (f" | PP bubbles {s['pp_bubble_fraction']:.1%}" if a.pp > 1 else ""))
+    _report("bench", result, a.out, f"sarathi-simulate-{a.policy}")
     return 0

@@ -58,6 +58,7 @@ class Scheduler:
         self._abort_lock = threading.Lock()
         self._abort_ids: list[tuple[str, str | None]] = []
         self._next_batch_id = 0
+        self._scheduled_at: dict[int, float] = {}   # batch id -> clock at schedule(), until update()
         self._counters = dict(num_preemptions=0, prefix_cache_hit_tokens=0,
                               prefix_cache_query_tokens=0, num_finished=0, num_aborted=0,
                               last_prefill_tokens=0, last_decode_tokens=0, last_batch_size=0)
@@ -124,6 +125,7 @@ class Scheduler:
         now = self.clock()
         seqs = [self._schedule_chunk(req, n, now) for req, n in ctx.chunks]
         batch = Batch(self._next_batch_id, seqs, self._freed_ids)
+        self._scheduled_at[batch.batch_id] = now
         self._next_batch_id += 1
         self._freed_ids = []
         self._count_batch(seqs)
@@ -147,6 +149,9 @@ class Scheduler:
         if output.batch_id != batch.batch_id:
             raise ValueError(f"output of batch {output.batch_id} given for batch {batch.batch_id}")
         now = self.clock()
+        scheduled_at = self._scheduled_at.pop(batch.batch_id, None)
+        if scheduled_at is not None:   # the policy may learn from iteration times (adaptive tau)
+            self.policy.observe(batch.num_tokens, now - scheduled_at, now)
         for seq in batch.seqs:
             req = self.requests.get(seq.req_id)
             if req is None or not req.in_flight:
@@ -265,6 +270,7 @@ class Scheduler:
         no request stays marked in flight, so aborts wait no longer and the policy sees every
         running request again. Their tokens were never appended: what to do with the requests
         is the caller's (fail_batch, abort or on_workers_lost)."""
+        self._scheduled_at.clear()
         for req in self.requests.values():
             req.in_flight = False
 

@@ -119,7 +119,8 @@ def sim_engine(policy: str = "sarathi", *, token_budget: int = 512, block_size: 
                num_blocks: int = 1024, max_num_seqs: int = 128, max_model_len: int = 2048,
                max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False,
                watermark: float = 0.0, tile_size: int = 0, eos_token_ids: tuple = (0,),
-               vocab_size: int = 32000, verify_kv: bool = True, clock=None, **executor_kw):
+               vocab_size: int = 32000, verify_kv: bool = True, clock=None,
+               adaptive_tbt_slo_s: float = 0.0, **executor_kw):
     """An EngineLoop over a Scheduler and a SimExecutor, configured in one call (tests,
     benchmarks). Extra keyword arguments go to SimExecutor (scripts, cost_model)."""
     from scheduler_svc.engine_loop import EngineLoop  # imported here: sim_executor stays a leaf
@@ -129,7 +130,8 @@ def sim_engine(policy: str = "sarathi", *, token_budget: int = 512, block_size: 
         SchedulerConfig(policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
                         max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
-                        watermark=watermark, tile_size=tile_size),
+                        watermark=watermark, tile_size=tile_size,
+                        adaptive_tbt_slo_s=adaptive_tbt_slo_s),
         CacheConfig(block_size=block_size, num_blocks=num_blocks),
         ModelInfo("sim", max_model_len, vocab_size, list(eos_token_ids), block_size=block_size,
                   num_blocks=num_blocks),

@@ -35,6 +35,9 @@ class SchedulerConfig:
     watermark: fraction of KV blocks kept free at admission so running decodes can grow.
     tile_size: if > 0, sarathi cuts the last chunk so the batch's token count is a multiple of
         tile_size when that drops fewer than tile_size tokens (paper section 4.3).
+    adaptive_tbt_slo_s: if > 0 (seconds), sarathi's tau is set online from the observed
+        iteration times to keep them under this TBT SLO (scheduler_svc/token_budget.py), between
+        one tile (tile_size, or 32) and max_num_batched_tokens; token_budget is where it starts.
     """
 
     policy: str = "sarathi"
@@ -45,10 +48,13 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     watermark: float = 0.01
     tile_size: int = 0
+    adaptive_tbt_slo_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("token_budget, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.adaptive_tbt_slo_s < 0:
+            raise ValueError(f"the adaptive token budget's TBT SLO must be > 0 s, got {self.adaptive_tbt_slo_s}")
 
     @property
     def max_tokens_per_iteration(self) -> int:

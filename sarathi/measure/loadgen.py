@@ -98,6 +98,25 @@ def make_workload(trace: Trace, num_requests: int, qps: float, *, arrival: str =
             for i, (j, t) in enumerate(zip(idx, times))]
 
 
+def shift_prompts(workload: list[RequestSpec], scale: float, *, max_total_len: int,
+                  vocab_size: int = 32000, seed: int = 0) -> list[RequestSpec]:
+    """A workload whose prompts change length mid-run: requests arriving in the second half of
+    the arrival span get prompts `scale` x as long (rounded, >= 1, prompt + output kept within
+    max_total_len tokens), outputs unchanged. For the adaptive token budget's step change."""
+    if not workload or not scale > 0:
+        raise ValueError(f"--shift-prompt-scale must be > 0, got {scale}")
+    rng = np.random.default_rng(seed + 1)
+    mid = workload[-1].arrival / 2
+    low = min(100, vocab_size - 1)
+    out = []
+    for s in workload:
+        if s.arrival >= mid:
+            n = max(1, min(round(len(s.prompt_ids) * scale), max_total_len - s.max_tokens))
+            s = RequestSpec(s.req_id, s.arrival, rng.integers(low, vocab_size, n).tolist(), s.max_tokens)
+        out.append(s)
+    return out
+
+
 def bench_sampling(max_tokens: int) -> SamplingParams:
     """Greedy, exactly max_tokens tokens: the trace's output length, whatever the model says."""
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -127,6 +127,24 @@ def summarize(records: list[RequestRecord], iterations: list[IterationRecord] | 
     return out
 
 
+def windowed_tbt_p99(records: list[RequestRecord], start: float, end: float, windows: int) -> list[dict]:
+    """P99 TBT per equal time window of [start, end): each observed gap counts in the window its
+    second token falls in (gaps that never closed are not in any window; the whole-run P99 has
+    them). [{"start", "end", "tbt_p99_s", "samples"}], nan for a window without gaps."""
+    if windows < 1 or not end > start:
+        return []
+    width = (end - start) / windows
+    gaps: list[list[float]] = [[] for _ in range(windows)]
+    for r in records:
+        t = r.token_times
+        for a, b in zip(t, t[1:]):
+            i = int((b - start) // width)
+            if 0 <= i < windows:
+                gaps[i].append(b - a)
+    return [{"start": start + i * width, "end": start + (i + 1) * width,
+             "tbt_p99_s": percentile(g, 99), "samples": len(g)} for i, g in enumerate(gaps)]
+
+
 def meets_slo(summary: dict, tbt_slo_s: float, max_sched_delay_s: float = 2.0,
               max_ttft_p50_s: float | None = None) -> bool:
     """The paper's capacity criterion: P99 TBT <= SLO and P50 scheduling delay <= 2 s. When

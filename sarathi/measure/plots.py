@@ -95,10 +95,11 @@ def plot_profile(result: dict, path: Path) -> None:
 
 def _label(p: dict) -> str:
     if p["kind"] == "decode":
-        return f"decode B={p['batch']} @{p['context']}"
+        return f"decode B={p['batch']} @{p['context']}" + (" ragged" if p.get("ragged") else "")
     if p["kind"] == "prefill":
-        return f"prefill {p['tokens']}" + (f" @{p['prefix']}" if p["prefix"] else "")
-    return f"{p['decodes']} dec @{p['context']} + {p['tokens']}"
+        return (f"{p['prompts']}x " if p.get("prompts") else "") + f"prefill {p['tokens']}" + (
+            f" @{p['prefix']}" if p["prefix"] else "")
+    return f"{p['decodes']} dec @{p['context']} + {p['tokens']}" + (f" @{p['prefix']}" if p.get("prefix") else "")
 
 
 def plot_plan(result: dict, path: Path) -> None:

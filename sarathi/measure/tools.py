@@ -16,7 +16,7 @@ from typing import Callable
 
 from sarathi.measure import plots
 from sarathi.measure.capacity import search_capacity
-from sarathi.measure.loadgen import make_workload, run_http, run_inprocess
+from sarathi.measure.loadgen import make_workload, run_http, run_inprocess, shift_prompts
 from sarathi.measure.metrics import json_safe, meets_slo, summarize
 from sarathi.measure.trace import Trace
 from scheduler_svc.engine_loop import EngineLoop
@@ -25,10 +25,15 @@ from scheduler_svc.engine_loop import EngineLoop
 @dataclass
 class Target:
     """kind: "real" (torch executor, wall clock), "sim" (SimExecutor + cost model, SimClock)
-    or "http". make_engine(policy, token_budget) -> a fresh EngineLoop (in-process kinds)."""
+    or "http". make_engine(policy, token_budget) -> a fresh EngineLoop (in-process kinds).
+    run(policy, token_budget, workload, drain_s, on_progress) -> (RunResult, extra summary
+    fields): a target that drives its own engines (sarathi.measure.simulate: replicas, PP);
+    description: what the result records about the target (e.g. its cost model)."""
 
     kind: str
     make_engine: Callable[[str, int], EngineLoop] | None = None
+    run: Callable[..., tuple] | None = None
+    description: dict | None = None
     url: str | None = None
     api_key: str | None = None
     served_model: str | None = None
@@ -48,6 +53,7 @@ class Workload:
     seed: int = 0
     drain_s: float = 60.0
     duration_s: float = 0.0   # > 0: a run is this many seconds of arrivals (qps x duration requests)
+    shift_prompt_scale: float = 0.0   # > 0: prompts of the second half x this (loadgen.shift_prompts)
 
     def requests_at(self, qps: float) -> int:
         """Requests in a run at qps. A fixed duration keeps overload visible at any rate: the
@@ -92,21 +98,27 @@ def run_once(target: Target, w: Workload, qps: float, *, policy: str = "sarathi"
              token_budget: int = 512, progress: bool = True, keep_requests: bool = True) -> dict:
     """One open-loop run at qps: {"qps", "policy", "summary", "iterations", "requests"};
     keep_requests=False leaves out the per-request and per-iteration logs (summary only)."""
-    engine = target.make_engine(policy, token_budget) if target.kind != "http" else None
+    engine = target.make_engine(policy, token_budget) if target.make_engine is not None else None
     vocab = engine.scheduler.model_info.vocab_size if engine else target.vocab_size
     n = w.requests_at(qps)
     workload = make_workload(w.trace, n, qps, arrival=w.arrival, cv=w.cv,
                              burst_size=w.burst_size, seed=w.seed, vocab_size=vocab)
-    label = policy if engine else "http"
-    with _bar(n, f"{label} @ {qps:.3g} QPS", progress) as bar:
-        if engine is None:
+    if w.shift_prompt_scale > 0:
+        workload = shift_prompts(workload, w.shift_prompt_scale, vocab_size=vocab, seed=w.seed,
+                                 max_total_len=engine.scheduler.max_model_len if engine else target.max_model_len)
+    in_process = target.kind != "http"
+    extra = {}
+    with _bar(n, f"{policy if in_process else 'http'} @ {qps:.3g} QPS", progress) as bar:
+        if target.run is not None:
+            rr, extra = target.run(policy, token_budget, workload, w.drain_s, bar.update)
+        elif engine is None:
             rr = run_http(target.url, workload, drain_s=w.drain_s, model=target.served_model,
                           api_key=target.api_key, on_progress=bar.update)
         else:
             rr = run_inprocess(engine, workload, drain_s=w.drain_s, on_progress=bar.update)
-    out = {"qps": qps, "policy": policy if engine else None,
-           "token_budget": token_budget if engine else None,
-           "summary": summarize(rr.records, rr.iterations, rr.end_time)}
+    out = {"qps": qps, "policy": policy if in_process else None,
+           "token_budget": token_budget if in_process else None,
+           "summary": {**summarize(rr.records, rr.iterations, rr.end_time), **extra}}
     if keep_requests:
         out["iterations"] = [asdict(i) for i in rr.iterations]
         out["requests"] = [r.to_dict() for r in rr.records]

@@ -99,6 +99,10 @@ class Policy:
         """Fill ctx with this iteration's chunks through ctx's moves."""
         raise NotImplementedError
 
+    def observe(self, num_tokens: int, seconds: float, now: float) -> None:
+        """A batch of num_tokens tokens took `seconds` from schedule() to update() (scheduler
+        clock; with a pipeline, its time in flight). Most policies ignore it."""
+
     # -- shared building blocks ---------------------------------------------------------------
     def take_all_decodes(self, ctx: StepContext, budget: int | None = None) -> None:
         """Every running decode, oldest first, while ctx.num_tokens < budget (None: no cap)."""
