@@ -158,7 +158,9 @@ class Guides:
         _, generated = self.history.split(chunk)
         g = self._guides.get(chunk.req_id)
         if g is None or g.grammar != grammar:
-            g = self._guides[chunk.req_id] = _Guide(grammar, llguidance.LLMatcher(self.tokenizer(), grammar))
+            # log_level 0: llguidance's own stderr warnings off; failures are logged here
+            matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+            g = self._guides[chunk.req_id] = _Guide(grammar, matcher)
             if g.matcher.is_error():
                 log.warning("request %s: grammar error %s", chunk.req_id, g.matcher.get_error())
         n = len(g.consumed)
