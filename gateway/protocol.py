@@ -14,9 +14,9 @@ grammar | json_object} or the older `guided_json` / `guided_regex` / `guided_cho
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from shared.sampling import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 
@@ -66,21 +66,23 @@ class _GenerationFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = None          # tokens to generate; None = fill up to the default cap
-    temperature: float | None = None       # None = 1.0 (OpenAI's default)
-    top_p: float | None = None             # None = 1.0
-    top_k: int | None = None               # extension (vLLM's): None or -1 disables
-    n: int = 1
+    # The bounds below are the ones shared.sampling.SamplingParams enforces, stated in the
+    # schema so that the served OpenAPI document agrees with what is refused (400).
+    max_tokens: int | None = Field(None, ge=1)   # tokens to generate; None = fill up to the default cap
+    temperature: float | None = Field(None, ge=0, le=100)   # None = 1.0 (OpenAI's default)
+    top_p: float | None = Field(None, gt=0, le=1)           # None = 1.0
+    top_k: int | None = Field(None, ge=-1)       # extension (vLLM's): None or -1 disables
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str | int] | None = None   # strings; ints are taken as stop token ids
     stop_token_ids: list[int] | None = None     # extension (vLLM's)
     seed: int | None = None
     ignore_eos: bool = False               # extension: generate past EOS (benchmarks)
-    presence_penalty: float | None = None  # None = 0
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # extension (vLLM's): None = 1.0 (off)
-    min_tokens: int | None = None            # extension (vLLM's): None = 0
+    presence_penalty: float | None = Field(None, ge=-2, le=2)   # None = 0
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)  # extension (vLLM's): None = 1.0 (off)
+    min_tokens: int | None = Field(None, ge=0)                   # extension (vLLM's): None = 0
     logit_bias: dict[str, float] | None = None   # token id (as a string) -> bias in [-100, 100]
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None   # extension (vLLM's)
@@ -186,9 +188,18 @@ class _GenerationFields(BaseModel):
                               logit_bias=list(logit_bias), constraint=constraint)
 
 
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+# what prompts() accepts: no empty prompt in any form (token ids must also be < the vocabulary size)
+Prompt = Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema({"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    _TOKEN_IDS,
+    {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]})]
+
+
 class CompletionRequest(_GenerationFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: Prompt
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -281,9 +292,9 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None     # None = true (OpenAI's default)
