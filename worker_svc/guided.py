@@ -14,8 +14,9 @@ The masks of a batch's constrained rows are filled into one int32 bitmask [R, ce
 (bit t of row r allows token t; V: the logits' width, the model's padded vocabulary) by
 llguidance's thread pool, which releases the GIL: Executor.execute starts the fill before the
 forward pass (prepare) and the sampler waits for it after (take). apply_token_bitmask then sets
-every forbidden logit to -inf on the logits' device, for all constrained rows at once (torch
-ops only: the CPU sampler and the CUDA device sampler share it).
+every forbidden logit to -inf on the logits' device, for all constrained rows at once (the CPU
+sampler and the CUDA device sampler share it; only the unpacking of the bits differs, numpy on
+the host, torch ops on an accelerator).
 
 A matcher that fails (a token the mask did not allow, which the mask makes impossible, or an
 internal limit) is logged and from then on lets only EOS through: the request ends, the batch
@@ -29,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from shared.messages import SeqChunk
@@ -184,15 +186,33 @@ def apply_token_bitmask(logits: torch.Tensor, mask: GuideMask) -> None:
     """In place on logits [S, V] (any device, float): rows mask.rows keep only the tokens their
     bitmask allows; every other logit of those rows becomes -inf. Bits past V are ignored and
     logits past the bitmask's width are forbidden (mask width = the logits' width)."""
-    dev, vocab = logits.device, logits.shape[-1]
-    bits = torch.arange(32, dtype=torch.int32, device=dev)
-    packed = mask.bitmask.to(dev, non_blocking=True)
-    allowed = ((packed[:, :, None] >> bits) & 1).bool().reshape(len(mask.rows), -1)
+    vocab = logits.shape[-1]
+    allowed = unpack_bitmask(mask.bitmask, logits.device)
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    rows = torch.tensor(mask.rows, dtype=torch.int64, device=dev)
-    sub = logits.index_select(0, rows).masked_fill(~allowed[:, :vocab], float("-inf"))
-    logits.index_copy_(0, rows, sub)
+    forbidden = ~allowed[:, :vocab]
+    if mask.rows == list(range(logits.shape[0])):       # every row constrained: no gather
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
+    rows = torch.tensor(mask.rows, dtype=torch.int64, device=logits.device)
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill(forbidden, float("-inf")))
+
+
+def unpack_bitmask(bitmask: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """int32 bitmask [R, W] on the host -> bool [R, 32 W] on `device` (bit t of word w: token
+    32 w + t, little-endian as llguidance writes it). On the CPU numpy's unpackbits (one C pass;
+    torch's shift-and-compare is several passes over R x V); on an accelerator the packed mask
+    crosses (V / 8 bytes a row) and is unpacked there with torch ops."""
+    if torch.device(device).type == "cpu":
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits).view(torch.bool)
+    return unpack_bitmask_torch(bitmask.to(device, non_blocking=True))
+
+
+def unpack_bitmask_torch(packed: torch.Tensor) -> torch.Tensor:
+    """unpack_bitmask with torch ops where `packed` lives (the accelerator path)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
+    return ((packed[:, :, None] >> shifts) & 1).bool().reshape(packed.shape[0], -1)
 
 
 def apply_logit_bias(logits: torch.Tensor, due: list[SeqChunk]) -> None:

@@ -15,7 +15,7 @@ from shared.constraints import grammar_for
 from shared.messages import SeqChunk
 from shared.sampling import SamplingParams
 from worker_svc.backends.cuda.device_sampler import DeviceFirstSampler
-from worker_svc.guided import GuideMask, apply_token_bitmask
+from worker_svc.guided import GuideMask, apply_token_bitmask, unpack_bitmask, unpack_bitmask_torch
 from worker_svc.sampler import Sampler
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
@@ -135,6 +135,12 @@ def test_apply_token_bitmask_keeps_exactly_the_allowed_tokens():
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0, 2]
     assert torch.isfinite(logits[1]).all()
     assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [63, 69]
+
+
+def test_the_accelerator_unpacking_equals_the_host_one():
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 7), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(unpack_bitmask(bitmask, "cpu"), unpack_bitmask_torch(bitmask))
+    assert unpack_bitmask(bitmask, "cpu").shape == (3, 224)
 
 
 def test_logprobs_are_those_of_the_constrained_distribution(tokenizer):
