@@ -100,8 +100,13 @@ class SamplingParams:
             if len(b) != 2 or not _is_int(b[0]) or b[0] < 0 or not _is_number(b[1]) or not -100 <= b[1] <= 100:
                 raise InvalidRequestError("logit_bias maps token ids (>= 0) to biases in [-100, 100], "
                                           f"got {b!r}", "logit_bias")
-        if self.constraint is not None and not isinstance(self.constraint, str):
-            raise InvalidRequestError("constraint must be a grammar string", "constraint")
+        if self.constraint is not None:
+            if not isinstance(self.constraint, str):
+                raise InvalidRequestError("constraint must be a grammar string", "constraint")
+            # a complete grammar lets only EOS through: nothing may hold EOS back
+            for name in ("ignore_eos", "min_tokens"):
+                if getattr(self, name):
+                    raise InvalidRequestError(f"{name} cannot be combined with an output constraint", name)
 
     @property
     def greedy(self) -> bool:
