@@ -289,6 +289,19 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _lscpu() -> dict:
+    """lscpu's model name, CPU family and model (the machine record asks for all three)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    keep = {"Model name": "model_name", "CPU family": "family", "Model": "model"}
+    return {keep[k.strip()]: v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)
+            if k.strip() in keep}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
@@ -303,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     from shared.tokenizer import load_tokenizer
 
     report = {"command": shlex.join(["python", "-m", "bench.structured"] + (sys.argv[1:] if argv is None else argv)),
-              "date": utc_now(), "machine": machine(), "machine_line": machine_line(), "loadavg_start": loadavg()}
+              "date": utc_now(), "machine": machine(), "machine_line": machine_line(), "lscpu": _lscpu(),
+              "loadavg_start": loadavg()}
     tok = load_tokenizer(resolve_model(None))
     report["compile"] = time_compiles(ll_tokenizer(tok), args.repeats)
     print(json.dumps({k: v for k, v in report["compile"].items() if k != "schemas"}), flush=True)
