@@ -18,8 +18,9 @@ import time
 from typing import Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from gateway import openapi
 from gateway.errors import APIError, BodySizeLimit, install_error_handlers
 from gateway.generation import Dispatcher
 from gateway.metrics import GatewayMetrics
@@ -78,11 +79,11 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     auth = [Depends(_bearer_check(api_key))] if api_key else []
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=auth, responses=openapi.generation(openapi.Completion))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving.completion(body, request)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=auth, responses=openapi.generation(openapi.ChatCompletion))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
@@ -90,11 +91,12 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
         return {"id": cfg.model_name, "object": "model", "created": started, "owned_by": "sarathi",
                 "max_model_len": model_info.max_model_len}
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth, response_model=openapi.ModelList, responses=openapi.errors(401))
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}", dependencies=auth)
+    @app.get("/v1/models/{model:path}", dependencies=auth, response_model=openapi.ModelCard,
+             responses=openapi.errors(401, 404))
     async def model(model: str) -> dict:
         serving.check_model(model)
         return model_card()
@@ -103,7 +105,8 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={200: {"model": openapi.Readiness, "description": "ready"},
+                                  503: {"model": openapi.Readiness, "description": "not ready, with the reason"}})
     async def ready() -> Response:
         reason = None
         if serving.draining:
@@ -120,11 +123,21 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
             return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ready", "model": cfg.model_name})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
     async def prometheus() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    default_openapi = app.openapi
+
+    def truthful_openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi.without_422(default_openapi())
+        return app.openapi_schema
+
+    app.openapi = truthful_openapi
     return app
 
 

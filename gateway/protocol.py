@@ -1,16 +1,26 @@
 """The OpenAI request bodies we accept (pydantic), and their translation to SamplingParams.
 
-Unknown fields are ignored (clients send many); known fields we cannot honour with a
-non-default value (best_of > 1, echo, suffix, tools) are rejected with a 400 naming the
-parameter, never silently dropped.
+Unknown fields are ignored (clients send many); known fields that would change the output and
+that we cannot honour (best_of > 1, echo, suffix, functions / function_call, audio output,
+prediction) are rejected with a 400 naming the parameter, never silently dropped. Fields that
+only label a request (user, metadata, store, service_tier) are accepted and ignored.
+
+Output constraints (structured outputs), at most one per request: `response_format`
+(json_object, json_schema), or as vLLM's extensions `structured_outputs` {json | regex | choice |
+grammar | json_object} or the older `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar`; chat's tools with tool_choice "required" or a named function are one too
+(gateway.tools).
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from shared.sampling import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+
+_NAME = r"^[a-zA-Z0-9_-]{1,64}$"     # OpenAI's rule for schema and function names
 
 MAX_N = 16           # choices per prompt (each is one request to the scheduler)
 MAX_CHOICES = 64     # prompts x n of one /v1/completions call
@@ -20,28 +30,73 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(default="response", pattern=_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object), or
+    "json_schema" (output valid against json_schema.schema; `strict` is accepted: the output
+    always follows the schema here)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's extension (extra_body): one of json (a schema), regex, choice, grammar (Lark or
+    GBNF), json_object."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _GenerationFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = None          # tokens to generate; None = fill up to the default cap
-    temperature: float | None = None       # None = 1.0 (OpenAI's default)
-    top_p: float | None = None             # None = 1.0
-    top_k: int | None = None               # extension (vLLM's): None or -1 disables
-    n: int = 1
+    # The bounds below are the ones shared.sampling.SamplingParams enforces, stated in the
+    # schema so that the served OpenAPI document agrees with what is refused (400).
+    max_tokens: int | None = Field(None, ge=1)   # tokens to generate; None = fill up to the default cap
+    temperature: float | None = Field(None, ge=0, le=100)   # None = 1.0 (OpenAI's default)
+    top_p: float | None = Field(None, gt=0, le=1)           # None = 1.0
+    top_k: int | None = Field(None, ge=-1)       # extension (vLLM's): None or -1 disables
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str | int] | None = None   # strings; ints are taken as stop token ids
     stop_token_ids: list[int] | None = None     # extension (vLLM's)
     seed: int | None = None
     ignore_eos: bool = False               # extension: generate past EOS (benchmarks)
-    presence_penalty: float | None = None  # None = 0
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # extension (vLLM's): None = 1.0 (off)
-    min_tokens: int | None = None            # extension (vLLM's): None = 0
+    presence_penalty: float | None = Field(None, ge=-2, le=2)   # None = 0
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)  # extension (vLLM's): None = 1.0 (off)
+    min_tokens: int | None = Field(None, ge=0)                   # extension (vLLM's): None = 0
+    logit_bias: dict[str, float] | None = None   # token id (as a string) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None   # extension (vLLM's)
+    guided_json: dict[str, Any] | str | None = None       # extensions (vLLM's older names)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # labels only: accepted, ignored (they do not change the output)
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # would change the output, not supported: a non-empty value is a 400 naming it
+    prediction: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -64,13 +119,63 @@ class _GenerationFields(BaseModel):
             raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if isinstance(self.stop, list) and len(self.stop_strings()) > 16:
             raise InvalidRequestError("at most 16 stop strings are supported", "stop")
+        if self.prediction is not None:
+            raise InvalidRequestError("prediction (predicted outputs) is not supported", "prediction")
+        if self.constraint() is not None:
+            for name in ("ignore_eos", "min_tokens"):   # a grammar ends where EOS is its only way on
+                if getattr(self, name):
+                    raise InvalidRequestError(f"{name} cannot be combined with an output constraint", name)
+
+    def constraint(self) -> tuple[str, Any, str] | None:
+        """(kind, value, parameter) of the output constraint (shared.constraints.KINDS), or None.
+        More than one is a 400."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("json_object", None, "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise InvalidRequestError("response_format json_schema needs a json_schema object", "response_format")
+            found.append(("json_schema", rf.json_schema.schema_, "response_format"))
+        so = self.structured_outputs
+        if so is not None:
+            for kind, value in (("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                ("grammar", so.grammar)):
+                if value is not None:
+                    found.append((kind, value, "structured_outputs"))
+            if so.json_object:
+                found.append(("json_object", None, "structured_outputs"))
+        for kind, name in (("json_schema", "guided_json"), ("regex", "guided_regex"),
+                           ("choice", "guided_choice"), ("grammar", "guided_grammar")):
+            if getattr(self, name) is not None:
+                found.append((kind, getattr(self, name), name))
+        if len(found) > 1:
+            names = ", ".join(f[2] for f in found)
+            raise InvalidRequestError(f"at most one output constraint per request (got {names})", found[1][2])
+        return found[0] if found else None
+
+    def logit_bias_pairs(self, vocab_size: int) -> list[tuple[int, float]]:
+        """logit_bias as (token id, bias) pairs; 400 for an id outside [0, vocab_size)."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            if not 0 <= tid < vocab_size:
+                raise InvalidRequestError(f"logit_bias token id {tid} is outside the vocabulary [0, {vocab_size})",
+                                          "logit_bias")
+            pairs.append((tid, bias))
+        return pairs
 
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: None, or the number of top alternatives per token."""
         return None
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
-        """Validated sampling parameters (raises InvalidRequestError naming the field)."""
+    def sampling(self, max_tokens: int, constraint: str | None = None,
+                 logit_bias: list[tuple[int, float]] = ()) -> SamplingParams:
+        """Validated sampling parameters (raises InvalidRequestError naming the field).
+        constraint: the compiled grammar (the gateway's), logit_bias: checked pairs."""
         return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p,
                               top_k=-1 if self.top_k is None else self.top_k,
@@ -79,12 +184,22 @@ class _GenerationFields(BaseModel):
                               presence_penalty=self.presence_penalty or 0.0,
                               frequency_penalty=self.frequency_penalty or 0.0,
                               repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                              min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs())
+                              min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs(),
+                              logit_bias=list(logit_bias), constraint=constraint)
+
+
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+# what prompts() accepts: no empty prompt in any form (token ids must also be < the vocabulary size)
+Prompt = Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema({"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    _TOKEN_IDS,
+    {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]})]
 
 
 class CompletionRequest(_GenerationFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: Prompt
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -122,10 +237,26 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = "{}"      # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None     # assistant: the calls it made
+    tool_call_id: str | None = None                     # tool: the call this result answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -135,12 +266,43 @@ class ChatMessage(BaseModel):
         return "".join(p.text or "" for p in self.content)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None    # a JSON schema of the arguments; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None     # None = true (OpenAI's default)
+    # would change the output, not supported: a non-empty value is a 400 naming it
+    functions: list[Any] | None = None          # the deprecated form of tools
+    function_call: Any = None
+    modalities: list[str] | None = None          # only ["text"]
+    audio: Any = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -153,13 +315,63 @@ class ChatCompletionRequest(_GenerationFields):
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
                                           "top_logprobs")
-        if self.tools:
-            raise InvalidRequestError("tools are not supported", "tools")
+        for name in ("functions", "function_call", "audio"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"{name} is not supported" + (
+                    " (use tools and tool_choice)" if name.startswith("function") else ""), name)
+        if self.modalities and any(m != "text" for m in self.modalities):
+            raise InvalidRequestError("only the text modality is supported", "modalities")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise InvalidRequestError("tool_choice needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                                      "tool_choice")
+        if self.tool_mode() in ("required", "named") and self.constraint() is not None:
+            raise InvalidRequestError("tool_choice required or a named function cannot be combined with "
+                                      "another output constraint", "tool_choice")
+
+    def tool_mode(self) -> str:
+        """"none" | "auto" | "required" | "named" (see gateway.tools)."""
+        choice = self.tool_choice
+        if not self.tools or choice == "none":
+            return "none"
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        return choice or "auto"
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        # "developer" is the newer name of "system"; chat templates only know the latter.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def template_messages(self, tool_calls_as_text: bool = False) -> list[dict[str, Any]]:
+        """The messages as chat templates take them. "developer" is the newer name of "system"
+        (templates know the latter). An assistant's tool_calls go as the templates of tool-using
+        models expect them (arguments parsed); tool_calls_as_text: as `<tool_call>` blocks in
+        its content instead (templates without tool support, gateway.tools.FALLBACK_PROMPT)."""
+        out = []
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                calls = [{"id": c.id, "type": "function",
+                          "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                         for c in m.tool_calls]
+                if tool_calls_as_text:
+                    msg["content"] = (msg["content"] + "".join(
+                        "\n<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                         "arguments": c["function"]["arguments"]})
+                        + "\n</tool_call>" for c in calls)).strip()
+                else:
+                    msg["tool_calls"] = calls
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+
+def _json_or_text(s: str) -> Any:
+    try:
+        return json.loads(s)
+    except json.JSONDecodeError:
+        return s

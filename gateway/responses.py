@@ -75,11 +75,15 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-        """One choice of the non-streamed response."""
+    def choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
+               tool_calls: list[dict] | None = None) -> dict:
+        """One choice of the non-streamed response (chat: with tool_calls when the model called
+        tools; content is then None unless it also wrote text)."""
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs, "finish_reason": finish_reason}
+            message: dict = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
@@ -100,6 +104,15 @@ class ResponseShape:
             body = self._envelope("text_completion", [choice])
         if self.include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the final usage chunk
+        return body
+
+    def delta_chunk(self, delta: dict, finish_reason: str | None = None, *, index: int = 0,
+                    logprobs: dict | None = None) -> dict:
+        """One streamed chat chunk with a given delta (content and / or tool_calls fragments)."""
+        body = self._envelope("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs,
+                                                          "finish_reason": finish_reason}])
+        if self.include_usage:
+            body["usage"] = None
         return body
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:

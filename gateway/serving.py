@@ -25,7 +25,9 @@ from gateway.generation import Dispatcher, Generation
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, _GenerationFields
 from gateway.responses import SSE_DONE, LogprobFormat, ResponseShape, TokenLogprob, sse
+from gateway.tools import ToolPlan, fallback_system_prompt, parser_for_template, required_schema, template_has_tools
 from shared.config import ModelInfo
+from shared.constraints import check_grammar, grammar_for, ll_tokenizer
 from shared.limits import check_context_length, check_token_ids
 from shared.messages import RequestMsg
 from shared.queue import GatewayQueue
@@ -91,25 +93,67 @@ class Serving:
                 prompts.append(await asyncio.to_thread(self.tok.encode, p))
             else:
                 prompts.append(self._checked_ids(p))
-        return await self._serve(body, prompts, "prompt", False, arrival, request)
+        grammar = await self._grammar(body.constraint())
+        return await self._serve(body, prompts, "prompt", False, arrival, request, grammar)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.time()
         self._check_accepting()
         self.check_model(body.model)
         body.check_supported()
+        plan, messages, tools = self._tool_plan(body)
         try:
-            prompt_ids = await asyncio.to_thread(self._encode_chat, body.template_messages())
+            prompt_ids = await asyncio.to_thread(self._encode_chat, messages, tools)
         except InvalidRequestError:
             raise
         except Exception as exc:  # the template's own raise_exception (e.g. roles out of order)
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-        return await self._serve(body, [prompt_ids], "messages", True, arrival, request)
+        constraint = body.constraint()
+        if plan is not None and plan.mode == "required":
+            constraint = ("json_schema", required_schema(plan.tools, body.parallel_tool_calls is not False), "tools")
+        elif plan is not None and plan.mode == "named":
+            fn = next(t["function"] for t in plan.tools if t["function"]["name"] == plan.name)
+            constraint = ("json_schema", fn.get("parameters") or {"type": "object", "properties": {}}, "tools")
+        grammar = await self._grammar(constraint)
+        return await self._serve(body, [prompt_ids], "messages", True, arrival, request, grammar, plan)
 
-    def _encode_chat(self, messages: list[dict]) -> list[int]:
+    def _tool_plan(self, body: ChatCompletionRequest) -> tuple[ToolPlan | None, list[dict], list[dict] | None]:
+        """(how the request uses tools or None, the messages for the template, the tools the
+        template renders itself or None). A template without tool support gets the tools in a
+        system message (gateway.tools.FALLBACK_PROMPT) and earlier calls as <tool_call> text."""
+        template = getattr(self.tok, "chat_template", None)
+        native = template_has_tools(template)
+        messages = body.template_messages(tool_calls_as_text=not native)
+        mode = body.tool_mode()
+        if mode == "none":
+            return None, messages, None
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        name = body.tool_choice.function.name if mode == "named" else None
+        plan = ToolPlan(mode, tools, name, parser_for_template(template) if mode == "auto" else None)
+        if native:
+            return plan, messages, tools
+        prompt = fallback_system_prompt(tools)
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": f"{prompt}\n\n{messages[0]['content']}"}
+        else:
+            messages.insert(0, {"role": "system", "content": prompt})
+        return plan, messages, None
+
+    async def _grammar(self, constraint: tuple | None) -> str | None:
+        """The llguidance grammar of (kind, value, parameter), compiled once against the
+        tokenizer here (about 1 ms; the first call builds the grammar tokenizer, ~0.5 s) so a
+        bad one is a 400 naming the parameter, not a failed batch."""
+        if constraint is None:
+            return None
+        kind, value, param = constraint
+        grammar = grammar_for(kind, value, param)
+        await asyncio.to_thread(lambda: check_grammar(grammar, ll_tokenizer(self.tok), param))
+        return grammar
+
+    def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if hasattr(self.tok, "encode_chat"):  # shared.tokenizer: no second BOS after the template's
-            return self.tok.encode_chat(messages)
-        return self.tok.encode(self.tok.apply_chat_template(messages))
+            return self.tok.encode_chat(messages, tools=tools)
+        return self.tok.encode(self.tok.apply_chat_template(messages, tools=tools))
 
     def _checked_ids(self, ids: list[int]) -> list[int]:
         check_token_ids(ids, self.info.vocab_size, code=None,
@@ -140,11 +184,13 @@ class Serving:
                            code="queue_full", headers={"Retry-After": str(self.cfg.retry_after_s)})
 
     async def _serve(self, body: _GenerationFields, prompts: list[list[int]], prompt_param: str, chat: bool,
-                     arrival: float, request: Request) -> Response:
+                     arrival: float, request: Request, grammar: str | None = None,
+                     plan: ToolPlan | None = None) -> Response:
         for ids in prompts:
             if not ids:
                 raise InvalidRequestError("the prompt is empty", prompt_param)
-        samplings = [body.sampling(self._max_tokens(body, len(ids), prompt_param)) for ids in prompts]
+        bias = body.logit_bias_pairs(self.info.vocab_size)
+        samplings = [body.sampling(self._max_tokens(body, len(ids), prompt_param), grammar, bias) for ids in prompts]
         await self._admit()
         base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         gens: list[Generation] = []
@@ -171,10 +217,10 @@ class Serving:
         shape = ResponseShape(base_id, self.cfg.model_name, chat, body.include_usage)
         num_prompt = sum(len(ids) for ids in prompts)
         if body.stream:
-            return StreamingResponse(self._stream(gens, shape, num_prompt), media_type="text/event-stream",
+            return StreamingResponse(self._stream(gens, shape, num_prompt, plan), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                      background=BackgroundTask(self._close_all, gens))
-        return await self._whole(gens, shape, num_prompt, request)
+        return await self._whole(gens, shape, num_prompt, request, plan)
 
     def _logprobs(self, shape: ResponseShape, entries: list[TokenLogprob] | None, text_offset: int) -> dict | None:
         if entries is None:
@@ -182,10 +228,13 @@ class Serving:
         fmt = self.logprob_format
         return fmt.chat(entries) if shape.chat else fmt.completion(entries, text_offset)
 
-    async def _stream(self, gens: list[Generation], shape: ResponseShape, num_prompt: int):
+    async def _stream(self, gens: list[Generation], shape: ResponseShape, num_prompt: int,
+                      plan: ToolPlan | None = None):
         """SSE body. On a client disconnect Starlette cancels this generator and then runs the
-        response's background task, which closes the generations (that sends the aborts)."""
+        response's background task, which closes the generations (that sends the aborts).
+        With tools (plan), each choice's text goes through a gateway.tools.ToolStream."""
         offsets = [0] * len(gens)  # characters sent per choice (completions' text_offset)
+        tool_streams = [plan.stream() for _ in gens] if plan is not None else None
         try:
             if shape.chat:
                 for i in range(len(gens)):
@@ -196,7 +245,10 @@ class Serving:
                     yield sse(err.body())
                     yield SSE_DONE
                     return
-                if d.text or d.finish_reason or d.logprobs:
+                if tool_streams is not None:
+                    for chunk in self._tool_chunks(tool_streams[i], d, shape, i):
+                        yield sse(chunk)
+                elif d.text or d.finish_reason or d.logprobs:
                     yield sse(shape.chunk(d.text, d.finish_reason, index=i,
                                           logprobs=self._logprobs(shape, d.logprobs, offsets[i])))
                     offsets[i] += len(d.text)
@@ -207,8 +259,22 @@ class Serving:
             for gen in gens:  # also covers a generator closed without the background task
                 self._spawn_close(gen)
 
+    def _tool_chunks(self, ts, d, shape: ResponseShape, index: int) -> list[dict]:
+        """The chunks of one delta of a choice that may call tools; logprobs ride on the first."""
+        deltas = ts.feed(d.text)
+        reason = None
+        if d.finish_reason:
+            last, reason = ts.finish(d.finish_reason)
+            deltas += last
+        lps = self._logprobs(shape, d.logprobs, 0) if d.logprobs else None
+        chunks = [shape.delta_chunk(delta, index=index, logprobs=lps if k == 0 else None)
+                  for k, delta in enumerate(deltas)]
+        if reason or (lps and not chunks):
+            chunks.append(shape.delta_chunk({}, reason, index=index, logprobs=None if chunks else lps))
+        return chunks
+
     async def _whole(self, gens: list[Generation], shape: ResponseShape, num_prompt: int,
-                     request: Request) -> Response:
+                     request: Request, plan: ToolPlan | None = None) -> Response:
         async def collect(gen: Generation) -> tuple[str, list[TokenLogprob] | None]:
             texts, lps = [], ([] if gen.req.sampling.logprobs is not None else None)
             async for d in gen.deltas():
@@ -232,8 +298,14 @@ class Serving:
         failed = next((g for g in gens if g.finish_reason == "error"), None)
         if failed is not None:
             raise APIError(500, failed.error or "generation failed", type="server_error", code="generation_error")
-        choices = [shape.choice(i, text, g.finish_reason, self._logprobs(shape, lps, 0))
-                   for i, (g, (text, lps)) in enumerate(zip(gens, results))]
+        choices = []
+        for i, (g, (text, lps)) in enumerate(zip(gens, results)):
+            if plan is None:
+                choices.append(shape.choice(i, text, g.finish_reason, self._logprobs(shape, lps, 0)))
+            else:
+                content, calls, reason = plan.answer(text, g.finish_reason)
+                choices.append(shape.choice(i, content, reason, self._logprobs(shape, lps, 0),
+                                            [c.to_dict() for c in calls]))
         return JSONResponse(shape.full(choices, num_prompt, sum(g.num_tokens for g in gens)))
 
     async def _close(self, gen: Generation) -> None:

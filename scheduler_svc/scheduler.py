@@ -137,8 +137,9 @@ class Scheduler:
         req.in_flight = True
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
-        # penalties read the whole sequence: a worker new to it must learn what precedes the chunk
-        prior = req.token_ids[:start] if start and req.sampling.has_penalties else None
+        # penalties and constraints read the whole sequence: a worker new to it must learn what
+        # precedes the chunk
+        prior = req.token_ids[:start] if start and req.sampling.reads_history else None
         return SeqChunk(req.req_id, req.token_ids[start:start + n], start, list(req.block_table),
                         req.num_computed_tokens == req.num_tokens, req.sampling,
                         req.num_output_tokens, prior)

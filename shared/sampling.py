@@ -39,7 +39,14 @@ class SamplingParams:
     logprobs: None = none; k >= 0 = return the sampled token's log-probability and the k most
         likely alternatives (at most MAX_LOGPROBS). They are the log-softmax of the logits the
         token is drawn from: after penalties and temperature, before top-k / top-p (see
-        worker_svc.sampler).
+        worker_svc.sampler). With a constraint, of the constrained distribution (tokens the
+        grammar forbids have probability 0: logprob -inf, reported as -9999.0).
+    logit_bias: (token id, bias in [-100, 100]) pairs added to the logits after penalties
+        (OpenAI's: -100 bans a token, +100 all but forces it). Ids past the logits' width are
+        ignored by the worker (the gateway refuses ids outside the vocabulary).
+    constraint: None, or an llguidance grammar (JSON text, shared.constraints.grammar_for) the
+        output must match: the worker masks every token the grammar forbids at each step, and
+        lets only EOS through once the grammar is complete (finish_reason "stop").
     """
 
     temperature: float = 1.0
@@ -54,8 +61,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logprobs: int | None = None
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
+    constraint: str | None = None
 
     def __post_init__(self) -> None:
+        # the wire (msgpack / JSON) turns tuples into lists: one shape on every side
+        self.logit_bias = [tuple(b) for b in self.logit_bias]
         self.validate()
 
     def validate(self) -> None:
@@ -85,6 +96,17 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
                                       "logprobs")
+        for b in self.logit_bias:
+            if len(b) != 2 or not _is_int(b[0]) or b[0] < 0 or not _is_number(b[1]) or not -100 <= b[1] <= 100:
+                raise InvalidRequestError("logit_bias maps token ids (>= 0) to biases in [-100, 100], "
+                                          f"got {b!r}", "logit_bias")
+        if self.constraint is not None:
+            if not isinstance(self.constraint, str):
+                raise InvalidRequestError("constraint must be a grammar string", "constraint")
+            # a complete grammar lets only EOS through: nothing may hold EOS back
+            for name in ("ignore_eos", "min_tokens"):
+                if getattr(self, name):
+                    raise InvalidRequestError(f"{name} cannot be combined with an output constraint", name)
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +116,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """True when sampling depends on the tokens before (the worker then tracks them)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def reads_history(self) -> bool:
+        """True when sampling reads the tokens before (penalties, or a constraint: the worker
+        keeps the request's token history and rebuilds its grammar matcher from it), so a
+        worker new to the request must be sent them (SeqChunk.prior_token_ids)."""
+        return self.has_penalties or self.constraint is not None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -50,9 +50,9 @@ class Tokenizer:
                 ids = [bos] + ids
         return ids
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
         """Prompt ids of a chat. The template writes any BOS itself, so none is added here."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -60,14 +60,16 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self.backend.id_to_token(i) for i in ids]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render a chat with the model's template (the prompt text, not yet tokenized)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render a chat with the model's template (the prompt text, not yet tokenized). tools:
+        OpenAI tool definitions, for templates that render them (as transformers passes them)."""
         if not self.chat_template:
             # A base model: plain "role: content" lines, so chat still works, visibly unformatted.
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return text + ("assistant: " if add_generation_prompt else "")
         return _compile(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
 

@@ -10,6 +10,7 @@ silent corruption of another request's KV.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -18,6 +19,7 @@ import torch
 from shared.config import ModelInfo, WorkerConfig, cdiv, single_rank_layout
 from shared.messages import Batch, BatchOutput, SeqChunk
 from shared.model_source import resolve_model
+from shared.tokenizer import load_tokenizer
 from worker_svc.backends import parse_dtype, parse_kv_cache_dtype, select_backend
 from worker_svc.kv_cache import PagedKVCache
 from worker_svc.loader import load_weights, read_config
@@ -71,7 +73,7 @@ class Executor:
                 tp = self.parallel.tp
             cfg, weights = load_weights(source, self.dtype, dev)
         else:
-            (cfg, weights), name = weights, "random-init"
+            (cfg, weights), name, source = weights, "random-init", None
         self.model = LlamaForCausalLM(cfg, weights, self.dtype, self.backend, tp, self.parallel).to(dev)
         del weights
         self.model_cfg = cfg
@@ -87,6 +89,8 @@ class Executor:
                                   self.block_size, kv_heads, cfg.head_dim,
                                   self.backend.kv_cache_dtype, dev)
         self.sampler = self.backend.sampler(sampler_seed, cfg.eos_token_ids)
+        if source is not None:    # constrained decoding needs the model's tokenizer: loaded on first use
+            self.sampler.guides.bind(functools.partial(load_tokenizer, source), cfg.vocab_size)
         self.model_info = ModelInfo(
             name=name, max_model_len=cfg.max_position_embeddings,
             vocab_size=cfg.vocab_size, eos_token_ids=list(cfg.eos_token_ids),
@@ -132,6 +136,8 @@ class Executor:
         par = self.parallel
         if par is None or par.is_last:   # token histories (penalties) only where tokens are drawn
             self.sampler.observe(batch.seqs)
+            # grammar masks are filled on a host thread while the forward pass runs
+            self.sampler.prepare([s for s in batch.seqs if s.sample])
         wall0 = time.time()
         due, logits, t1, t2 = self._forward(batch)
         if logits is None:       # a pipeline stage before the last: its activations were sent

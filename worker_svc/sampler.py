@@ -4,10 +4,14 @@ The logits a token is drawn from (and its logprobs are computed from), in order:
 1. the model's raw logits (float32);
 2. penalties (shared.sampling.SamplingParams): repetition_penalty over prompt + generated
    tokens, then frequency and presence penalties over generated tokens (vLLM's order);
-3. min_tokens: EOS and stop_token_ids set to -inf until min_tokens tokens were generated;
-4. temperature: logits / temperature (temperature 0 = greedy: argmax of step 3, no scaling).
-logprobs are the log-softmax of step 4 ("processed" logprobs, the distribution the token is
-drawn from before top-k / top-p truncation; vLLM's default is the raw log-softmax of step 1).
+3. logit_bias: added per token;
+4. min_tokens: EOS and stop_token_ids set to -inf until min_tokens tokens were generated;
+5. the constraint's mask (worker_svc.guided): tokens the request's grammar forbids set to -inf,
+   all constrained rows of the batch at once;
+6. temperature: logits / temperature (temperature 0 = greedy: argmax of step 5, no scaling).
+logprobs are the log-softmax of step 6 ("processed" logprobs, the distribution the token is
+drawn from before top-k / top-p truncation, so the constrained one; vLLM's default is the raw
+log-softmax of step 1).
 Then top-k, then top-p (keep the smallest most-likely set whose mass reaches top_p; the top token
 always survives), then one draw (an exponential race, exactly distributed as a multinomial draw).
 top_k_top_p is the one implementation of those two rules; the CUDA backend's device sampler
@@ -29,6 +33,7 @@ import torch
 
 from shared.messages import SeqChunk
 from shared.sampling import SamplingParams, step_seed
+from worker_svc.guided import Guides, apply_logit_bias, apply_token_bitmask
 from worker_svc.token_history import TokenHistory
 
 
@@ -52,10 +57,18 @@ class Sampler:
             self.global_generator.manual_seed(seed)
         self.eos_token_ids = list(eos_token_ids)
         self.history = TokenHistory()
+        self.guides = Guides(self.history)    # grammar matchers of constrained requests
 
     def free(self, req_ids: list[str]) -> None:
-        """Drop the per-request state (token history) of finished / preempted requests."""
+        """Drop the per-request state (token history, grammar matcher) of finished / preempted
+        requests."""
         self.history.free(req_ids)
+        self.guides.free(req_ids)
+
+    def prepare(self, due: list[SeqChunk]) -> None:
+        """Start what can run beside the forward pass (the constrained rows' masks); call after
+        observe(), with the rows sample_chunks will get."""
+        self.guides.prepare(due)
 
     def observe(self, chunks: list[SeqChunk]) -> None:
         """Record every chunk of the batch (sampled or not) before sampling."""
@@ -71,25 +84,36 @@ class Sampler:
         params = [s.sampling for s in due]
         steps = [i for i, s in enumerate(due)
                  if s.sampling.has_penalties or s.output_index < s.sampling.min_tokens]
-        if steps:
+        mask = self.guides.take(due)
+        if steps or mask is not None or any(p.logit_bias for p in params):
             logits = logits.float().clone()
             for i in steps:
-                self._process(logits[i], due[i])
+                self._penalize(logits[i], due[i])
+            apply_logit_bias(logits, due)
+            for i in steps:
+                self._hold_back_eos(logits[i], due[i])
+            if mask is not None:
+                apply_token_bitmask(logits, mask)
         tokens = self.sample(logits, params, [s.output_index for s in due])
         if agree is not None:
             tokens = agree(tokens)
+        self.guides.advance(due, tokens)
         out = SamplerOutput(tokens)
         for i, p in enumerate(params):
             if p.logprobs is not None:
                 out.logprobs[i] = token_logprobs(logits[i], p, tokens[i])
         return out
 
-    def _process(self, row: torch.Tensor, chunk: SeqChunk) -> None:
-        """Steps 2 and 3 of the module doc, in place on one row."""
+    def _penalize(self, row: torch.Tensor, chunk: SeqChunk) -> None:
+        """Step 2 of the module doc, in place on one row."""
         p = chunk.sampling
         if p.has_penalties:
             prompt, generated = self.history.split(chunk)
             apply_penalties(row, prompt, generated, p)
+
+    def _hold_back_eos(self, row: torch.Tensor, chunk: SeqChunk) -> None:
+        """Step 4 of the module doc, in place on one row."""
+        p = chunk.sampling
         if chunk.output_index < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
             banned = [t for t in banned if t < row.shape[-1]]
@@ -133,7 +157,7 @@ def apply_penalties(row: torch.Tensor, prompt: list[int], generated: list[int], 
 
 
 def token_logprobs(row: torch.Tensor, p: SamplingParams, token: int) -> list:
-    """[logprob of `token`, [top-k ids], [top-k logprobs]] of one processed row [V] (step 4 of
+    """[logprob of `token`, [top-k ids], [top-k logprobs]] of one processed row [V] (step 6 of
     the module doc), k = p.logprobs, most likely first."""
     row = row.float()
     if not p.greedy:

@@ -1,6 +1,7 @@
 """The token ids of each request as the worker has seen them: what penalties read.
 
-Kept only for requests whose sampling reads earlier tokens (SamplingParams.has_penalties),
+Kept only for requests whose sampling reads earlier tokens (SamplingParams.reads_history:
+penalties or a constraint),
 keyed by request id, built from the chunks the worker executes (the wire's "full data once, then
 diffs": a decode chunk's one token is the token sampled at the previous step) and dropped when
 the request is freed (finished, aborted, preempted) or the wire starts a new epoch. A chunk that
@@ -34,8 +35,8 @@ class TokenHistory:
 
     def observe(self, chunk: SeqChunk) -> None:
         """Record the chunk's tokens at positions start_pos.. (a recompute from an earlier
-        position overwrites what followed it). No-op for requests without penalties."""
-        if not chunk.sampling.has_penalties:
+        position overwrites what followed it). No-op for requests that read no history."""
+        if not chunk.sampling.reads_history:
             return
         if chunk.prior_token_ids is not None:
             seq = list(chunk.prior_token_ids)

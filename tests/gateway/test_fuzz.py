@@ -1,6 +1,8 @@
 """Schemathesis against the gateway's own OpenAPI schema (real uvicorn, fake scheduler): no
-generated request may get a 5xx, and every 4xx must be in the OpenAI error shape. Bounded
-(max examples per operation) so it runs in well under a minute."""
+generated request may get a 5xx, and schemathesis' conformance checks pass: every status, content
+type, header and body answered is one the schema documents (errors in the OpenAI shape, streamed
+calls as text/event-stream). Bounded (max examples per operation) so it runs in well under a
+minute."""
 from __future__ import annotations
 
 from collections import Counter
@@ -8,11 +10,20 @@ from collections import Counter
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from tests.support.gateway_fakes import Plan
 
 MAX_EXAMPLES = 60
 SEEN: Counter = Counter()  # (method path, status // 100) of every generated call
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
+          response_schema_conformance]
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +68,8 @@ def openai_error_shape(response) -> None:
 
 @schema.parametrize()
 @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-def test_no_5xx_and_every_4xx_in_the_openai_shape(case, fuzz_stack):
-    response = case.call(base_url=fuzz_stack.url, timeout=20)
+def test_no_5xx_and_every_answer_conforms_to_the_schema(case, fuzz_stack):
+    response = case.call_and_validate(base_url=fuzz_stack.url, timeout=20, checks=CHECKS)
     SEEN[f"{case.method} {case.path}", response.status_code // 100] += 1
     assert response.status_code < 500, f"{case.method} {case.path} {case.body!r} -> {response.status_code}: " \
                                        f"{response.text[:300]}"

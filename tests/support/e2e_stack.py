@@ -91,8 +91,8 @@ class EmbeddedStack:
         self.metrics_urls = [f"http://127.0.0.1:{self.port}/metrics"]
         self.scheduler_metrics_url = self.metrics_urls[0]
         self.logs = [tmp / "embedded.log"]
-        options = dict(port=self.port, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
-                       queue_prefix=prefix, **({"redis_url": redis_url} if redis_url else {}), **options)
+        options = {**dict(port=self.port, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
+                          queue_prefix=prefix, **({"redis_url": redis_url} if redis_url else {})), **options}
         self.proc = spawn("serve", options, self.logs[0])
         wait_ready(f"http://127.0.0.1:{self.port}/ready", [self.proc], self.logs)
 

@@ -5,6 +5,7 @@ end-to-end tests."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import threading
 import time
@@ -215,17 +216,19 @@ def make_stack(request, tokenizer):
     prefixes: list[tuple[str, str]] = []  # Redis keys to delete once the stacks are stopped
 
     def make(backend: str = "local", plan: Callable[[RequestMsg], Plan] | None = None, admitting: bool = True,
-             **app_kwargs) -> Stack:
-        """admitting=False: the fake scheduler takes nothing until told (set fake.admitting)."""
+             chat_template: str | None = None, **app_kwargs) -> Stack:
+        """admitting=False: the fake scheduler takes nothing until told (set fake.admitting).
+        chat_template: the gateway's tokenizer gets this template instead of SmolLM2's."""
+        tok = tokenizer if chat_template is None else dataclasses.replace(tokenizer, chat_template=chat_template)
         url, prefix = None, "local:"
         if backend == "redis":
             url, prefix = request.getfixturevalue("redis_server_url"), new_prefix()
             prefixes.append((url, prefix))
         cfg = QueueConfig(prefix=prefix)
         gq, sq = make_queues(url, config=cfg, consumer="fake-scheduler")
-        info = ModelInfo("smol-test", MAX_MODEL_LEN, tokenizer.vocab_size, tokenizer.eos_token_ids)
-        fake = FakeScheduler(sq, tokenizer, plan=plan or (lambda req: Plan()), admitting=admitting)
-        stack = Stack("", fake, ServerThread(create_app(tokenizer, info, gq, **app_kwargs)), url, cfg,
+        info = ModelInfo("smol-test", MAX_MODEL_LEN, tok.vocab_size, tok.eos_token_ids)
+        fake = FakeScheduler(sq, tok, plan=plan or (lambda req: Plan()), admitting=admitting)
+        stack = Stack("", fake, ServerThread(create_app(tok, info, gq, **app_kwargs)), url, cfg,
                       getattr(gq, "broker", None))
         stack.url = stack.server.url
         stacks.append(stack)

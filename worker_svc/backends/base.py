@@ -123,13 +123,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class TokenSampler(Protocol):
     """Draws one token per due sequence of a batch and keeps what drawing needs across batches
-    (token histories for penalties). worker_svc.sampler.Sampler is the host implementation."""
+    (token histories for penalties, grammar matchers for constraints: `guides`, a
+    worker_svc.guided.Guides). worker_svc.sampler.Sampler is the host implementation."""
 
     def observe(self, chunks: list[SeqChunk]) -> None:
         """Record every chunk of a batch (sampled or not) before sampling."""
 
     def free(self, req_ids: list[str]) -> None:
         """Drop the per-request state of finished / preempted requests; unknown ids are fine."""
+
+    def prepare(self, due: list[SeqChunk]) -> None:
+        """Start, before the forward pass, what sampling `due` needs and can overlap it (the
+        constrained rows' grammar masks: worker_svc.guided)."""
 
     def sample_chunks(self, logits: torch.Tensor, due: list[SeqChunk],
                       agree: Callable[[list[int]], list[int]] | None = None) -> SamplerOutput:

@@ -14,6 +14,9 @@ integer arithmetic. So:
   one backend, not across CPU and GPU.
 
 Unseeded rows draw a fresh 62-bit seed from the worker's host generator per token.
+logit_bias and constraints are applied here too, on the device, by the host sampler's
+device-neutral functions (worker_svc.guided): the grammar masks are filled on the host (while the
+forward pass runs) and only the packed bitmask [R, V / 32] crosses to the device.
 Requests with parameters this module does not implement (supports() is False: any
 SamplingParams field beyond the ones below set away from its default, e.g. penalties or
 logprobs) go to the host sampler: DeviceFirstSampler, the CUDA backend's sampler, decides that
@@ -28,11 +31,13 @@ import torch
 
 from shared.messages import SeqChunk
 from shared.sampling import SamplingParams
+from worker_svc.guided import apply_logit_bias, apply_token_bitmask
 from worker_svc.sampler import Sampler, SamplerOutput, top_k_top_p
 
 _M32 = 0xFFFFFFFF
 # the fields this sampler implements, or that do not affect which token is drawn
-_HANDLED = {"temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "ignore_eos"}
+_HANDLED = {"temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "ignore_eos",
+            "logit_bias", "constraint"}   # the last two: DeviceFirstSampler, before sample()
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -118,8 +123,16 @@ class DeviceFirstSampler:
         self.host = Sampler(seed, eos_token_ids=eos_token_ids)
         self.device_sampler = DeviceSampler(seed)
 
+    @property
+    def guides(self):
+        """The grammar matchers (the host sampler's: they live with the token histories)."""
+        return self.host.guides
+
     def observe(self, chunks: list[SeqChunk]) -> None:
         self.host.observe(chunks)
+
+    def prepare(self, due: list[SeqChunk]) -> None:
+        self.host.prepare(due)
 
     def free(self, req_ids: list[str]) -> None:
         self.host.free(req_ids)
@@ -129,6 +142,15 @@ class DeviceFirstSampler:
         """As Sampler.sample_chunks, for logits [S, V] on the device."""
         ds = self.device_sampler
         if all(ds.supports(s.sampling) for s in due):
+            guides = self.host.guides
+            mask = guides.take(due)
+            if mask is not None or any(s.sampling.logit_bias for s in due):
+                logits = logits.float().clone()     # a graph's output buffer is reused: copy first
+                apply_logit_bias(logits, due)
+                if mask is not None:
+                    apply_token_bitmask(logits, mask)
             tokens = ds.sample(logits, [s.sampling for s in due], [s.output_index for s in due])
-            return SamplerOutput(agree(tokens) if agree is not None else tokens)
+            tokens = agree(tokens) if agree is not None else tokens
+            guides.advance(due, tokens)
+            return SamplerOutput(tokens)
         return self.host.sample_chunks(logits.cpu(), due, agree=agree)
