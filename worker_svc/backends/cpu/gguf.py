@@ -1,0 +1,84 @@
+"""Linear layers on the GGUF file's own quantized blocks (CPU), behind the LinearMethod seam.
+
+A GGUF model is served as the file defines it: no re-quantization. Layers whose weight carries
+the file's blocks (layer.gguf, see worker_svc/model/gguf_blocks.py) in a format with a block
+kernel (csrc/gguf_linear.c: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) run:
+* T <= max_tokens rows (decode-sized batches): the block kernel, which reads the file's bytes
+  (Q4_1: 5 bits a weight, 1/6.4 of fp32) and dequantizes them in cache, fp32 accumulation;
+* T > max_tokens (prefill chunks, large hybrid batches): F.linear on the exactly dequantized
+  float weight layer.weight (the loader's dequantization, bit-identical to the kernel's).
+Both compute F.linear on the same float weights up to fp32 summation order, so a request's
+greedy output does not depend on which batch carried it (tests/e2e/test_offline_api.py).
+
+Large path memory: large="cached" (default) keeps the float weight (the model holds it anyway:
+4 bytes a weight beside the file's blocks); large="dequant" drops it and dequantizes the blocks
+into a per-call buffer on every large call (memory of the blocks only, plus one layer's float
+weight at a time; costs a dequantization of every weight per large step: measured in
+bench/gguf_kernels.py, bench/results/kernels/README.md). A tied LM head keeps its float weight in
+both modes: the embedding lookup reads it.
+
+Layers without blocks (float checkpoints, GGUF tensors stored as F32/F16, formats without a
+kernel, dequantized at load with a log line) run plain F.linear, as does any non-fp32 layer.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker_svc.backends.base import LinearMethod
+from worker_svc.backends.cpu import native
+
+# largest T at which the block kernel beats F.linear on the float weight over a SmolLM2 (Q4_1)
+# step: bench/results/kernels/gguf_kernels_amd.json (AMD EPYC family 23, 2 threads). "scalar": never.
+GGUF_MAX_TOKENS = {"avx2": 8}
+
+
+def default_max_tokens() -> int:
+    return GGUF_MAX_TOKENS.get(native.gguf_isa(), 0) if native.available() else 0
+
+
+class GgufLinearMethod(LinearMethod):
+    """Block kernel for T <= max_tokens, float GEMM above (module docstring). process() keeps
+    layer.gguf's blocks as buffer layer.gguf_data (uint8 [N, row_bytes]) and layer.gguf_type."""
+
+    def __init__(self, max_tokens: int | None = None, large: str = "cached"):
+        if not native.available():
+            raise ValueError(f"GGUF block kernels need the native library: {native.unavailable_reason()}")
+        if large not in ("cached", "dequant"):
+            raise ValueError(f"large must be 'cached' or 'dequant', got {large!r}")
+        self.max_tokens = default_max_tokens() if max_tokens is None else max_tokens
+        self.large = large
+        self.name = f"gguf blocks ({native.gguf_isa()}) for <= {self.max_tokens} tokens, float GEMM above" + (
+            " (dequantized per call)" if large == "dequant" else "")
+
+    def process(self, layer: torch.nn.Module) -> None:
+        blocks = getattr(layer, "gguf", None)
+        if blocks is None or hasattr(layer, "gguf_data") or layer.weight.dtype != torch.float32 \
+                or not native.gguf_supports(blocks.ggml_type) or tuple(layer.weight.shape) != (
+                    blocks.data.shape[0], blocks.cols):
+            return
+        layer.register_buffer("gguf_data", blocks.data.contiguous(), persistent=False)
+        layer.gguf_type = blocks.ggml_type
+        if layer.bias is not None:
+            layer.register_buffer("bias_f32", layer.bias.detach().float().contiguous(), persistent=False)
+        if self.large == "dequant" and not getattr(layer, "full_precision_output", False):
+            layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        data = getattr(layer, "gguf_data", None)
+        if data is None:
+            return F.linear(x, layer.weight, bias)
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        K = rows.shape[1]
+        if rows.shape[0] > self.max_tokens or x.dtype != torch.float32 or x.device.type != "cpu":
+            w = layer.weight
+            if w.numel() == 0:      # large="dequant": this call's float weight, from the blocks
+                w = native.gguf_dequantize(layer.gguf_type, data, K)
+            return F.linear(x, w, bias)
+        b = None
+        if bias is not None:
+            b = layer.bias_f32 if bias is layer.bias else bias.float().contiguous()
+        xf = rows if rows.stride(-1) == 1 else rows.contiguous()
+        y = native.gguf_linear_unchecked(layer.gguf_type, data, xf, b)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
