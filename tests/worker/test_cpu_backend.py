@@ -394,7 +394,8 @@ def test_backend_line_is_in_model_info_and_the_metrics_label(tiny_ckpt):
     ex = make_executor(tiny_ckpt, num_blocks=8, kv_cache_dtype="bfloat16", weight_quant="int8")
     line = ex.model_info.backend
     assert line == ex.backend.describe()
-    assert line.startswith(f"device cpu: attention native {native.isa()}, kv bfloat16, linear int8 for <= ")
+    assert line.startswith(f"device cpu: attention native {native.isa()}, kv bfloat16, linear int8 per 32-column "
+                           f"group (Q8_0 blocks) ({native.gguf_isa()}) for <= ")
     m = SchedulerMetrics(CollectorRegistry())
     m.set_worker(ex.model_info.name, line)
     text = generate_latest(m.registry).decode()

@@ -20,8 +20,9 @@ The three choices, each made once per worker and printed by the executor:
 * weight quantization "auto": the model as its files define it. A GGUF's quantized matrices run
   on the file's own blocks for small batches (cpu/gguf.py, csrc/gguf_linear.c) and a float GEMM
   on their exact dequantization above; a float checkpoint stays float. "none": float weights
-  everywhere (a GGUF exactly dequantized); "int8"/"int8-bf16": re-quantized to int8 (cpu/quant.py),
-  an explicit, lossy choice.
+  everywhere (a GGUF exactly dequantized). Explicit, lossy choices: "int8", re-quantized to int8
+  with a scale per 32 columns (Q8_0 blocks on the same kernels: cpu/gguf.py GroupInt8LinearMethod);
+  "int8-bf16", per-row int8 for small batches and a bf16 GEMM above (cpu/quant.py).
 
 Besides: the layers' elementwise glue (RMSNorm + residual add, rotary, silu * up) runs fused
 native ops (NativeCpuOps, csrc/cpu_ops.c) when the library has their AVX2 path, and the native
@@ -206,9 +207,13 @@ def cpu_backend(compute_dtype: torch.dtype | None = None, kv_cache_dtype: torch.
     if kv_cache_dtype is None:
         kv_cache_dtype = compute_dtype if compute_dtype.itemsize == 2 else AUTO_KV_DTYPE
     linear = LinearMethod()
-    if weight_quant in ("int8", "int8-bf16"):
+    if weight_quant == "int8":
+        # int8 with a scale per 32 columns (Q8_0 blocks): near-lossless, batch-invariant
+        from worker_svc.backends.cpu.gguf import GroupInt8LinearMethod
+        linear = GroupInt8LinearMethod()
+    elif weight_quant == "int8-bf16":
         from worker_svc.backends.cpu.quant import Int8LinearMethod
-        linear = Int8LinearMethod(large=torch.bfloat16 if weight_quant == "int8-bf16" else torch.float32)
+        linear = Int8LinearMethod(large=torch.bfloat16)
     elif weight_quant == "auto" and native.available() and native.gguf_isa() != "scalar":
         # the model as its files define it: GGUF blocks on their own kernels, float weights as is
         from worker_svc.backends.cpu.gguf import GgufLinearMethod
