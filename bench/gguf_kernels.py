@@ -13,11 +13,12 @@ The threshold recorded in worker_svc/backends/cpu/gguf.py (GGUF_MAX_TOKENS) is t
 which gguf-block beats float32-cached at every T.
 
 Part "engine" (--engine): SmolLM2's real GGUF on the Executor in two processes stepped in turn
-(bench.common.EngineProcess), old default (weights int8) vs new default (auto: the file's blocks),
+(bench.common.EngineProcess): the tree before issue 19 (--base-tree; its default: per-row int8
+weights) vs this one (auto: the file's blocks; and --weight-quant int8, Q8_0 groups),
 cases decode:1 and decode:32 at 1k context, prefill:512; and the bytes-read bound of decode:32 (the
 file's weight bytes + the bf16 KV read, over the copy bandwidth measured in the same run).
 
-    python -m bench.gguf_kernels [--rounds 5] [--threads 2] [--engine-rounds 10]
+    python -m bench.gguf_kernels --base-tree BASE [--rounds 5] [--threads 2] [--engine-rounds 10]
                                  [--out bench/results/kernels/gguf_kernels_amd]
 """
 from __future__ import annotations
@@ -41,7 +42,8 @@ from worker_svc.model.gguf_blocks import BLOCK_FORMATS
 
 SIZES = [1, 2, 4, 8, 12, 16, 32, 64]
 Q4_1, Q8_0 = 3, 8
-OLD, NEW = "old default (int8)", "new default (auto: file blocks)"
+OLD, NEW = "before (base tree's default: per-row int8)", "new default (auto: the file's blocks)"
+INT8 = "new --weight-quant int8 (Q8_0 groups)"
 
 
 def random_blocks(qtype: int, n: int, k: int, g: np.random.Generator) -> torch.Tensor:
@@ -104,10 +106,11 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() * 4 / statistics.median(ts)
 
 
-def bench_engine(rounds: int, threads: int, block_bytes: int) -> dict:
+def bench_engine(rounds: int, threads: int, block_bytes: int, base_tree: Path) -> dict:
     tree = Path(__file__).resolve().parent.parent
-    specs = {OLD: "float32:auto:int8", NEW: "float32:auto:auto"}
-    procs = {name: EngineProcess(tree, threads, spec) for name, spec in specs.items()}
+    specs = {OLD: (base_tree, "float32:auto:auto"), NEW: (tree, "float32:auto:auto"),
+             INT8: (tree, "float32:auto:int8")}
+    procs = {name: EngineProcess(t, threads, spec) for name, (t, spec) in specs.items()}
     cases = ["decode:1", "decode:32", "prefill:512"]
     times: dict = {name: {c: [] for c in cases} for name in procs}
     for c in cases:                                   # warm-up
@@ -138,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--base-tree", default=None, help="the source tree before issue 19 (e.g. `git archive "
+                    "166d502 | tar -x -C /tmp/base`): its default engine is the 'before'")
     ap.add_argument("--out", default="bench/results/kernels/gguf_kernels_amd")
     args = ap.parse_args(argv)
     if not native.available():
@@ -150,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
            "layers": bench_layers(args.rounds, [int(t) for t in args.sizes.split(",")])}
     print(json.dumps(res["layers"], indent=1), flush=True)
     if not args.no_engine:
-        res["engine"] = bench_engine(args.engine_rounds, args.threads, res["layers"]["block_bytes"])
+        res["engine"] = bench_engine(args.engine_rounds, args.threads, res["layers"]["block_bytes"],
+                                     Path(args.base_tree))
         print(json.dumps(res["engine"], indent=1), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
