@@ -182,3 +182,7 @@ def plot(res: dict, path: Path) -> None:
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
