@@ -152,12 +152,14 @@ def main(argv: list[str] | None = None) -> None:
     res = {"machine": machine_line(), "date": now.isoformat(timespec="seconds"),
            "command": "python -m bench.gguf_kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
            "threads": args.threads, "gguf_isa": native.gguf_isa(),
+           "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
            "layers": bench_layers(args.rounds, [int(t) for t in args.sizes.split(",")])}
     print(json.dumps(res["layers"], indent=1), flush=True)
     if not args.no_engine:
         res["engine"] = bench_engine(args.engine_rounds, args.threads, res["layers"]["block_bytes"],
                                      Path(args.base_tree))
         print(json.dumps(res["engine"], indent=1), flush=True)
+    res["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
