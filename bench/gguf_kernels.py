@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--no-layers", action="store_true", help="the engine part only")
     ap.add_argument("--base-tree", default=None, help="the source tree before issue 19 (e.g. `git archive "
                     "166d502 | tar -x -C /tmp/base`): its default engine is the 'before'")
     ap.add_argument("--out", default="bench/results/kernels/gguf_kernels_amd")
@@ -153,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
            "command": "python -m bench.gguf_kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
            "threads": args.threads, "gguf_isa": native.gguf_isa(),
            "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
-           "layers": bench_layers(args.rounds, [int(t) for t in args.sizes.split(",")])}
+           "layers": {"block_bytes": sum(BLOCK_FORMATS[Q8_0 if i == len(layer_shapes()) - 1 else Q4_1][1] * n * k
+                                         // BLOCK_FORMATS[Q4_1][0] for i, (n, k) in enumerate(layer_shapes()))}
+           if args.no_layers else bench_layers(args.rounds, [int(t) for t in args.sizes.split(",")])}
     print(json.dumps(res["layers"], indent=1), flush=True)
     if not args.no_engine:
         res["engine"] = bench_engine(args.engine_rounds, args.threads, res["layers"]["block_bytes"],
@@ -163,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
-    plot(res, out.with_suffix(".png"))
+    if not args.no_layers:
+        plot(res, out.with_suffix(".png"))
 
 
 def plot(res: dict, path: Path) -> None:

@@ -81,7 +81,7 @@ def write_tiny_gguf(path, qtype, seed: int = 0) -> None:
 def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qtype):
     path = tmp_path / f"tiny-{qtype.name}.gguf"
     write_tiny_gguf(path, qtype)
-    prompt = torch.randint(2, VOCAB, (24,), generator=torch.Generator().manual_seed(int(qtype))).tolist()
+    prompt = torch.randint(2, VOCAB, (40,), generator=torch.Generator().manual_seed(int(qtype))).tolist()
     hf = hf_model_from_gguf(str(path))
     with torch.no_grad():
         ids = torch.tensor([prompt])
@@ -89,6 +89,7 @@ def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qty
                           eos_token_id=None, pad_token_id=1)[0, len(prompt):].tolist()
     ex = make_executor(path, num_blocks=8, weight_quant="auto")        # the default, fp32 KV
     assert ex.backend.linear.name.startswith("gguf blocks")
+    assert len(prompt) > ex.backend.linear.max_tokens         # the prefill takes the float GEMM
     lin = [m for m in ex.model.modules() if hasattr(m, "method")]
     assert len(lin) == 4 * LAYERS + 1                                  # qkv, o, gate_up, down; the head
     assert all(getattr(m, "gguf_type", None) == int(qtype) for m in lin), qtype.name
@@ -97,7 +98,7 @@ def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qty
     monkeypatch.setattr(native, "gguf_linear_unchecked", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
     got = greedy_generate(ex, prompt, 16, list(range(blocks_for(len(prompt) + 16, 16))))
     assert got == ref
-    # decodes (1 row) ran the block kernel, the 24-token prefill the float GEMM
+    # decodes (1 row) ran the block kernel, the 40-token prefill the float GEMM
     assert calls and set(calls) == {1}
 
 

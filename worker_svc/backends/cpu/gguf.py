@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from worker_svc.backends.base import LinearMethod
 from worker_svc.backends.cpu import native
 
-# largest T at which the block kernel beats F.linear on the float weight over a SmolLM2 (Q4_1)
-# step: bench/results/kernels/gguf_kernels_amd.json (AMD EPYC family 23, 2 threads). "scalar": never.
-GGUF_MAX_TOKENS = {"avx2": 8}
+# largest T at which the block kernel beats F.linear on the float weight at every T over a SmolLM2
+# (Q4_1) step: bench/results/kernels/gguf_kernels_amd.json (AMD EPYC family 23, Zen 3, 2 threads:
+# 285 vs 397 ms at T=32, 565 vs 455 at 64). "scalar": never.
+GGUF_MAX_TOKENS = {"avx2": 32}
 
 
 def default_max_tokens() -> int:
