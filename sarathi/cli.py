@@ -46,10 +46,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     _add(p, "cuda-graphs", True, "CUDA: replay captured graphs for decode-only batches")
     _add(p, "kv-cache-dtype", "auto", "KV cache dtype, independent of --dtype (auto: 16-bit on CPU, "
          "--dtype on CUDA)", choices=["auto", "float32", "bfloat16", "float16"])
-    _add(p, "weight-quant", "auto", "weight-only quantization of the linear layers (auto: int8 for "
-         "small batches on CPUs where it pays; none: float weights; int8-bf16: int8 for small batches, "
-         "bf16 GEMM above: ~2x faster prefill on CPUs with bf16 dot products, but outputs then depend on "
-         "batch composition)", choices=["auto", "none", "int8", "int8-bf16"])
+    _add(p, "weight-quant", "auto", "how the linear layers' weights are kept (auto: as the model's files "
+         "define them: a GGUF on its own quantized blocks, equal to Hugging Face on the same file; a float "
+         "checkpoint in its precision; none: float weights, a GGUF exactly dequantized; int8: re-quantized "
+         "to int8 with a scale per 32 columns (Q8_0 blocks), near-lossless; int8-bf16: per-row int8 for small "
+         "batches, bf16 GEMM above: "
+         "~2x faster prefill on CPUs with bf16 dot products, but outputs then depend on batch composition)",
+         choices=["auto", "none", "int8", "int8-bf16"])
 
 
 def _sched_args(p: argparse.ArgumentParser) -> None:

@@ -115,9 +115,11 @@ class WorkerConfig:
         FlashInfer only).
     kv_cache_dtype: "auto" (the device's default: 16-bit on CPU, the compute dtype on CUDA),
         "float32", "bfloat16" or "float16"; independent of dtype (exactness tests use float32).
-    weight_quant: "auto" (CPU: int8 for small batches where the int8 kernel pays), "none",
-        "int8" (weight-only, per output channel; worker_svc/backends/cpu/quant.py) or "int8-bf16" (int8 for
-        small batches, bf16 GEMM above; not batch-invariant).
+    weight_quant: "auto" (the model as its files define it; CPU: a GGUF's quantized matrices on the file's
+        own blocks for small batches, worker_svc/backends/cpu/gguf.py), "none" (float weights),
+        "int8" (weight-only, a scale per 32 columns as Q8_0 blocks; worker_svc/backends/cpu/gguf.py) or
+        "int8-bf16" (per-row int8 for small batches, bf16 GEMM above; not batch-invariant;
+        worker_svc/backends/cpu/quant.py).
     """
 
     model: str | None = None

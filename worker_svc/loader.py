@@ -14,6 +14,7 @@ concatenations and slices the model does afterwards.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -23,6 +24,9 @@ import torch
 
 from shared.model_source import ModelSource
 from worker_svc.model.config import ModelConfig, ModelConfigError
+from worker_svc.model.gguf_blocks import BLOCK_FORMATS, GgufBlocks
+
+log = logging.getLogger(__name__)
 
 
 class ModelLoadError(RuntimeError):
@@ -46,7 +50,11 @@ class LazyWeights(Mapping):
         except Exception as e:   # a corrupt or truncated tensor surfaces here, named
             raise ModelLoadError(f"cannot read tensor {name!r} of model {str(self.path)!r}: "
                                  f"{type(e).__name__}: {e}") from e
-        return t.to(device=self.device, dtype=self.dtype)
+        blocks = GgufBlocks.of(t)
+        t = t.to(device=self.device, dtype=self.dtype)
+        if blocks is not None:      # the file's blocks travel with the float weight (a new tensor
+            t.gguf_blocks = blocks  # after a dtype change): see worker_svc/model/gguf_blocks.py
+        return t
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
@@ -186,11 +194,24 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, Weights]:
             shapes[name] = tuple(int(s) for s in reversed(t.shape))   # GGUF lists dims innermost first
 
     def read(name: str) -> torch.Tensor:
+        """The exactly dequantized float tensor; a matrix in a block format with a kernel also
+        carries its blocks (rows permuted like the float rows), which a backend may compute on."""
         t = tensors[name]
         array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[name])
         tensor = torch.from_numpy(np.array(array, dtype=np.float32))   # copy: memmap is read-only
+        blocks = None
+        if len(shapes[name]) == 2 and int(t.tensor_type) in BLOCK_FORMATS:
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shapes[name][0], -1))
+            blocks = GgufBlocks(int(t.tensor_type), raw, shapes[name][1])
+        elif len(shapes[name]) == 2 and t.tensor_type.name not in ("F32", "F16", "BF16"):
+            log.info("%s: GGUF format %s has no block kernel: dequantized to float32 at load",
+                     name, t.tensor_type.name)
         if cfg.model_type == "llama" and name.startswith("model.layers."):
             tensor = _unpermute_qk(name, tensor, cfg)
+            if blocks is not None:
+                blocks = GgufBlocks(blocks.ggml_type, _unpermute_qk(name, blocks.data, cfg), blocks.cols)
+        if blocks is not None:
+            tensor.gguf_blocks = blocks
         return tensor
 
     return cfg, LazyWeights(shapes, read, path)

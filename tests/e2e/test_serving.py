@@ -49,7 +49,7 @@ def offline():
     ref["seeded"] = [llm.generate([PROMPT], SamplingParams(temperature=0.9, max_tokens=8, seed=11 + j))[0].text
                      for j in range(2)]
     ref["min_tokens"] = llm.chat([CHAT], SamplingParams(temperature=0.0, max_tokens=48, min_tokens=48))[0]
-    # the default CPU path (int8 weights, bf16 KV) stops after 42 tokens here: a 48-token window
+    # the default CPU path (the GGUF's own blocks, bf16 KV) stops after 38 tokens here: a 48-token window
     ref["chat48"] = llm.chat([CHAT], SamplingParams(temperature=0.0, max_tokens=48))[0]
     ref["tokenizer"] = llm.tokenizer
     return ref

@@ -8,6 +8,11 @@
 How the (sharded) weight is stored and multiplied is the device backend's LinearMethod
 (worker_svc/backends/base.py): dense F.linear by default. Fused layers (qkv, gate_up) are
 sharded part by part, so each rank keeps whole heads of q, k and v.
+
+GGUF weights: when every part of a layer's weight carries the file's blocks (GgufBlocks, attached
+by the loader), the layer's `gguf` is those blocks sharded and concatenated like the float weight
+(None otherwise), for the LinearMethod's process(); the layer drops the attribute afterwards
+(a method that computes on the blocks keeps its own reference).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from typing import Any
 import torch
 
 from worker_svc.backends import LinearMethod
+from worker_svc.model.gguf_blocks import GgufBlocks
 
 
 @dataclass(frozen=True)
@@ -51,8 +57,11 @@ class ColumnParallelLinear(torch.nn.Module):
             torch.cat([tp.shard(w, 0) for w in parts]).to(dtype).contiguous(), requires_grad=False)
         self.bias = None if biases is None else torch.nn.Parameter(
             torch.cat([tp.shard(b, 0) for b in biases]).to(dtype), requires_grad=False)
+        blocks = [GgufBlocks.of(w) for w in parts]
+        self.gguf = GgufBlocks.concat_rows([b and b.shard_rows(tp.rank, tp.world_size) for b in blocks])
         self.method = method
         method.process(self)
+        del self.gguf
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
@@ -67,8 +76,11 @@ class RowParallelLinear(torch.nn.Module):
         self.tp = tp
         self.weight = torch.nn.Parameter(tp.shard(weight, 1).to(dtype).contiguous(), requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias.to(dtype), requires_grad=False)
+        blocks = GgufBlocks.of(weight)
+        self.gguf = blocks and blocks.shard_cols(tp.rank, tp.world_size)
         self.method = method
         method.process(self)
+        del self.gguf
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(self.method.apply(self, x, None))
@@ -87,8 +99,10 @@ class ReplicatedLinear(torch.nn.Module):
         super().__init__()
         self.weight = weight
         self.bias = None
+        self.gguf = GgufBlocks.of(weight)
         self.method = method
         method.process(self)
+        del self.gguf
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, None)

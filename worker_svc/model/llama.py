@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from worker_svc.backends import DeviceBackend
 from worker_svc.kv_cache import PagedKVCache
 from worker_svc.model.config import ModelConfig
+from worker_svc.model.gguf_blocks import GgufBlocks
 from worker_svc.model.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, TensorParallel
 from worker_svc.model.rope import RotaryEmbedding
 
@@ -96,6 +97,8 @@ class LlamaForCausalLM(torch.nn.Module):
         embed = weights["model.embed_tokens.weight"]
         self.embed = torch.nn.Parameter(vocab(embed).to(dtype), requires_grad=False) \
             if first or (last and cfg.tie_word_embeddings) else None
+        if self.embed is not None and parallel is None:   # a tied LM head may run on the file's blocks
+            self.embed.gguf_blocks = GgufBlocks.of(embed)
         # local layer i of this stage is model layer start + i (and layer i of the stage's cache)
         self.layers = torch.nn.ModuleList(
             DecoderLayer(cfg, weights, f"model.layers.{i}.", i - start, tp, dtype, backend)
@@ -106,7 +109,10 @@ class LlamaForCausalLM(torch.nn.Module):
         elif cfg.tie_word_embeddings:
             self.lm_head = self.embed
         else:
-            self.lm_head = torch.nn.Parameter(vocab(weights["lm_head.weight"]).to(dtype), requires_grad=False)
+            head = weights["lm_head.weight"]
+            self.lm_head = torch.nn.Parameter(vocab(head).to(dtype), requires_grad=False)
+            if parallel is None:
+                self.lm_head.gguf_blocks = GgufBlocks.of(head)
         # the backend's linear method (int8 for small batches on CPU); only the last stage has one
         self.head = ReplicatedLinear(self.lm_head, backend.linear) if last else None
         self.rope = RotaryEmbedding(cfg, cfg.max_position_embeddings)

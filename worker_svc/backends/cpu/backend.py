@@ -17,8 +17,12 @@ The three choices, each made once per worker and printed by the executor:
   a contended run, ratios only: bench/results/engine_cpu/engine_cpu_amd.md), and bf16 keeps fp32's
   exponent range (fp16 overflows at 65504); fp16's 3 extra mantissa bits remain available as
   --kv-cache-dtype float16;
-* weight quantization "auto": int8 for small batches (cpu/quant.py) when the int8 kernel
-  has a SIMD path; "none" keeps the float weights (what HF-exactness tests use).
+* weight quantization "auto": the model as its files define it. A GGUF's quantized matrices run
+  on the file's own blocks for small batches (cpu/gguf.py, csrc/gguf_linear.c) and a float GEMM
+  on their exact dequantization above; a float checkpoint stays float. "none": float weights
+  everywhere (a GGUF exactly dequantized). Explicit, lossy choices: "int8", re-quantized to int8
+  with a scale per 32 columns (Q8_0 blocks on the same kernels: cpu/gguf.py GroupInt8LinearMethod);
+  "int8-bf16", per-row int8 for small batches and a bf16 GEMM above (cpu/quant.py).
 
 Besides: the layers' elementwise glue (RMSNorm + residual add, rotary, silu * up) runs fused
 native ops (NativeCpuOps, csrc/cpu_ops.c) when the library has their AVX2 path, and the native
@@ -187,7 +191,7 @@ def cpu_backend(compute_dtype: torch.dtype | None = None, kv_cache_dtype: torch.
     """compute_dtype: None = CpuBackend.default_dtype. attention: "auto" (native when built and
     measured faster here, else torch), "native" or "torch". kv_cache_dtype: None = AUTO_KV_DTYPE
     (the compute dtype when that is 16-bit).
-    weight_quant: "auto" (int8 when its kernel has a SIMD path here), "none", "int8", or
+    weight_quant: "auto" (GGUF blocks on their kernels when built with SIMD here, else float), "none", "int8", or
     "int8-bf16" (int8 for small batches, bf16 GEMM above: faster prefill on CPUs with bf16 dot
     products, but a request's output then depends on which batch carried it; see quant.py)."""
     if attention not in ("auto", "native", "torch"):
@@ -203,10 +207,17 @@ def cpu_backend(compute_dtype: torch.dtype | None = None, kv_cache_dtype: torch.
     if kv_cache_dtype is None:
         kv_cache_dtype = compute_dtype if compute_dtype.itemsize == 2 else AUTO_KV_DTYPE
     linear = LinearMethod()
-    if weight_quant in ("int8", "int8-bf16") or (weight_quant == "auto" and native.available()
-                                                 and native.int8_isa() != "scalar"):
+    if weight_quant == "int8":
+        # int8 with a scale per 32 columns (Q8_0 blocks): near-lossless, batch-invariant
+        from worker_svc.backends.cpu.gguf import GroupInt8LinearMethod
+        linear = GroupInt8LinearMethod()
+    elif weight_quant == "int8-bf16":
         from worker_svc.backends.cpu.quant import Int8LinearMethod
-        linear = Int8LinearMethod(large=torch.bfloat16 if weight_quant == "int8-bf16" else torch.float32)
+        linear = Int8LinearMethod(large=torch.bfloat16)
+    elif weight_quant == "auto" and native.available() and native.gguf_isa() != "scalar":
+        # the model as its files define it: GGUF blocks on their own kernels, float weights as is
+        from worker_svc.backends.cpu.gguf import GgufLinearMethod
+        linear = GgufLinearMethod()
     fused = native_ops_enabled()
     return CpuBackend(torch.device("cpu"),
                       NativeCpuAttention(fused_write=fused) if use_native else TorchAttention(),

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "paged_decode.c"
-SOURCES = [SOURCE, CSRC / "int8_linear.c", CSRC / "cpu_ops.c"]      # cpu_ops: see the fused-ops section
+SOURCES = [SOURCE, CSRC / "int8_linear.c", CSRC / "cpu_ops.c",     # cpu_ops: see the fused-ops section
+           CSRC / "gguf_linear.c"]                                  # gguf: see the GGUF section
 MAX_D, MAX_G = 256, 64                      # MAX_D and MAX_ROWS of the kernel
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}                        # q and out
 _KV_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the KV cache
@@ -115,6 +116,7 @@ def _load() -> ctypes.CDLL:
     fn.argtypes = [P, L, P, P, P, P, L, I, I, I, I]
     fn.restype = I
     _bind_cpu_ops(lib)
+    _bind_gguf(lib)
     return lib
 
 
@@ -420,3 +422,80 @@ def write_kv_unchecked(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
         raise ValueError("a slot is outside the KV cache")
     if rc != 0:
         raise ValueError(f"cpu_write_kv rejected the arguments (rc={rc})")
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF block kernels (csrc/gguf_linear.c): linear layers on the file's own quantized blocks
+# ---------------------------------------------------------------------------------------------
+def _bind_gguf(lib: ctypes.CDLL) -> None:
+    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.gguf_linear_isa.restype = ctypes.c_char_p
+    lib.gguf_linear.argtypes = [I, P, L, P, L, P, P, L, I, I, I, I, I]
+    lib.gguf_linear.restype = I
+    lib.gguf_dequantize.argtypes = [I, P, L, P, I, I, I, I]
+    lib.gguf_dequantize.restype = I
+    lib.gguf_linear_supports.argtypes = [I]
+    lib.gguf_linear_supports.restype = I
+
+
+def gguf_isa() -> str:
+    """The fastest path of the GGUF block kernels here: "avx2" or "scalar" ("" when unavailable)."""
+    return _lib.gguf_linear_isa().decode() if available() else ""
+
+
+def gguf_supports(ggml_type: int) -> bool:
+    """Whether the block kernels take this ggml type code (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)."""
+    return available() and bool(_lib.gguf_linear_supports(int(ggml_type)))
+
+
+def _check_blocks(ggml_type: int, w: torch.Tensor, K: int) -> None:
+    if not available():
+        raise RuntimeError(f"native kernels unavailable: {_reason}")
+    if not gguf_supports(ggml_type):
+        raise ValueError(f"no GGUF block kernel for ggml type {ggml_type}")
+    if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous() or w.device.type != "cpu":
+        raise ValueError(f"w must be contiguous uint8 [N, row_bytes] on the CPU, got {tuple(w.shape)} {w.dtype}")
+
+
+def gguf_linear(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
+                num_threads: int | None = None, force_scalar: bool = False) -> torch.Tensor:
+    """x [T, K] fp32 (contiguous elements) @ W.T (+ bias [N] fp32) -> [T, N] fp32, W the GGUF
+    blocks w [N, row_bytes] uint8 of ggml type `ggml_type` (see csrc/gguf_linear.c): F.linear on
+    gguf.quants.dequantize(w) up to fp32 summation order. force_scalar runs the scalar path."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or x.device.type != "cpu":
+        raise ValueError(f"x must be a CPU fp32 [T, K] tensor with contiguous rows, got {tuple(x.shape)} {x.dtype}")
+    _check_blocks(ggml_type, w, x.shape[1])
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.shape[0],) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous fp32 [{w.shape[0]}]")
+    return gguf_linear_unchecked(ggml_type, w, x, bias, num_threads, force_scalar)
+
+
+def gguf_linear_unchecked(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
+                          num_threads: int | None = None, force_scalar: bool = False) -> torch.Tensor:
+    """gguf_linear without the argument checks (callers whose tensors are valid by construction)."""
+    T, K = x.shape
+    N = w.shape[0]
+    out = torch.empty(T, N, dtype=torch.float32)
+    rc = _lib.gguf_linear(ggml_type, w.data_ptr(), w.shape[1], x.data_ptr(), x.stride(0),
+                          None if bias is None else bias.data_ptr(), out.data_ptr(), N, T, N, K,
+                          num_threads or torch.get_num_threads(), int(force_scalar))
+    if rc != 0:
+        raise ValueError(f"gguf_linear rejected type {ggml_type}, w {tuple(w.shape)}, K={K} (rc={rc})")
+    return out
+
+
+def gguf_dequantize(ggml_type: int, w: torch.Tensor, K: int, num_threads: int | None = None,
+                    force_scalar: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The GGUF blocks w [N, row_bytes] as fp32 [N, K]: bit-identical to gguf.quants.dequantize.
+    out: an fp32 [N, K] contiguous tensor to write into (None: a new one)."""
+    _check_blocks(ggml_type, w, K)
+    N = w.shape[0]
+    if out is None:
+        out = torch.empty(N, K, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.shape != (N, K) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous fp32 [{N}, {K}]")
+    rc = _lib.gguf_dequantize(ggml_type, w.data_ptr(), w.shape[1], out.data_ptr(), N, K,
+                              num_threads or torch.get_num_threads(), int(force_scalar))
+    if rc != 0:
+        raise ValueError(f"gguf_dequantize rejected type {ggml_type}, w {tuple(w.shape)}, K={K} (rc={rc})")
+    return out

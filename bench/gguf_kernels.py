@@ -1,0 +1,194 @@
+"""GGUF block kernels (worker_svc/backends/cpu/csrc/gguf_linear.c) against the other linear paths,
+and the engine with the new default (the file's own blocks) against the old one (int8 re-quantized).
+
+Part "layers": every linear layer of one SmolLM2-135M step (30 x qkv, o, gate_up, down in Q4_1, the
+LM head in Q8_0, as the default GGUF stores them; random blocks: timing does not depend on values),
+by token count T, each a full sweep over the weights (more than the L3, as in a real step):
+* gguf-block: the block kernel on the file's bytes;
+* float32-cached: F.linear on the dequantized fp32 weights kept in memory (the large path, default);
+* dequant+float32: the blocks dequantized into a buffer on every call, then F.linear (the large
+  path with large="dequant": no fp32 copy kept);
+* int8-native: the old default's per-row int8 kernel on the same weights.
+The threshold recorded in worker_svc/backends/cpu/gguf.py (GGUF_MAX_TOKENS) is the largest T up to
+which gguf-block beats float32-cached at every T.
+
+Part "engine" (--engine): SmolLM2's real GGUF on the Executor in two processes stepped in turn
+(bench.common.EngineProcess): the tree before issue 19 (--base-tree; its default: per-row int8
+weights) vs this one (auto: the file's blocks; and --weight-quant int8, Q8_0 groups),
+cases decode:1 and decode:32 at 1k context, prefill:512; and the bytes-read bound of decode:32 (the
+file's weight bytes + the bf16 KV read, over the copy bandwidth measured in the same run).
+
+    python -m bench.gguf_kernels --base-tree BASE [--rounds 5] [--threads 2] [--engine-rounds 10]
+                                 [--out bench/results/kernels/gguf_kernels_amd]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bench.common import BLOCK_SIZE, CONTEXT, HEAD_DIM, KV_HEADS, LAYERS, EngineProcess, layer_shapes, machine_line
+from worker_svc.backends.cpu import native
+from worker_svc.backends.cpu.quant import quantize_int8
+from worker_svc.model.gguf_blocks import BLOCK_FORMATS
+
+SIZES = [1, 2, 4, 8, 12, 16, 32, 64]
+Q4_1, Q8_0 = 3, 8
+OLD, NEW = "before (base tree's default: per-row int8)", "new default (auto: the file's blocks)"
+INT8 = "new --weight-quant int8 (Q8_0 groups)"
+
+
+def random_blocks(qtype: int, n: int, k: int, g: np.random.Generator) -> torch.Tensor:
+    elems, nbytes = BLOCK_FORMATS[qtype]
+    raw = g.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
+    scales = (np.abs(g.standard_normal((n, k // elems, 2))) * 0.01).astype(np.float16)   # d (and m)
+    raw[:, :, :4 if qtype == Q4_1 else 2] = scales.view(np.uint8)[:, :, :4 if qtype == Q4_1 else 2]
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def bench_layers(rounds: int, sizes: list[int]) -> dict:
+    g = np.random.default_rng(0)
+    layers = []
+    shapes = layer_shapes()
+    for i, (n, k) in enumerate(shapes):
+        qtype = Q8_0 if i == len(shapes) - 1 else Q4_1
+        blocks = random_blocks(qtype, n, k, g)
+        w = native.gguf_dequantize(qtype, blocks, k)
+        q, s = quantize_int8(w)
+        layers.append((qtype, blocks, w, q, s))
+    scratch = torch.empty(max(w.numel() for _, _, w, _, _ in layers))
+    variants = {
+        "gguf-block": lambda L, x: native.gguf_linear_unchecked(L[0], L[1], x),
+        "float32-cached": lambda L, x: F.linear(x, L[2]),
+        "dequant+float32": lambda L, x: F.linear(x, native.gguf_dequantize(
+            L[0], L[1], L[2].shape[1], out=scratch[:L[2].numel()].view(L[2].shape))),
+        "int8-native": lambda L, x: native.int8_linear_unchecked(x, L[3], L[4], None),
+    }
+    xs = {T: {k: torch.randn(T, k) for k in {k for _, k in shapes}} for T in sizes}
+    times: dict = {v: {T: [] for T in sizes} for v in variants}
+    for _ in range(rounds):
+        for T in sizes:
+            for name, fn in variants.items():
+                t0 = time.perf_counter()
+                for L in layers:
+                    fn(L, xs[T][L[2].shape[1]])
+                times[name][T].append(time.perf_counter() - t0)
+    med = {v: {T: statistics.median(ts) for T, ts in d.items()} for v, d in times.items()}
+    threshold = 0
+    for T in sizes:
+        if med["gguf-block"][T] < med["float32-cached"][T]:
+            threshold = T
+        else:
+            break
+    return {"ms": {v: {str(T): round(1e3 * s, 3) for T, s in d.items()} for v, d in med.items()},
+            "block_bytes": sum(b.numel() for _, b, _, _, _ in layers),
+            "fp32_bytes": sum(4 * w.numel() for _, _, w, _, _ in layers),
+            "gguf_beats_float_up_to_T": threshold}
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large fp32 copy (read + write counted), median of 5."""
+    a = torch.empty(64 << 20)
+    b = torch.empty_like(a)
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        ts.append(time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / statistics.median(ts)
+
+
+def bench_engine(rounds: int, threads: int, block_bytes: int, base_tree: Path) -> dict:
+    tree = Path(__file__).resolve().parent.parent
+    specs = {OLD: (base_tree, "float32:auto:auto"), NEW: (tree, "float32:auto:auto"),
+             INT8: (tree, "float32:auto:int8")}
+    procs = {name: EngineProcess(t, threads, spec) for name, (t, spec) in specs.items()}
+    cases = ["decode:1", "decode:32", "prefill:512"]
+    times: dict = {name: {c: [] for c in cases} for name in procs}
+    for c in cases:                                   # warm-up
+        for p in procs.values():
+            p.step(c)
+    for r in range(rounds):
+        order = list(procs.items()) if r % 2 == 0 else list(procs.items())[::-1]   # ABBA
+        for c in cases:
+            for name, p in order:
+                times[name][c].append(p.step(c)["s"])
+    info = {name: p.info["ready"] for name, p in procs.items()}
+    for p in procs.values():
+        p.close()
+    med = {name: {c: round(1e3 * statistics.median(ts), 2) for c, ts in d.items()} for name, d in times.items()}
+    kv_bytes = 32 * (CONTEXT + 1) * 2 * LAYERS * KV_HEADS * HEAD_DIM * 2    # bf16 K and V
+    bw = copy_bandwidth()
+    bound_ms = 1e3 * (block_bytes + kv_bytes) / bw
+    return {"ms": med, "backends": info, "block_size": BLOCK_SIZE,
+            "decode32_bound": {"weight_bytes": block_bytes, "kv_bytes": kv_bytes, "copy_bw_GBps": round(bw / 1e9, 2),
+                               "bound_ms": round(bound_ms, 2),
+                               "ratio_new_default": round(med[NEW]["decode:32"] / bound_ms, 2)}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--engine-rounds", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--no-layers", action="store_true", help="the engine part only")
+    ap.add_argument("--base-tree", default=None, help="the source tree before issue 19 (e.g. `git archive "
+                    "166d502 | tar -x -C /tmp/base`): its default engine is the 'before'")
+    ap.add_argument("--out", default="bench/results/kernels/gguf_kernels_amd")
+    args = ap.parse_args(argv)
+    if not native.available():
+        sys.exit(f"native kernels unavailable: {native.unavailable_reason()}")
+    torch.set_num_threads(args.threads)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    res = {"machine": machine_line(), "date": now.isoformat(timespec="seconds"),
+           "command": "python -m bench.gguf_kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "threads": args.threads, "gguf_isa": native.gguf_isa(),
+           "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
+           "layers": {"block_bytes": sum(BLOCK_FORMATS[Q8_0 if i == len(layer_shapes()) - 1 else Q4_1][1] * n * k
+                                         // BLOCK_FORMATS[Q4_1][0] for i, (n, k) in enumerate(layer_shapes()))}
+           if args.no_layers else bench_layers(args.rounds, [int(t) for t in args.sizes.split(",")])}
+    print(json.dumps(res["layers"], indent=1), flush=True)
+    if not args.no_engine:
+        res["engine"] = bench_engine(args.engine_rounds, args.threads, res["layers"]["block_bytes"],
+                                     Path(args.base_tree))
+        print(json.dumps(res["engine"], indent=1), flush=True)
+    res["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+    if not args.no_layers:
+        plot(res, out.with_suffix(".png"))
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, d in res["layers"]["ms"].items():
+        ts = [int(t) for t in d]
+        ax.plot(ts, list(d.values()), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per step (T)")
+    ax.set_ylabel("ms per SmolLM2 step, all linear layers")
+    ax.set_title(f"GGUF block kernels, {res['threads']} threads\n{res['machine'][:70]}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

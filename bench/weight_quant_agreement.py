@@ -1,0 +1,59 @@
+"""Teacher-forced agreement with Hugging Face (transformers' own GGUF loader) of each
+--weight-quant choice on the default SmolLM2 GGUF: a chat prompt and HF's 32-token greedy
+continuation, fp32 KV, per choice the top-1 agreement over the 33 positions and the max logit
+error as a fraction of the logit range. Not a timing: the README's --weight-quant table.
+
+    python -m bench.weight_quant_agreement [--choices auto,none,int8,int8-bf16]
+                                           [--out bench/results/kernels/weight_quant_agreement.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.common import machine_line
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--choices", default="auto,none,int8,int8-bf16")
+    ap.add_argument("--out", default="bench/results/kernels/weight_quant_agreement.json")
+    args = ap.parse_args(argv)
+    from shared.model_source import resolve_model
+    from shared.tokenizer import load_tokenizer
+    from tests.support.engine_helpers import PROMPT, hf_model_from_gguf, make_executor
+    from tests.worker.test_cpu_backend import agreement, teacher_forced_logits
+
+    torch.set_num_threads(2)
+    source = resolve_model(None)
+    tok = load_tokenizer(source)
+    prompt = tok.encode(tok.apply_chat_template(PROMPT), add_special_tokens=False)
+    hf = hf_model_from_gguf(str(source.path))
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                          eos_token_id=None, pad_token_id=2)[0].tolist()
+        ref = hf(torch.tensor([seq])).logits[0, len(prompt) - 1:]
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    res = {"machine": machine_line(), "date": now,
+           "command": "python -m bench.weight_quant_agreement " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "model": source.path.name, "positions": len(seq) - len(prompt) + 1, "kv": "float32", "choices": {}}
+    for choice in args.choices.split(","):
+        ex = make_executor(None, num_blocks=64, weight_quant=choice)
+        got = teacher_forced_logits(ex, seq, prefix=len(prompt))
+        top1, err = agreement(got, ref[:len(got)])
+        res["choices"][choice] = {"backend": ex.model_info.backend, "top1_agreement": round(top1, 4),
+                                  "max_logit_error_of_range": round(err, 5)}
+        print(choice, res["choices"][choice], flush=True)
+        del ex
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

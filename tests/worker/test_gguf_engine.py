@@ -1,0 +1,123 @@
+"""A GGUF served as the file defines it (weight_quant "auto"): the linear layers run on the file's
+own blocks (worker_svc/backends/cpu/gguf.py) for small batches and a float GEMM on their exact
+dequantization above, so greedy output equals transformers on the same file. Tiny GGUFs written
+here in each block format with a kernel, against transformers' own GGUF loader."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tests.support.engine_helpers import blocks_for, greedy_generate, hf_model_from_gguf, make_executor, use_threads
+from worker_svc.backends.cpu import native
+
+pytestmark = pytest.mark.skipif(not native.available() or native.gguf_isa() == "scalar",
+                                reason="GGUF block kernels need the native library with SIMD")
+
+Q = gguf.GGMLQuantizationType
+H, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 320    # K-quant rows: 256 | K
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    yield from use_threads(1)
+
+
+def write_tiny_gguf(path, qtype, seed: int = 0) -> None:
+    """A 2-layer llama GGUF whose every matrix (the tied embedding too) is in `qtype`. Q4_0, Q4_1, Q5_0,
+    Q8_0: gguf's own quantizer on N(0, 0.05) weights; K-quants (no quantizer in the gguf package):
+    random quants with small random fp16 scales, which is still a valid file of that format."""
+    g = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(256)
+    w.add_embedding_length(H)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(H // HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.add_token_types([1] * VOCAB)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+
+    def matrix(name: str, n: int, k: int) -> None:
+        elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0):
+            raw = gguf.quants.quantize((g.standard_normal((n, k)) * 0.05).astype(np.float32), qtype)
+        else:
+            raw = g.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
+            scale = 2e-4 if qtype == Q.Q6_K else 1e-3
+            for off in ([208] if qtype == Q.Q6_K else [0, 2]):     # d (and dmin)
+                raw[:, :, off:off + 2] = (g.standard_normal((n, k // elems, 1)) * scale) \
+                    .astype(np.float16).view(np.uint8)
+            raw = raw.reshape(n, -1)
+        w.add_tensor(name, raw, raw_dtype=qtype)
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, (1 + 0.1 * g.standard_normal(H)).astype(np.float32))
+
+    matrix("token_embd.weight", VOCAB, H)
+    norm("output_norm.weight")
+    kv = H // HEADS * KV_HEADS
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight")
+        norm(p + "ffn_norm.weight")
+        for name, n, k in (("attn_q", H, H), ("attn_k", kv, H), ("attn_v", kv, H), ("attn_output", H, H),
+                           ("ffn_gate", INTER, H), ("ffn_up", INTER, H), ("ffn_down", H, INTER)):
+            matrix(p + name + ".weight", n, k)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qtype):
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_tiny_gguf(path, qtype)
+    prompt = torch.randint(2, VOCAB, (40,), generator=torch.Generator().manual_seed(int(qtype))).tolist()
+    hf = hf_model_from_gguf(str(path))
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                          eos_token_id=None, pad_token_id=1)[0, len(prompt):].tolist()
+    ex = make_executor(path, num_blocks=8, weight_quant="auto")        # the default, fp32 KV
+    assert ex.backend.linear.name.startswith("gguf blocks")
+    assert len(prompt) > ex.backend.linear.max_tokens         # the prefill takes the float GEMM
+    lin = [m for m in ex.model.modules() if hasattr(m, "method")]
+    assert len(lin) == 4 * LAYERS + 1                                  # qkv, o, gate_up, down; the head
+    assert all(getattr(m, "gguf_type", None) == int(qtype) for m in lin), qtype.name
+    calls = []
+    real = native.gguf_linear_unchecked
+    monkeypatch.setattr(native, "gguf_linear_unchecked", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    got = greedy_generate(ex, prompt, 16, list(range(blocks_for(len(prompt) + 16, 16))))
+    assert got == ref
+    # decodes (1 row) ran the block kernel, the 40-token prefill the float GEMM
+    assert calls and set(calls) == {1}
+
+
+def test_unsupported_format_is_dequantized_at_load_with_a_log_line(tmp_path, caplog):
+    """A matrix in a format without a kernel (Q5_0) is served from its float dequantization."""
+    path = tmp_path / "tiny-Q5_0.gguf"
+    write_tiny_gguf(path, Q.Q5_0)
+    with caplog.at_level("INFO", logger="worker_svc.loader"):
+        ex = make_executor(path, num_blocks=8, weight_quant="auto")
+    assert "GGUF format Q5_0 has no block kernel: dequantized to float32 at load" in caplog.text
+    assert not any(hasattr(m, "gguf_data") for m in ex.model.modules())
+
+
+def test_none_serves_float_weights_and_the_same_tokens(tmp_path):
+    path = tmp_path / "tiny-Q4_1.gguf"
+    write_tiny_gguf(path, Q.Q4_1)
+    prompt = list(range(2, 22))
+    table = list(range(blocks_for(len(prompt) + 12, 16)))
+    auto = greedy_generate(make_executor(path, num_blocks=8, weight_quant="auto"), prompt, 12, table)
+    ex = make_executor(path, num_blocks=8, weight_quant="none")
+    assert not any(hasattr(m, "gguf_data") for m in ex.model.modules())
+    assert greedy_generate(ex, prompt, 12, table) == auto

@@ -1,0 +1,118 @@
+"""Linear layers on the GGUF file's own quantized blocks (CPU), behind the LinearMethod seam.
+
+A GGUF model is served as the file defines it: no re-quantization. Layers whose weight carries
+the file's blocks (layer.gguf, see worker_svc/model/gguf_blocks.py) in a format with a block
+kernel (csrc/gguf_linear.c: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) run:
+* T <= max_tokens rows (decode-sized batches): the block kernel, which reads the file's bytes
+  (Q4_1: 5 bits a weight, 1/6.4 of fp32) and dequantizes them in cache, fp32 accumulation;
+* T > max_tokens (prefill chunks, large hybrid batches): F.linear on the exactly dequantized
+  float weight layer.weight (the loader's dequantization, bit-identical to the kernel's).
+Both compute F.linear on the same float weights up to fp32 summation order, so a request's
+greedy output does not depend on which batch carried it (tests/e2e/test_offline_api.py).
+
+Large path memory: large="cached" (default) keeps the float weight (the model holds it anyway:
+4 bytes a weight beside the file's blocks); large="dequant" drops it and dequantizes the blocks
+into a per-call buffer on every large call (memory of the blocks only, plus one layer's float
+weight at a time; costs a dequantization of every weight per large step: measured in
+bench/gguf_kernels.py, bench/results/kernels/README.md). A tied LM head keeps its float weight in
+both modes: the embedding lookup reads it.
+
+Layers without blocks (float checkpoints, GGUF tensors stored as F32/F16, formats without a
+kernel, dequantized at load with a log line) run plain F.linear, as does any non-fp32 layer.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker_svc.backends.base import LinearMethod
+from worker_svc.backends.cpu import native
+
+# largest T at which the block kernel beats F.linear on the float weight at every T over a SmolLM2
+# (Q4_1) step: bench/results/kernels/gguf_kernels_amd.json (AMD EPYC family 23, Zen 3, 2 threads:
+# 285 vs 397 ms at T=32, 565 vs 455 at 64). "scalar": never.
+GGUF_MAX_TOKENS = {"avx2": 32}
+
+
+def default_max_tokens() -> int:
+    return GGUF_MAX_TOKENS.get(native.gguf_isa(), 0) if native.available() else 0
+
+
+class GgufLinearMethod(LinearMethod):
+    """Block kernel for T <= max_tokens, float GEMM above (module docstring). process() keeps
+    layer.gguf's blocks as buffer layer.gguf_data (uint8 [N, row_bytes]) and layer.gguf_type."""
+
+    def __init__(self, max_tokens: int | None = None, large: str = "cached"):
+        if not native.available():
+            raise ValueError(f"GGUF block kernels need the native library: {native.unavailable_reason()}")
+        if large not in ("cached", "dequant"):
+            raise ValueError(f"large must be 'cached' or 'dequant', got {large!r}")
+        self.max_tokens = default_max_tokens() if max_tokens is None else max_tokens
+        self.large = large
+        self.name = f"gguf blocks ({native.gguf_isa()}) for <= {self.max_tokens} tokens, float GEMM above" + (
+            " (dequantized per call)" if large == "dequant" else "")
+
+    def process(self, layer: torch.nn.Module) -> None:
+        blocks = getattr(layer, "gguf", None)
+        if blocks is None or hasattr(layer, "gguf_data") or layer.weight.dtype != torch.float32 \
+                or not native.gguf_supports(blocks.ggml_type) or tuple(layer.weight.shape) != (
+                    blocks.data.shape[0], blocks.cols):
+            return
+        layer.register_buffer("gguf_data", blocks.data.contiguous(), persistent=False)
+        layer.gguf_type = blocks.ggml_type
+        if layer.bias is not None:
+            layer.register_buffer("bias_f32", layer.bias.detach().float().contiguous(), persistent=False)
+        if self.large == "dequant" and not getattr(layer, "full_precision_output", False):
+            layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        data = getattr(layer, "gguf_data", None)
+        if data is None:
+            return F.linear(x, layer.weight, bias)
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        K = rows.shape[1]
+        if rows.shape[0] > self.max_tokens or x.dtype != torch.float32 or x.device.type != "cpu":
+            w = layer.weight
+            if w.numel() == 0:      # large="dequant": this call's float weight, from the blocks
+                w = native.gguf_dequantize(layer.gguf_type, data, K)
+            return F.linear(x, w, bias)
+        b = None
+        if bias is not None:
+            b = layer.bias_f32 if bias is layer.bias else bias.float().contiguous()
+        xf = rows if rows.stride(-1) == 1 else rows.contiguous()
+        y = native.gguf_linear_unchecked(layer.gguf_type, data, xf, b)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class GroupInt8LinearMethod(GgufLinearMethod):
+    """`--weight-quant int8`: every linear weight re-quantized to int8 with one scale per group of
+    32 columns, stored as GGUF Q8_0 blocks (llama.cpp's own int8 format: an fp16 scale
+    max|w| / 127 per 32 weights, 1.06 bytes a weight, quantized by the gguf package's reference
+    quantizer) and run on the Q8_0 block kernel for small batches, an fp32 GEMM on the
+    dequantized values above (layer.weight is replaced by them: both paths compute one model).
+    A group of 32 tracks the weights' local range far better than one scale per row (the old
+    per-row int8: SmolLM2 top-1 agreement 0.879 with Hugging Face), at the memory of a per-64
+    fp32-scale scheme. Layers whose K is not a multiple of 32 keep float weights."""
+
+    def __init__(self, max_tokens: int | None = None):
+        super().__init__(max_tokens)
+        self.name = "int8 per 32-column group (Q8_0 blocks) " + self.name.removeprefix("gguf blocks ")
+
+    def process(self, layer: torch.nn.Module) -> None:
+        if hasattr(layer, "gguf_data"):       # a weight shared by two layers: quantized once
+            return
+        w = layer.weight
+        if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % 32:
+            return
+        import gguf
+        import numpy as np
+
+        from worker_svc.model.gguf_blocks import GgufBlocks
+
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        raw = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w.detach().numpy(), q8)))
+        with torch.no_grad():
+            w.copy_(native.gguf_dequantize(int(q8), raw, w.shape[1]))
+        layer.gguf = GgufBlocks(int(q8), raw, w.shape[1])
+        super().process(layer)
