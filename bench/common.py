@@ -188,3 +188,40 @@ class EngineProcess:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait()
+
+
+# -- agreement with Hugging Face (bench.weight_quant_agreement; the tests import these too) ---------
+
+def hf_model_from_gguf(path: str):
+    """transformers' GGUF path without `accelerate` (which from_pretrained(gguf_file=) needs)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = load_gguf_checkpoint(path, return_tensors=False)["config"]
+    with no_init_weights():
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing = model.load_state_dict(tensors, strict=False).missing_keys
+    assert missing == ["lm_head.weight"]          # tied to the embedding
+    model.tie_weights()
+    return model.eval()
+
+
+def teacher_forced_logits(ex, prompt: list[int], prefix: int = 8, block_size: int = 16):
+    """Logits [positions, V] after each position >= prefix - 1 of `prompt`: the first `prefix`
+    tokens as one chunk, then one decode per token (so decode kernels are what is compared)."""
+    import torch
+
+    table = list(range(-(-len(prompt) // block_size)))
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    got = [ex.compute_logits(Batch(0, [SeqChunk("r", prompt[:prefix], 0, table, True, greedy, 0)]))["r"]]
+    for pos in range(prefix, len(prompt)):
+        got.append(ex.compute_logits(Batch(0, [SeqChunk("r", [prompt[pos]], pos, table, True, greedy, 0)]))["r"])
+    return torch.stack(got)
+
+
+def agreement(a, b) -> tuple[float, float]:
+    """(top-1 agreement, max |logit error| / logit range of b) of two logit tensors [positions, V]."""
+    top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    return top1, ((a - b).abs().max() / (b.max() - b.min())).item()

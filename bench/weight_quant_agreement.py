@@ -16,7 +16,10 @@ from pathlib import Path
 
 import torch
 
-from bench.common import machine_line
+from bench.common import Layout, agreement, hf_model_from_gguf, machine_line, make_executor, teacher_forced_logits
+
+# the chat prompt the tests' SmolLM2 agreement check uses (tests/support/engine_helpers.PROMPT)
+PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,8 +29,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from shared.model_source import resolve_model
     from shared.tokenizer import load_tokenizer
-    from tests.support.engine_helpers import PROMPT, hf_model_from_gguf, make_executor
-    from tests.worker.test_cpu_backend import agreement, teacher_forced_logits
 
     torch.set_num_threads(2)
     source = resolve_model(None)
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
            "command": "python -m bench.weight_quant_agreement " + " ".join(argv if argv is not None else sys.argv[1:]),
            "model": source.path.name, "positions": len(seq) - len(prompt) + 1, "kv": "float32", "choices": {}}
     for choice in args.choices.split(","):
-        ex = make_executor(None, num_blocks=64, weight_quant=choice)
+        ex = make_executor(f"float32:float32:{choice}", Layout(decodes=0, chunk=64 * 16))   # 64 KV blocks
         got = teacher_forced_logits(ex, seq, prefix=len(prompt))
         top1, err = agreement(got, ref[:len(got)])
         res["choices"][choice] = {"backend": ex.model_info.backend, "top1_agreement": round(top1, 4),

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import agreement, hf_model_from_gguf, teacher_forced_logits  # noqa: F401 (moved there: bench uses them too)
 from shared.config import CacheConfig, WorkerConfig
 from shared.messages import Batch, SeqChunk
 from shared.sampling import SamplingParams
@@ -120,17 +121,3 @@ def use_threads(n: int):
 PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
 
 
-def hf_model_from_gguf(path: str):
-    """transformers' GGUF path without `accelerate` (which from_pretrained(gguf_file=) needs)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    cfg = load_gguf_checkpoint(path, return_tensors=False)["config"]
-    with no_init_weights():
-        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-    missing = model.load_state_dict(tensors, strict=False).missing_keys
-    assert missing == ["lm_head.weight"]          # tied to the embedding
-    model.tie_weights()
-    return model.eval()

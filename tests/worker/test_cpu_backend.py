@@ -12,13 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.messages import Batch
 from tests.support.engine_helpers import (
+    agreement,
     blocks_for,
-    chunk,
     make_executor,
     make_tiny_checkpoint,
-    prefill_logits,
+    teacher_forced_logits,
     use_threads,
 )
 from worker_svc.backends.cpu import native
@@ -312,21 +311,6 @@ def test_bf16_large_path_is_opt_in_and_says_when_it_is_emulated(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "qwen2_bias")
-
-
-def teacher_forced_logits(ex, prompt: list[int], prefix: int = 8) -> torch.Tensor:
-    """Logits after each position >= prefix - 1: a chunk, then one decode per token."""
-    table = list(range(blocks_for(len(prompt), 16)))
-    got = [prefill_logits(ex, prompt[:prefix], table, prefix)]
-    for pos in range(prefix, len(prompt)):
-        got.append(ex.compute_logits(Batch(0, [chunk("r", [prompt[pos]], pos, table, True)]))["r"])
-    return torch.stack(got)
-
-
-def agreement(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """(top-1 agreement, max |logit error| / logit range of b)."""
-    top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-    return top1, ((a - b).abs().max() / (b.max() - b.min())).item()
 
 
 @needs_native
