@@ -2,17 +2,26 @@
 minimal driver that runs prompts through an Executor the way a scheduler would."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
-from bench.common import agreement, hf_model_from_gguf, teacher_forced_logits  # noqa: F401 (moved there: bench uses them too)
+from bench.common import agreement, teacher_forced_logits  # noqa: F401 (moved there: bench uses them too)
+from bench.common import hf_model_from_gguf as _hf_model_from_gguf
 from shared.config import CacheConfig, WorkerConfig
 from shared.messages import Batch, SeqChunk
 from shared.sampling import SamplingParams
 from worker_svc.executor import Executor
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+@functools.lru_cache(maxsize=2)
+def hf_model_from_gguf(path: str):
+    """Hugging Face's model of a GGUF, loaded once per test session (20-40 s for SmolLM2 on 2
+    cores; the tests only run it under no_grad, never change it)."""
+    return _hf_model_from_gguf(path)
 
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
