@@ -9,7 +9,7 @@ Results print as they come (a partial run still says something).
     python -m bench.engine_cpu_ab THREADS OUT [MEMBW_JSON]   (e.g. 2 bench/results/engine_cpu/engine_cpu_zen4_2t
                                                               bench/results/engine_cpu/membw_zen4.json)
     python -m bench.engine_cpu_ab THREADS OUT [REPS] --base-tree DIR [--cases decode:32,prefill:512]
-        (this tree against another, e.g. `git worktree add /tmp/base <commit>`: fp32 and the
+        (this tree against another, e.g. `git worktree add ../base <commit>`: fp32 and the
         defaults, four interleaved processes; see tree_ab)
 
 MEMBW_JSON: the read bandwidth of this machine (python -m bench.membw --out ...), default

@@ -143,15 +143,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--no-layers", action="store_true", help="the engine part only")
     ap.add_argument("--base-tree", default=None, help="the source tree before issue 19 (e.g. `git archive "
-                    "166d502 | tar -x -C /tmp/base`): its default engine is the 'before'")
+                    "166d502 | tar -x -C ../base`): its default engine is the 'before'")
     ap.add_argument("--out", default="bench/results/kernels/gguf_kernels_amd")
     args = ap.parse_args(argv)
     if not native.available():
         sys.exit(f"native kernels unavailable: {native.unavailable_reason()}")
     torch.set_num_threads(args.threads)
     now = datetime.datetime.now(datetime.timezone.utc)
-    res = {"machine": machine_line(), "date": now.isoformat(timespec="seconds"),
-           "command": "python -m bench.gguf_kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
+    command = "python -m bench.gguf_kernels " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.base_tree:     # the base tree's path is this machine's: recorded as BASE
+        command = command.replace(args.base_tree, "BASE")
+    res = {"machine": machine_line(), "date": now.isoformat(timespec="seconds"), "command": command,
            "threads": args.threads, "gguf_isa": native.gguf_isa(),
            "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
            "layers": {"block_bytes": sum(BLOCK_FORMATS[Q8_0 if i == len(layer_shapes()) - 1 else Q4_1][1] * n * k

@@ -2,7 +2,7 @@
 measured P99 TBT (and the other latency metrics) for sarathi and vllm at two loads, for cost models
 fitted three ways, and where the old model's error came from, per kind of iteration.
 
-Measured inputs (real engine, each under `flock -x /tmp/cpu.lock`; commands in the README):
+Measured inputs (real engine, each under an exclusive CPU lock, `flock -x LOCKFILE`; commands in the README):
   cpu_profile.json        sarathi profile --length-scale 0.125 --rounds 3 --threads 2
   cpu_plan_strict.json    sarathi plan --profile cpu_profile.json --slo strict
   real_{sarathi,vllm}.json  sarathi bench --threads 2 --length-scale 0.125 --duration 60 --drain 45 --qps A,B
