@@ -208,6 +208,18 @@ def hf_model_from_gguf(path: str):
     return model.eval()
 
 
+def hf_greedy_reference(hf, prompt: list[int], new_tokens: int):
+    """(prompt + HF's greedy continuation of new_tokens tokens, HF's logits [new_tokens + 1, V] after
+    the prompt's last token and each generated one): the reference teacher_forced_logits is compared with."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                          eos_token_id=None, pad_token_id=2)[0].tolist()
+        return seq, hf(torch.tensor([seq])).logits[0, len(prompt) - 1:]
+
+
 def teacher_forced_logits(ex, prompt: list[int], prefix: int = 8, block_size: int = 16):
     """Logits [positions, V] after each position >= prefix - 1 of `prompt`: the first `prefix`
     tokens as one chunk, then one decode per token (so decode kernels are what is compared)."""

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import torch
 
-from bench.common import Layout, agreement, hf_model_from_gguf, machine_line, make_executor, teacher_forced_logits
+from bench.common import (
+    Layout,
+    agreement,
+    hf_greedy_reference,
+    hf_model_from_gguf,
+    machine_line,
+    make_executor,
+    teacher_forced_logits,
+)
 
 # the chat prompt the tests' SmolLM2 agreement check uses (tests/support/engine_helpers.PROMPT)
 PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
@@ -34,12 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     source = resolve_model(None)
     tok = load_tokenizer(source)
     prompt = tok.encode(tok.apply_chat_template(PROMPT), add_special_tokens=False)
-    hf = hf_model_from_gguf(str(source.path))
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                          eos_token_id=None, pad_token_id=2)[0].tolist()
-        ref = hf(torch.tensor([seq])).logits[0, len(prompt) - 1:]
+    seq, ref = hf_greedy_reference(hf_model_from_gguf(str(source.path)), prompt, 32)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     res = {"machine": machine_line(), "date": now,
            "command": "python -m bench.weight_quant_agreement " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import agreement, teacher_forced_logits  # noqa: F401 (moved there: bench uses them too)
+from bench.common import agreement, hf_greedy_reference, teacher_forced_logits  # noqa: F401 (moved there: bench uses them too)
 from bench.common import hf_model_from_gguf as _hf_model_from_gguf
 from shared.config import CacheConfig, WorkerConfig
 from shared.messages import Batch, SeqChunk

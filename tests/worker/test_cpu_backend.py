@@ -347,17 +347,12 @@ def test_smollm2_default_cpu_mode_against_transformers():
     the logit range."""
     from shared.model_source import resolve_model
     from shared.tokenizer import load_tokenizer
-    from tests.support.engine_helpers import PROMPT, hf_model_from_gguf
+    from tests.support.engine_helpers import PROMPT, hf_greedy_reference, hf_model_from_gguf
 
     source = resolve_model(None)
     tok = load_tokenizer(source)
     prompt = tok.encode(tok.apply_chat_template(PROMPT), add_special_tokens=False)
-    hf = hf_model_from_gguf(str(source.path))
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                          eos_token_id=None, pad_token_id=2)[0].tolist()
-        ref = hf(torch.tensor([seq])).logits[0, len(prompt) - 1:]
+    seq, ref = hf_greedy_reference(hf_model_from_gguf(str(source.path)), prompt, 32)
     ex = make_executor(None, num_blocks=64, kv_cache_dtype="auto", weight_quant="auto")
     assert "linear gguf blocks" in ex.model_info.backend and "kv bfloat16" in ex.model_info.backend
     got = teacher_forced_logits(ex, seq, prefix=len(prompt))
