@@ -12,9 +12,15 @@ from pathlib import Path
 
 
 def cpu_model() -> str:
+    """lscpu's model name with its family and model numbers: virtual machines often report only
+    "AMD EPYC", and Zen 2, Zen 3 and Zen 4 differ (e.g. family 25 model 17 is Zen 4)."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        return next(l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name"))
+        fields = {k.strip(): v.strip() for k, _, v in (l.partition(":") for l in out.splitlines())}
+        name = fields["Model name"]
+        if fields.get("CPU family") and fields.get("Model"):
+            name += f" (family {fields['CPU family']} model {fields['Model']})"
+        return name
     except Exception:
         return platform.processor() or "unknown"
 
