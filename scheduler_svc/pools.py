@@ -82,8 +82,9 @@ class Pool:
 
 @dataclass
 class TransferRecord:
-    """One handed-off request (seconds on the scheduler's clock, bytes). ttft = queue + prefill
-    + transfer, where prefill ends when the first token is sampled on the prefill worker."""
+    """One handed-off request (seconds on the scheduler's clock, bytes). Its TTFT = queue_s +
+    prefill_s + kv_transfer_s (+ the reply's way back): the first token is published once the
+    prefill worker's reply came, which is after the send it waited for."""
 
     req_id: str
     prefill_pool: str
@@ -307,9 +308,11 @@ class PoolSet:
 
     def _record(self, req: Request, p: Pool, target: Pool, sent: dict) -> None:
         first = req.first_scheduled_time if req.first_scheduled_time is not None else req.arrival_time
+        transfer_s = float(sent.get("kv_transfer_s", 0.0))
+        # the batch's reply (so the first token's time here) comes after the send it waited for
+        prefill_s = max(0.0, (req.first_token_time or first) - first - transfer_s)
         rec = TransferRecord(req.req_id, p.name, target.name, int(sent.get("kv_bytes", 0)),
-                             float(sent.get("kv_transfer_s", 0.0)), first - req.arrival_time,
-                             (req.first_token_time or first) - first)
+                             transfer_s, first - req.arrival_time, prefill_s)
         self.transfers.append(rec)
         if self.on_transfer is not None:
             self.on_transfer(rec)
@@ -408,3 +411,17 @@ class PoolSet:
         total["kv_usage"] = 1 - total["num_free_blocks"] / max(1, total["num_total_blocks"])
         total.update(self.counters, pools=per, kv_transfers=[t.as_dict() for t in self.transfers])
         return total
+
+
+def make_pool(name: str, role: str, executor, sched_config, max_model_len: int | None,
+              clock: Callable[[], float] = time.monotonic) -> Pool:
+    """A pool around an executor that has answered (its model_info: blocks, block size, model)."""
+    import dataclasses
+
+    from shared.config import CacheConfig
+
+    info = executor.model_info
+    cfg = dataclasses.replace(sched_config, max_model_len=max_model_len or info.max_model_len)
+    scheduler = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info, clock=clock)
+    return Pool(name, role, scheduler, executor, kv_address=getattr(executor, "kv_address", None),
+                depth=getattr(executor, "pipeline_depth", 1))

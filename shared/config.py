@@ -205,11 +205,55 @@ class WorkerServiceConfig:
 
     address: the ZeroMQ address to bind (tcp://host:port, ipc://path, inproc://name); rank r of a
     replica binds rank_address(address, r). parallel: None for a one-rank worker; with tp x pp > 1
-    and no rank of its own (`sarathi worker --tp 2`) every rank is started on this machine."""
+    and no rank of its own (`sarathi worker --tp 2`) every rank is started on this machine.
+    role: mixed | prefill | decode (prefill/decode disaggregation; reported in "info").
+    kv_address: where this worker receives KV blocks from other workers (bound and advertised as
+    given, so it must be reachable by the prefill workers; tcp://host:0 binds any free port);
+    None: no receiver (it cannot be a handoff target). It can always send KV blocks."""
 
     engine: WorkerConfig = field(default_factory=WorkerConfig)
     address: str = "tcp://0.0.0.0:5555"
     parallel: ParallelConfig | None = None
+    role: str = "mixed"
+    kv_address: str | None = None
+
+
+@dataclass
+class DisaggConfig:
+    """Worker pools and prefill/decode disaggregation (scheduler_svc.pools, scheduler_svc.router).
+
+    prefill_worker_addrs / decode_worker_addrs: one ZeroMQ address per prefill / decode worker
+    (each a pool of its own; SchedulerServiceConfig.worker_addrs are then mixed workers, one pool
+    each, when `separate_mixed` is set, else one replica as before).
+    mode: off | all | auto. threshold_tokens: auto disaggregates a prompt whose uncached length on
+    the decode worker is at least this. backlog_margin_tokens: auto keeps a long prompt colocated
+    when the prefill pool's queued prefill tokens exceed the decode pool's by more than this.
+    kv_transfer_timeout_s: the lease of one KV send (seconds). kv_transfer_failure: recompute | fail.
+    """
+
+    prefill_worker_addrs: list[str] = field(default_factory=list)
+    decode_worker_addrs: list[str] = field(default_factory=list)
+    separate_mixed: bool = False
+    mode: str = "off"
+    threshold_tokens: int = 256
+    backlog_margin_tokens: int = 2048
+    kv_transfer_timeout_s: float = 10.0
+    kv_transfer_failure: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("off", "all", "auto"):
+            raise ValueError(f"--disaggregation must be off, all or auto, not {self.mode!r}")
+        if self.kv_transfer_failure not in ("recompute", "fail"):
+            raise ValueError(f"--kv-transfer-failure must be recompute or fail, not {self.kv_transfer_failure!r}")
+        if self.mode != "off" and not self.prefill_worker_addrs:
+            raise ValueError(f"--disaggregation {self.mode} needs at least one prefill worker")
+        if self.prefill_worker_addrs and not self.decode_worker_addrs:
+            raise ValueError("prefill workers need at least one decode worker to hand requests to")
+
+    @property
+    def enabled(self) -> bool:
+        """True when the scheduler runs pools (several workers) instead of one replica."""
+        return bool(self.prefill_worker_addrs or self.decode_worker_addrs or self.separate_mixed)
 
 
 @dataclass
@@ -237,6 +281,7 @@ class SchedulerServiceConfig:
     worker_restart_timeout_s: float = 30.0
     metrics_port: int | None = 9100
     metrics_host: str = "0.0.0.0"
+    disagg: DisaggConfig = field(default_factory=lambda: DisaggConfig())
 
 
 @dataclass
