@@ -9,7 +9,11 @@
 * `KvSender` (prefill worker): one DEALER per destination; `send()` exports the blocks, sends
   the two frames (the bytes without a copy) and waits for the matching ack up to the KvSend's
   timeout (the lease: after it the send gives up and is reported failed; a late ack is ignored
-  by id, and the socket is replaced so nothing queued for a dead peer lingers).
+  by id, and the socket is replaced so nothing queued for a dead peer lingers). The header
+  carries `accept_until` (time.time() at 80% of the lease): a receiver that gets the message
+  later refuses it, so a send given up on never writes into blocks the scheduler has released
+  (clocks of the two machines are assumed within a fraction of the lease; the write itself
+  must take less than the remaining 20%).
 
 The whole request's prompt KV goes as one message after the batch's forward pass; per-layer
 streaming would overlap the send with the forward pass, which pays only when the transfer is a
@@ -59,6 +63,10 @@ class KvReceiver:
             ident, header_frame, data = frames[0], frames[-2], frames[-1]
             try:
                 header = msgpack.unpackb(header_frame.bytes, raw=False)
+                if time.time() > header.get("accept_until", float("inf")):
+                    # the sender gives up soon and the scheduler then hands these blocks to
+                    # other requests: a late write would corrupt them
+                    raise KvTransferError("arrived after its lease's guard time: refused")
                 import_frames(self.cache, header["dst_blocks"], header["kv"], data.buffer)
                 reply = {"id": header.get("id"), "ok": True}
                 self.num_received += 1
@@ -102,8 +110,11 @@ class KvSender:
         t0 = time.perf_counter()
         kv_header, raw = export_frames(self.cache, src_blocks)
         tid = next(self._ids)
-        header = msgpack.packb({"id": tid, "dst_blocks": list(dst_blocks), "kv": kv_header},
-                               use_bin_type=True)
+        # the receiver writes only if it starts before 80% of the lease: a transfer the sender
+        # gave up on must never land in blocks the scheduler has given to another request since
+        accept_until = time.time() + 0.8 * max(0.0, timeout_s - (time.perf_counter() - t0))
+        header = msgpack.packb({"id": tid, "dst_blocks": list(dst_blocks), "kv": kv_header,
+                                "accept_until": accept_until}, use_bin_type=True)
         sock = self._sock(dst_address)
         deadline = t0 + timeout_s
         try:

@@ -381,6 +381,7 @@ class PoolSet:
                 continue
             log.info("pool %s answers again", p.name)
             p.up, p.down_since = True, None
+            p.kv_address = getattr(p.executor, "kv_address", None) or p.kv_address   # a new port
         if self.orphans and self._up():
             orphans, self.orphans = list(self.orphans), deque()
             self._reroute(orphans)

@@ -310,8 +310,11 @@ class PoolService(SchedulerService):
         except Exception as e:  # noqa: BLE001 - as in SchedulerService.run_once
             log.exception("queue operation failed")
             self._set_queue_down(True, e)
-        if self.pools.has_unfinished() or not self.worker_up:
+        if self.pools.has_unfinished():
             self._publish(self._step())
+        elif not self.worker_up:
+            self.pools.step()     # asks the lost workers whether they answer again
+            time.sleep(0.2)
         elif self._queue_down:
             time.sleep(0.2)
         self.snapshot = self.pools.stats()

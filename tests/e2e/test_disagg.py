@@ -7,12 +7,16 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 import urllib.request
 
+import msgpack
 import pytest
+import zmq
 from prometheus_client import CollectorRegistry
 
 from kvstore.link import KvLink, KvTransferError, make_kv_link
+from kvstore.transfer import export_frames
 from scheduler_svc.service import run_scheduler
 from shared.config import CacheConfig, DisaggConfig, SchedulerConfig, SchedulerServiceConfig, WorkerConfig
 from shared.queue import make_queues
@@ -133,3 +137,26 @@ def test_auto_disaggregates_long_prompts_only_with_colocated_output_and_a_dead_r
     with pytest.raises(KvTransferError, match="timeout"):
         link.send([0], "tcp://127.0.0.1:9", [1], timeout_s=0.3)    # nobody receives there
     link.close()
+
+
+def test_a_transfer_that_arrives_after_its_lease_guard_is_refused_and_writes_nothing(model):
+    src, dst = executor(model), executor(model)
+    src.cache.k[0][3].fill_(1.0)
+    receiver = KvLink(dst.cache, "tcp://127.0.0.1:0")
+    sender = KvLink(src.cache)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        raw.connect(receiver.address)
+        header, data = export_frames(src.cache, [3])
+        late = {"id": 7, "dst_blocks": [5], "kv": header, "accept_until": time.time() - 1}
+        raw.send_multipart([msgpack.packb(late), data])
+        assert raw.poll(5000)
+        reply = msgpack.unpackb(raw.recv())
+        assert reply["id"] == 7 and not reply["ok"] and "refused" in reply["error"]
+        assert float(dst.cache.k[0][5].abs().sum()) == 0.0
+        seconds, nbytes = sender.send([3], receiver.address, [5], timeout_s=5.0)
+        assert nbytes > 0 and bool((dst.cache.k[0][5] == 1.0).all())
+    finally:
+        raw.close(0)
+        sender.close()
+        receiver.close()
