@@ -65,3 +65,23 @@ def outputs(events) -> dict[str, list[int]]:
             assert ev.index == len(toks), f"{ev.req_id}: index {ev.index} after {len(toks)} tokens"
             toks.append(ev.token_id)
     return out
+
+
+class SimKvLink:
+    """A worker service's KV link for simulated workers in one process (kvstore.link.KvLink's
+    interface): sends copy slots into the receiving SimExecutor found in `fabric`."""
+
+    def __init__(self, executor: SimExecutor, fabric: dict, address: str | None):
+        self.executor, self.fabric, self.address = executor, fabric, address
+        if address:
+            executor.join_fabric(fabric, address)
+
+    def send(self, src_blocks, dst_address, dst_blocks, timeout_s):
+        dst = self.fabric[dst_address]
+        for s, d in zip(src_blocks, dst_blocks):
+            dst.kv[d] = list(self.executor.kv.get(s, [None] * self.executor.block_size))
+        dst.kv_blocks_received += len(dst_blocks)
+        return 0.0, len(src_blocks) * self.executor.block_size
+
+    def close(self):
+        pass
