@@ -12,7 +12,7 @@ from scheduler_svc.service import run_scheduler
 from shared.config import DisaggConfig, SchedulerConfig, SchedulerServiceConfig
 from shared.queue import make_queues
 from tests.support.sim_pools import SimKvLink
-from tests.support.sim_worker import SimWorker, collect, eventually, request
+from tests.support.sim_worker import SimWorker, eventually, request
 from worker_svc.service import WorkerServer
 
 PREFILL_S, DECODE_S = 0.3, 0.01
