@@ -2,7 +2,9 @@
 routing in each mode, the handoff, and the faults, each ending with every block free."""
 from __future__ import annotations
 
-from shared.sampling import SamplingParams
+import pytest
+
+from shared.sampling import InvalidRequestError, SamplingParams
 from tests.support.sim_pools import all_free, make_pools, outputs
 
 SP = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -207,3 +209,20 @@ def test_requests_wait_for_a_lost_pool_and_resume_when_it_answers():
     ps._last_revive = 0.0
     events += ps.run_until_done()
     assert outputs(events) == reference([("a", prompt(0, 10))]) and all_free(ps)
+
+
+def test_without_room_on_the_decode_pool_a_request_decodes_where_it_was_prefilled():
+    ps = make_pools(["prefill", "decode"], "all", num_blocks=12)   # 12 blocks of 4: one 41-token prompt
+    prefill, decode = ps.pools
+    reqs = [("big", prompt(0, 41)), ("next", prompt(1, 30))]
+    out = run(ps, reqs)
+    assert out == reference(reqs)
+    assert ps.counters["num_handoff_no_room"] >= 1 and prefill.scheduler.stats()["num_finished"] >= 1
+    assert all_free(ps)
+
+
+def test_a_duplicate_request_id_is_refused_whichever_pool_holds_it():
+    ps = make_pools(["prefill", "decode"], "all")
+    ps.add_request("a", prompt(0, 10), SP)
+    with pytest.raises(InvalidRequestError):
+        ps.add_request("a", prompt(0, 10), SP)
