@@ -120,7 +120,8 @@ def scheduler(a: argparse.Namespace) -> int:
         return [w.strip() for w in (value or "").split(",") if w.strip()]
 
     prefill, decode = addrs(a.prefill_worker_addrs), addrs(a.decode_worker_addrs)
-    explicit_mixed = "--worker-addr" in sys.argv or "SARATHI_WORKER_ADDR" in os.environ
+    explicit_mixed = (any(arg.startswith("--worker-addr") for arg in sys.argv)
+                      or "SARATHI_WORKER_ADDR" in os.environ)
     run_scheduler(SchedulerServiceConfig(
         scheduler=_scheduler_config(a), max_model_len=a.max_model_len or None, redis_url=a.redis_url,
         queue_prefix=a.queue_prefix, consumer=a.consumer,

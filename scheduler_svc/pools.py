@@ -126,7 +126,9 @@ class PoolSet:
         self.clock = pools[0].scheduler.clock
         self.handoffs: dict[str, Pool] = {}       # req_id -> decode pool holding its reservation
         self.orphans: deque[Request] = deque()    # requests with no pool up to run them
-        self.transfers: deque[TransferRecord] = deque(maxlen=keep_transfers)
+        # append-only list (a copy of it is atomic for the HTTP thread), trimmed past 2 x keep
+        self.transfers: list[TransferRecord] = []
+        self.keep_transfers = keep_transfers
         self._events: list[TokenEvent] = []
         self._last_revive = 0.0
         self.counters = dict(num_handoffs=0, num_kv_failed=0, num_handoff_no_room=0, num_pools_lost=0)
@@ -314,6 +316,8 @@ class PoolSet:
         rec = TransferRecord(req.req_id, p.name, target.name, int(sent.get("kv_bytes", 0)),
                              transfer_s, first - req.arrival_time, prefill_s)
         self.transfers.append(rec)
+        if len(self.transfers) > 2 * self.keep_transfers:
+            del self.transfers[:-self.keep_transfers]
         if self.on_transfer is not None:
             self.on_transfer(rec)
 
@@ -401,16 +405,21 @@ class PoolSet:
                 self.on_batch(pool, batch, output, seconds)
         return hook
 
+    def transfer_dicts(self) -> list[dict]:
+        """One TransferRecord dict per handed-off request, oldest first (at least the latest
+        keep_transfers). Safe to call from another thread."""
+        return [t.as_dict() for t in list(self.transfers)]
+
     def stats(self) -> dict:
         """Totals over the pools (as Scheduler.stats), plus `pools` (one dict each: name, role,
-        up, reserved and its Scheduler.stats), the coordinator's counters, and `kv_transfers`
-        (one TransferRecord dict per handed-off request, the latest keep_transfers)."""
+        up, reserved and its Scheduler.stats) and the coordinator's counters (num_handoffs,
+        num_kv_failed, num_handoff_no_room, num_pools_lost). Per-request transfers: transfer_dicts()."""
         per = [p.stats() for p in self.pools]
         total = {k: sum(s[k] for s in per) for k in per[0]
                  if isinstance(per[0][k], (int, float)) and not isinstance(per[0][k], bool)}
         total["waiting"] += len(self.orphans)
         total["kv_usage"] = 1 - total["num_free_blocks"] / max(1, total["num_total_blocks"])
-        total.update(self.counters, pools=per, kv_transfers=[t.as_dict() for t in self.transfers])
+        total.update(self.counters, pools=per)
         return total
 
 

@@ -105,6 +105,10 @@ class SchedulerService:
     def worker_up(self) -> bool:
         return self.worker_down_since is None
 
+    def stats_json(self) -> dict:
+        """What /stats answers (called by the HTTP thread): the last stats snapshot."""
+        return self.snapshot
+
     def run_once(self) -> None:
         try:
             self._flush()
@@ -297,6 +301,11 @@ class PoolService(SchedulerService):
     def worker_up(self) -> bool:
         return any(p.up for p in self.pools.pools)
 
+    def stats_json(self) -> dict:
+        """The last snapshot plus `kv_transfers`: one dict per handed-off request (req_id,
+        prefill_pool, decode_pool, kv_bytes, kv_transfer_s, queue_s, prefill_s; seconds)."""
+        return {**self.snapshot, "kv_transfers": self.pools.transfer_dicts()}
+
     def run_once(self) -> None:
         try:
             self._flush()
@@ -381,7 +390,7 @@ def run_scheduler(config: SchedulerServiceConfig, *, queue: SchedulerQueue | Non
     if c.metrics_port is not None:  # up first: /health answers while the workers still load
         server, _ = start_http(c.metrics_port, c.metrics_host, metrics.registry,
                                lambda: bool(services) and services[0].running and services[0].worker_up,
-                               lambda: services[0].snapshot if services else {})
+                               lambda: services[0].stats_json() if services else {})
         log.info("scheduler metrics on http://%s:%d/metrics", c.metrics_host, server.server_port)
     if c.disagg.enabled:
         try:

@@ -59,7 +59,7 @@ def test_a_long_prefill_iteration_does_not_delay_the_decode_worker(tmp_path):
         assert [e.index for e in events["short"]] == list(range(40))
         assert eventually(lambda: all(p["num_free_blocks"] == p["num_total_blocks"]
                                       for p in svc[0].snapshot["pools"]))
-        assert [t["req_id"] for t in svc[0].snapshot["kv_transfers"]] == ["short", "long"]
+        assert [t["req_id"] for t in svc[0].stats_json()["kv_transfers"]] == ["short", "long"]
     finally:
         stop.set()
         for t in threads:
