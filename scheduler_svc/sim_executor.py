@@ -73,6 +73,9 @@ class SimExecutor:
         self.kv_address: str | None = None
         self.kv_fail: Callable | None = None
         self.kv_blocks_received = 0
+        # kv_cost(kv_send) -> seconds of the send: added to the iteration (and to the clock) as a
+        # separate term, reported as the request's kv_transfer_s (None: free)
+        self.kv_cost: Callable | None = None
 
     def join_fabric(self, fabric: dict[str, "SimExecutor"], address: str) -> "SimExecutor":
         """Receive KV blocks at `address` of `fabric` (shared by the simulated workers of a test)."""
@@ -111,8 +114,12 @@ class SimExecutor:
         for s, d in zip(send.src_blocks, send.dst_blocks):
             dst.kv[d] = list(self.kv.get(s, [None] * self.block_size))
         dst.kv_blocks_received += len(send.dst_blocks)
+        seconds = self.kv_cost(send) if self.kv_cost is not None else 0.0
+        if self.clock is not None:
+            self.clock.advance(seconds)
+        out.timings["kv_transfer_s"] = out.timings.get("kv_transfer_s", 0.0) + seconds
         # bytes as SmolLM2-135M's bf16 KV would take: 30 layers x K,V x 3 heads x 64 dims x 2 B
-        out.kv_sent[send.req_id] = {"kv_transfer_s": 0.0,
+        out.kv_sent[send.req_id] = {"kv_transfer_s": seconds,
                                     "kv_bytes": len(send.src_blocks) * self.block_size * 23040}
 
     def _slot(self, seq: SeqChunk, pos: int) -> tuple[list, int]:

@@ -226,3 +226,12 @@ def test_a_duplicate_request_id_is_refused_whichever_pool_holds_it():
     ps.add_request("a", prompt(0, 10), SP)
     with pytest.raises(InvalidRequestError):
         ps.add_request("a", prompt(0, 10), SP)
+
+
+def test_a_simulated_transfer_cost_is_a_separate_visible_term_of_the_ttft():
+    ps = make_pools(["prefill", "decode"], "all")
+    ps.pools[0].executor.kv_cost = lambda send: 0.5 * len(send.src_blocks)   # seconds per block
+    ps.add_request("a", prompt(0, 10), SP)                                   # 3 blocks
+    ps.run_until_done()
+    (rec,) = ps.transfers
+    assert rec.kv_transfer_s == 1.5 and rec.prefill_s == 0.0 and rec.queue_s == 0.0

@@ -45,7 +45,7 @@ def make_pools(roles, mode="off", *, threshold=16, num_blocks=64, token_budget=1
         sched = Scheduler(SchedulerConfig(token_budget=token_budget, max_model_len=256, watermark=0.0,
                                           max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching),
                           CacheConfig(BLOCK, num_blocks), info, clock=clock)
-        ex = LosableSim(BLOCK, vocab_size=500, scripts=scripts).join_fabric(fabric, f"sim://p{i}")
+        ex = LosableSim(BLOCK, vocab_size=500, scripts=scripts, clock=clock).join_fabric(fabric, f"sim://p{i}")
         pools.append(Pool(f"p{i}", role, sched, ex, kv_address=ex.kv_address))
     router = Router(RouterConfig(mode, threshold, margin if backlog_margin is None else backlog_margin))
     return PoolSet(pools, router, kv_transfer_failure=failure)
