@@ -39,16 +39,23 @@ class KvTransferError(RuntimeError):
 
 
 class KvReceiver:
-    """Receives KV blocks into `cache` at `address` (tcp://host:port, tcp://host:0 for any free
-    port, ipc://path); `self.address` is the address bound. Call close() to stop."""
+    """Receives KV blocks into `cache` at `address`; `self.address` is what senders connect to.
+    tcp://host:port binds every interface on that port and advertises the address as given (a
+    pod's DNS name, say); tcp://host:0 binds host on any free port; ipc://path binds the path.
+    Call close() to stop."""
 
     def __init__(self, cache, address: str, ctx: zmq.Context | None = None):
         self.cache = cache
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(address)
-        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        host_port = address.removeprefix("tcp://")
+        if address.startswith("tcp://") and host_port.rpartition(":")[2] not in ("", "0", "*"):
+            self.sock.bind(f"tcp://*:{host_port.rpartition(':')[2]}")
+            self.address = address
+        else:
+            self.sock.bind(address)
+            self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.num_received = 0          # transfers written
         self.bytes_received = 0
         self._stop = threading.Event()

@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(p, "role", "mixed", "mixed (prefill and decode), prefill or decode (prefill/decode "
          "disaggregation)", choices=["mixed", "prefill", "decode"])
     _add(p, "kv-address", None, "ZeroMQ address where this worker receives KV blocks from prefill workers "
-         "(decode workers; bound and advertised as given, so it must be reachable, e.g. tcp://decode-0:5600)")
+         "(decode workers), as prefill workers reach it, e.g. tcp://decode-0:5600 (tcp: every interface of this "
+         "host listens on that port; ipc://path also works on one machine)")
     _parallel_args(p)
 
     _measure_parsers(sub)

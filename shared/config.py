@@ -207,9 +207,10 @@ class WorkerServiceConfig:
     replica binds rank_address(address, r). parallel: None for a one-rank worker; with tp x pp > 1
     and no rank of its own (`sarathi worker --tp 2`) every rank is started on this machine.
     role: mixed | prefill | decode (prefill/decode disaggregation; reported in "info").
-    kv_address: where this worker receives KV blocks from other workers (bound and advertised as
-    given, so it must be reachable by the prefill workers; tcp://host:0 binds any free port);
-    None: no receiver (it cannot be a handoff target). It can always send KV blocks."""
+    kv_address: where this worker receives KV blocks from other workers, as they reach it
+    (tcp://host:port listens on every interface on that port; tcp://host:0 binds host on any free
+    port; kvstore.link.KvReceiver); None: no receiver (it cannot be a handoff target). It can
+    always send KV blocks."""
 
     engine: WorkerConfig = field(default_factory=WorkerConfig)
     address: str = "tcp://0.0.0.0:5555"
