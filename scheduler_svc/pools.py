@@ -221,13 +221,18 @@ class PoolSet:
         return [p for p in self.pools if p.up]
 
     def _ready(self) -> list[Pool]:
+        """Up pools whose oldest batch is back; a pool whose executor reports a failure while
+        looking is handled here (its batches are gone)."""
         ready = []
         for p in self._up():
             try:
                 if p.loop.head_ready():
                     ready.append(p)
-            except WorkerError:
-                ready.append(p)   # collect_one raises it again (the executor abandoned its batches)
+            except (WorkerLostError, WorkerRestartedError) as e:
+                self._pool_lost(p, str(e))
+            except WorkerError as e:
+                log.error("pool %s: iteration failed: %s", p.name, e)
+                self._fail_in_flight(p, f"the worker failed this request's iteration: {e}")
         return ready
 
     def _wait(self, wait_s: float) -> None:

@@ -258,14 +258,20 @@ class RemoteExecutor:
 
     def head_ready(self) -> bool:
         """Non-blocking: file the replies that arrived; True when the oldest batch has every
-        rank's reply, or when collect() must run to raise (a link went down, an error reply, the
-        timeout passed). False with nothing in flight."""
+        rank's reply, or when its timeout passed (collect() then raises). Raises as collect()
+        would (after which nothing is in flight): WorkerLostError when a rank's link went down,
+        WorkerError at an error reply. False with nothing in flight."""
         if not self._inflight:
             return False
         head = self._inflight[0]
-        if any(mon is not None and mon.poll(0, zmq.POLLIN) for mon in self.monitors):
-            return True
+        # link events: a disconnect loses every batch in flight (as in _wait); a handshake is news
+        # only to the monitor, not a reason to block in collect()
+        lost = [i for i in range(len(self.socks)) if self._drain_monitor(i)]
         try:
+            if lost:
+                for i in lost:
+                    self._renew(i)
+                raise self._lost_error(lost[0], f" while batch {head.batch.batch_id} was in flight")
             for i, sock in enumerate(self.socks):
                 while sock.poll(0, zmq.POLLIN):
                     self._file(i, unpack(sock.recv()), head)

@@ -321,9 +321,10 @@ class PoolService(SchedulerService):
             self._set_queue_down(True, e)
         if self.pools.has_unfinished():
             self._publish(self._step())
-        elif not self.worker_up:
-            self.pools.step()     # asks the lost workers whether they answer again
-            time.sleep(0.2)
+        elif not all(p.up for p in self.pools.pools):
+            self._publish(self._step())   # idle: still asks the lost workers whether they answer
+            if not self.worker_up:
+                time.sleep(0.2)           # nothing pulled (no worker): do not spin
         elif self._queue_down:
             time.sleep(0.2)
         self.snapshot = self.pools.stats()
