@@ -89,7 +89,9 @@ class PDStack:
 
 def reqs():
     # prompts of 5..70 tokens: partial and full last blocks, several chunks at tau 32
-    return [request(f"q{i}", n, max_tokens=8, ignore_eos=True) for i, n in enumerate([5, 16, 33, 47, 70])]
+    # penalties read the tokens before the chunk: the decode worker must be sent the history
+    return [request(f"q{i}", n, max_tokens=8, ignore_eos=True) for i, n in enumerate([5, 16, 33, 47, 70])] + [
+        request("pen", 20, max_tokens=8, ignore_eos=True, presence_penalty=0.8, repetition_penalty=1.3)]
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +120,9 @@ def test_greedy_output_with_disaggregation_all_equals_colocated(model, colocated
         assert eventually(lambda: all(p["num_free_blocks"] == p["num_total_blocks"] and p["reserved"] == 0
                                       for p in s.stats()["pools"]))
         text = s.metrics()
-        assert "sarathi_scheduler_kv_transfer_seconds_count 5.0" in text
+        assert "sarathi_scheduler_kv_transfer_seconds_count 6.0" in text
         assert 'sarathi_scheduler_pool_up{pool="decode0",role="decode"} 1.0' in text
-        assert 'sarathi_scheduler_disagg_ttft_phase_seconds_count{phase="transfer"} 5.0' in text
+        assert 'sarathi_scheduler_disagg_ttft_phase_seconds_count{phase="transfer"} 6.0' in text
     finally:
         s.close()
 
