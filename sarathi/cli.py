@@ -78,6 +78,20 @@ def _net_args(p: argparse.ArgumentParser, gateway: bool) -> None:
         _add(p, "drain-timeout", 30.0, "on SIGTERM: seconds for started requests to finish (new ones get 503)")
 
 
+def _disagg_args(p: argparse.ArgumentParser) -> None:
+    _add(p, "disaggregation", "off", "prefill/decode disaggregation: off (colocated), all (every prompt is "
+         "prefilled on a prefill worker, its KV sent to a decode worker), auto (only prompts whose uncached "
+         "length is >= --disagg-threshold, while the prefill workers are not the bottleneck)",
+         choices=["off", "all", "auto"])
+    _add(p, "disagg-threshold", 256, "auto: the shortest uncached prompt (tokens) sent to a prefill worker")
+    _add(p, "disagg-backlog-margin", 2048, "auto: a long prompt stays colocated when the prefill worker's "
+         "queued prefill tokens exceed the decode worker's by more than this (the prefill pool is the bottleneck)")
+    _add(p, "kv-transfer-timeout", 10.0, "seconds one KV send (prefill worker to decode worker) may take: the "
+         "lease on the prefill side's blocks")
+    _add(p, "kv-transfer-failure", "recompute", "a failed or timed-out KV send: recompute the request "
+         "colocated, or fail it", choices=["recompute", "fail"])
+
+
 def _liveness_args(p: argparse.ArgumentParser) -> None:
     _add(p, "worker-restart-timeout", 30.0,
          "seconds to hold a lost worker's requests for a worker to answer again (then they fail)")
@@ -104,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     _sched_args(p)
     _net_args(p, gateway=True)
     _liveness_args(p)
+    _add(p, "workers", 1, "colocated (mixed) worker processes, one scheduler pool each (with "
+         "--prefill-workers: mixed workers beside them, default 0 then)", type=int)
+    _add(p, "prefill-workers", 0, "prefill worker processes (prefill/decode disaggregation)")
+    _add(p, "decode-workers", 0, "decode worker processes (prefill/decode disaggregation)")
+    _disagg_args(p)
+    _add(p, "scheduler-port", None, "also serve the scheduler's /metrics, /ready and /stats (JSON; "
+         "kv_transfers: per handed-off request kv_bytes, kv_transfer_s, queue_s, prefill_s) on this port",
+         type=int)
 
     p = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway (needs --redis-url)")
     _add(p, "model", None, "model whose tokenizer and chat template to use")
@@ -115,7 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
          "workers loaded")
     _sched_args(p)
     _net_args(p, gateway=False)
-    _add(p, "worker-addr", "tcp://127.0.0.1:5555", "ZeroMQ address of the worker")
+    _add(p, "worker-addr", "tcp://127.0.0.1:5555", "ZeroMQ address of the worker (comma-separated: the "
+         "ranks of one TP x PP replica; with prefill/decode workers: mixed workers, one pool each)")
+    _add(p, "prefill-worker-addrs", "", "comma-separated ZeroMQ addresses of prefill workers (one pool each)")
+    _add(p, "decode-worker-addrs", "", "comma-separated ZeroMQ addresses of decode workers (one pool each; "
+         "started with --kv-address)")
+    _disagg_args(p)
     _add(p, "metrics-port", 9100, "Prometheus port of the scheduler")
     _add(p, "consumer", None, "queue consumer name (default: stable per host; a restart replays its pending)")
     _liveness_args(p)
@@ -126,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
          "TCP port + r, or an ipc path + '.rank<r>')")
     _add(p, "max-num-seqs", 128, "CUDA: largest decode batch (graphs are captured up to it)")
     _add(p, "max-num-batched-tokens", 4096, "CUDA: tokens of the profiling pass that sizes the KV cache")
+    _add(p, "role", "mixed", "mixed (prefill and decode), prefill or decode (prefill/decode "
+         "disaggregation)", choices=["mixed", "prefill", "decode"])
+    _add(p, "kv-address", None, "ZeroMQ address where this worker receives KV blocks from prefill workers "
+         "(decode workers), as prefill workers reach it, e.g. tcp://decode-0:5600 (tcp: every interface of this "
+         "host listens on that port; ipc://path also works on one machine)")
     _parallel_args(p)
 
     _measure_parsers(sub)

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from shared.config import (
     CacheConfig,
+    DisaggConfig,
     GatewayConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -88,7 +89,12 @@ def serve(a: argparse.Namespace) -> int:
         worker=_engine_config(a), scheduler=_scheduler_config(a), host=a.host, port=a.port,
         redis_url=a.redis_url, queue_prefix=a.queue_prefix, max_model_len=a.max_model_len or None,
         api_key=a.api_key, drain_timeout_s=a.drain_timeout,
-        worker_restart_timeout_s=a.worker_restart_timeout))
+        worker_restart_timeout_s=a.worker_restart_timeout,
+        workers=a.workers if (a.workers != 1 or not a.prefill_workers) else 0,
+        prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
+        disaggregation=a.disaggregation, disagg_threshold=a.disagg_threshold,
+        disagg_backlog_margin=a.disagg_backlog_margin, kv_transfer_timeout_s=a.kv_transfer_timeout,
+        kv_transfer_failure=a.kv_transfer_failure, scheduler_port=a.scheduler_port))
     return 0
 
 
@@ -110,11 +116,22 @@ def scheduler(a: argparse.Namespace) -> int:
 
     if not a.redis_url:
         raise ValueError("the scheduler service needs --redis-url (or SARATHI_REDIS_URL)")
+    def addrs(value: str) -> list[str]:
+        return [w.strip() for w in (value or "").split(",") if w.strip()]
+
+    prefill, decode = addrs(a.prefill_worker_addrs), addrs(a.decode_worker_addrs)
+    explicit_mixed = (any(arg.startswith("--worker-addr") for arg in sys.argv)
+                      or "SARATHI_WORKER_ADDR" in os.environ)
     run_scheduler(SchedulerServiceConfig(
         scheduler=_scheduler_config(a), max_model_len=a.max_model_len or None, redis_url=a.redis_url,
         queue_prefix=a.queue_prefix, consumer=a.consumer,
-        worker_addrs=[w.strip() for w in a.worker_addr.split(",") if w.strip()],
-        worker_restart_timeout_s=a.worker_restart_timeout, metrics_port=a.metrics_port))
+        # with prefill/decode workers, --worker-addr names mixed workers only when given
+        worker_addrs=addrs(a.worker_addr) if (explicit_mixed or not (prefill or decode)) else [],
+        worker_restart_timeout_s=a.worker_restart_timeout, metrics_port=a.metrics_port,
+        disagg=DisaggConfig(prefill, decode, separate_mixed=bool(prefill or decode), mode=a.disaggregation,
+                            threshold_tokens=a.disagg_threshold, backlog_margin_tokens=a.disagg_backlog_margin,
+                            kv_transfer_timeout_s=a.kv_transfer_timeout,
+                            kv_transfer_failure=a.kv_transfer_failure)))
     return 0
 
 
@@ -123,11 +140,15 @@ def worker(a: argparse.Namespace) -> int:
 
     engine = dataclasses.replace(_engine_config(a), max_num_seqs=a.max_num_seqs,
                                  max_num_batched_tokens=a.max_num_batched_tokens)
-    config = WorkerServiceConfig(engine, address=a.bind)
+    config = WorkerServiceConfig(engine, address=a.bind, role=a.role, kv_address=a.kv_address or None)
     rank = a.rank if a.rank >= 0 else _env_int("RANK")
     if a.tp * a.pp == 1 and rank is None and not a.pp_layers:
-        run_worker(config)
+        from kvstore.link import make_kv_link
+
+        run_worker(config, kv_link=make_kv_link)
         return 0
+    if a.role != "mixed" or a.kv_address:
+        raise ValueError("prefill/decode roles run on one-rank workers only (no --tp/--pp yet)")
     import logging
 
     from worker_svc.parallel import parse_pp_layers

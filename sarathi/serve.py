@@ -1,5 +1,10 @@
 """Embedded mode: gateway + scheduler + one worker on localhost, one command, one process tree.
 
+With several workers (`--workers M` colocated mixed workers, or `--prefill-workers N
+--decode-workers M` for prefill/decode disaggregation) each worker is a child process of its own
+(ipc://<tempdir>/worker<i>.sock; decode and mixed workers receive KV blocks at
+ipc://<tempdir>/worker<i>.kv) and the scheduler runs one pool per worker (scheduler_svc.pools).
+
 The same components as the distributed mode, wired in one place:
 
 * the worker runs in a child process (default; the model's compute never competes with the
@@ -25,7 +30,7 @@ import os
 import tempfile
 import threading
 
-from shared.config import SchedulerServiceConfig, ServeConfig, WorkerConfig, WorkerServiceConfig
+from shared.config import DisaggConfig, SchedulerServiceConfig, ServeConfig, WorkerConfig, WorkerServiceConfig
 
 log = logging.getLogger("sarathi.serve")
 
@@ -54,35 +59,54 @@ def run_embedded(config: ServeConfig) -> None:
                                  max_num_seqs=c.scheduler.max_num_seqs,
                                  max_num_batched_tokens=c.scheduler.max_tokens_per_iteration)
     with tempfile.TemporaryDirectory(prefix="sarathi-") as tmp:
-        stop_worker, address = _start_worker(c.worker_mode, engine, tmp)
+        roles = c.worker_roles() if c.pools else ["mixed"]
+        handles: list[_WorkerHandle] = []
         stop = threading.Event()
         sched_thread = None
         try:
-            executor = RemoteExecutor(address, timeout_s=120.0)
-            info = _wait_worker(executor, stop_worker)
+            executors = []
+            for i, role in enumerate(roles):
+                kv = f"ipc://{tmp}/worker{i}.kv" if c.pools and role != "prefill" else None
+                handle, address = _start_worker(c.worker_mode, engine, tmp, f"worker{i}" if c.pools else "worker",
+                                                role, kv)
+                handles.append(handle)
+                executors.append((role, RemoteExecutor(address, timeout_s=120.0)))
+            infos = [_wait_worker(ex, h) for (_, ex), h in zip(executors, handles)]
+            info = infos[0]
             if c.worker_mode == "process":  # from now on a dead worker is replaced (not while it first loads)
-                threading.Thread(target=_supervise, args=(stop_worker, stop), name="worker-supervisor",
-                                 daemon=True).start()
+                for h in handles:
+                    threading.Thread(target=_supervise, args=(h, stop), name="worker-supervisor",
+                                     daemon=True).start()
             max_len = min(c.max_model_len or info.max_model_len, info.max_model_len)
             gateway_queue, scheduler_queue = make_queues(c.redis_url, config=QueueConfig(prefix=c.queue_prefix))
             registry = CollectorRegistry()
+            disagg = DisaggConfig()
+            if c.pools:
+                # the executors are handed in: the addresses only count the workers of each role
+                disagg = DisaggConfig(["-"] * c.prefill_workers, ["-"] * c.decode_workers, separate_mixed=True,
+                                      mode=c.disaggregation, threshold_tokens=c.disagg_threshold,
+                                      backlog_margin_tokens=c.disagg_backlog_margin,
+                                      kv_transfer_timeout_s=c.kv_transfer_timeout_s,
+                                      kv_transfer_failure=c.kv_transfer_failure)
             sched_config = SchedulerServiceConfig(
-                scheduler=c.scheduler, max_model_len=max_len, metrics_port=None,
-                worker_restart_timeout_s=c.worker_restart_timeout_s)
+                scheduler=c.scheduler, max_model_len=max_len, metrics_port=c.scheduler_port,
+                metrics_host=c.host, worker_restart_timeout_s=c.worker_restart_timeout_s, disagg=disagg)
+            executor = executors if c.pools else executors[0][1]
             sched_thread = threading.Thread(target=run_scheduler, args=(sched_config,), name="scheduler",
                                             daemon=True, kwargs=dict(queue=scheduler_queue, executor=executor,
                                                                      registry=registry, stop=stop))
             sched_thread.start()
             app = create_app(tokenizer, dataclasses.replace(info, max_model_len=max_len),
                              gateway_queue, api_key=c.api_key, metrics=GatewayMetrics(registry))
-            log.info("serving %s on http://%s:%d (queue: %s, worker: %s)", info.name, c.host, c.port,
-                     c.redis_url or "in-process", address)
+            log.info("serving %s on http://%s:%d (queue: %s, workers: %s)", info.name, c.host, c.port,
+                     c.redis_url or "in-process", ", ".join(f"{r} {ex.addresses[0]}" for r, ex in executors))
             serve_app(app, host=c.host, port=c.port, log_level=c.log_level, drain_timeout_s=c.drain_timeout_s)
         finally:
             stop.set()
             if sched_thread is not None:
                 sched_thread.join(10)
-            stop_worker()
+            for h in handles:
+                h()
 
 
 def _wait_worker(executor, stop_worker):
@@ -118,30 +142,34 @@ class _WorkerHandle:
         self._stop()
 
 
-def _start_worker(kind: str, engine: WorkerConfig, tmp: str):
+def _start_worker(kind: str, engine: WorkerConfig, tmp: str, name: str = "worker", role: str = "mixed",
+                  kv_address: str | None = None):
+    """Start one worker (a thread or a child process) on ipc://<tmp>/<name>.sock; its KV link
+    receives at kv_address (None: it only sends)."""
     if kind == "thread":
+        from kvstore.link import make_kv_link
         from worker_svc.service import run_worker
         stop = threading.Event()
-        config = WorkerServiceConfig(engine, address="inproc://worker")
-        t = threading.Thread(target=run_worker, args=(config,), name="worker", daemon=True,
-                             kwargs=dict(stop=stop))
+        config = WorkerServiceConfig(engine, address=f"inproc://{name}", role=role, kv_address=kv_address)
+        t = threading.Thread(target=run_worker, args=(config,), name=name, daemon=True,
+                             kwargs=dict(stop=stop, kv_link=make_kv_link))
         t.start()
-        return _WorkerHandle(lambda: (stop.set(), t.join(10)), t.is_alive), "inproc://worker"
-    address = f"ipc://{tmp}/worker.sock"
+        return _WorkerHandle(lambda: (stop.set(), t.join(10)), t.is_alive), f"inproc://{name}"
+    address = f"ipc://{tmp}/{name}.sock"
     procs: list = []
     lock = threading.Lock()
 
     def start() -> None:
         # spawn, not fork: a forked child would inherit this process's threads and sockets
-        proc = mp.get_context("spawn").Process(target=_worker_main, name="sarathi-worker",
-                                               args=(WorkerServiceConfig(engine, address), os.getpid()),
-                                               daemon=True)
+        proc = mp.get_context("spawn").Process(
+            target=_worker_main, name=f"sarathi-{name}", daemon=True,
+            args=(WorkerServiceConfig(engine, address, role=role, kv_address=kv_address), os.getpid()))
         with lock:
             if handle.stopped:
                 return
             proc.start()
             procs[:] = [proc]
-        log.info("worker process started (pid %d)", proc.pid)
+        log.info("worker process started (pid %d) as %s %s", proc.pid, role, name)
 
     def stop() -> None:
         with lock:
@@ -159,7 +187,8 @@ def _start_worker(kind: str, engine: WorkerConfig, tmp: str):
 
 def _worker_main(config: WorkerServiceConfig, parent_pid: int) -> None:
     """The worker child: serve until the parent is gone (even if it was SIGKILLed)."""
+    from kvstore.link import make_kv_link
     from worker_svc.service import run_worker, stop_when_parent_exits
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_worker(config, stop=stop_when_parent_exits(parent_pid))
+    run_worker(config, stop=stop_when_parent_exits(parent_pid), kv_link=make_kv_link)

@@ -115,6 +115,10 @@ class BlockManager:
         if self.cache is not None:
             self.cache = PrefixCache()
 
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """Tokens of req's prefix found in this cache now (full blocks; 0 without caching)."""
+        return len(self._cached_prefix(req)) * self.block_size
+
     def _prefix_blocks(self, req: Request, shared: list[int] | None) -> list[int]:
         """The longer of req's cached prefix and the blocks a sibling shares with it."""
         hits = self._cached_prefix(req)

@@ -98,11 +98,13 @@ class EngineLoop:
     update (metrics; seconds from submit to collect). record: keep `trace`, one dict per batch
     (batch_id, req_ids, num_tokens, waiting requests and in-flight batch ids at submit,
     submit/collect times on time.time(), the output's timings) for tests and benchmarks.
+    before_submit(batch): called for every scheduled batch just before it is sent (the
+    disaggregation coordinator adds its kv_sends there).
     """
 
     def __init__(self, scheduler: Scheduler, executor: Executor | PipelineExecutor, depth: int = 1,
                  on_batch: Callable[[Batch, BatchOutput, float], None] | None = None,
-                 record: bool = False):
+                 record: bool = False, before_submit: Callable[[Batch], None] | None = None):
         if depth < 1:
             raise ValueError(f"pipeline depth must be >= 1, got {depth}")
         self.scheduler = scheduler
@@ -115,6 +117,7 @@ class EngineLoop:
         self.record = record
         self.trace: list[dict] = []
         self._ids = itertools.count()
+        self.before_submit = before_submit   # may add to a batch before it is sent (kv_sends)
 
     def add_request(self, req_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams | None = None,
@@ -137,6 +140,20 @@ class EngineLoop:
             if not events and self.scheduler.has_unfinished():
                 raise StalledError(f"nothing schedulable; stats: {self.scheduler.stats()}")
             return events
+        return self.collect_one()[2]
+
+    def head_ready(self) -> bool:
+        """True when collect_one() would not block for long: the oldest batch's output is back
+        (or its executor has news that ends the wait: a lost link, a timeout). An executor without
+        the hook (in-process: it runs the batch when collected) is always ready."""
+        if not self.in_flight:
+            return False
+        ready = getattr(self._pipe, "head_ready", None)
+        return True if ready is None else ready()
+
+    def collect_one(self) -> tuple[Batch, BatchOutput, list[TokenEvent]]:
+        """Collect the oldest batch in flight and update the scheduler with it: (batch, its
+        output, the token events of this step)."""
         batch, output = self._pipe.collect()
         if batch is not self.in_flight[0]:
             raise RuntimeError(f"collected batch {batch.batch_id}, expected the oldest "
@@ -148,7 +165,7 @@ class EngineLoop:
             entry.update(collected_at=time.time(), timings=dict(output.timings))
         if self.on_batch is not None:
             self.on_batch(batch, output, seconds)
-        return self.scheduler.update(batch, output)
+        return batch, output, self.scheduler.update(batch, output)
 
     def fill(self) -> None:
         """Schedule and submit until `depth` batches are in flight or nothing more can run."""
@@ -167,6 +184,8 @@ class EngineLoop:
                                        waiting=len(self.scheduler.waiting),
                                        in_flight=[b.batch_id for b in self.in_flight],
                                        submitted_at=time.time()))
+            if self.before_submit is not None:
+                self.before_submit(batch)
             self._submitted[batch.batch_id] = time.perf_counter()
             self._pipe.submit(batch)
             self.in_flight.append(batch)

@@ -23,6 +23,8 @@ from shared.messages import Batch
 
 ITERATION_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)   # seconds
 TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)      # tokens
+KV_SECONDS_BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5)   # seconds
+KV_BYTES_BUCKETS = tuple(float(2 ** e) for e in range(16, 33, 2))            # 64 KiB .. 4 GiB
 
 
 class SchedulerMetrics:
@@ -57,6 +59,24 @@ class SchedulerMetrics:
                                     "kernel, KV cache dtype, linear method (value 1)",
                                     ["model", "backend"], registry=r)
         self._preemptions_seen = 0
+        # worker pools and prefill/decode disaggregation (scheduler_svc.pools)
+        self.kv_transfer = Histogram(p + "kv_transfer_seconds", "Per handed-off request: seconds of "
+                                     "its KV send, prefill worker to decode worker, until the ack",
+                                     buckets=KV_SECONDS_BUCKETS, registry=r)
+        self.kv_bytes = Histogram(p + "kv_transfer_bytes", "Per handed-off request: KV bytes sent",
+                                  buckets=KV_BYTES_BUCKETS, registry=r)
+        self.ttft_phase = Histogram(p + "disagg_ttft_phase_seconds", "TTFT of handed-off requests split "
+                                    "into queueing (arrival to first scheduled), prefill (to the first "
+                                    "token) and transfer (the KV send)", ["phase"],
+                                    buckets=ITERATION_BUCKETS, registry=r)
+        self.pool_free_blocks = Gauge(p + "pool_kv_free_blocks", "KV blocks free on each worker pool",
+                                      ["pool", "role"], registry=r)
+        self.pool_total_blocks = Gauge(p + "pool_kv_total_blocks", "KV blocks of each worker pool",
+                                       ["pool", "role"], registry=r)
+        self.pool_up = Gauge(p + "pool_up", "1 while the pool's worker answers (its role as a label)",
+                             ["pool", "role"], registry=r)
+        self.pool_running = Gauge(p + "pool_running_requests", "Requests running on each pool",
+                                  ["pool", "role"], registry=r)
 
     def set_config(self, policy: str, token_budget: int) -> None:
         self.policy.labels(policy=policy).set(1)
@@ -77,6 +97,23 @@ class SchedulerMetrics:
         if delta > 0:
             self.preemptions.inc(delta)
         self._preemptions_seen = stats["num_preemptions"]
+
+    def observe_pools(self, pools: list[dict]) -> None:
+        """One PoolSet.stats()["pools"] snapshot: each pool's blocks, requests and liveness."""
+        for ps in pools:
+            labels = dict(pool=ps["name"], role=ps["role"])
+            self.pool_free_blocks.labels(**labels).set(ps["num_free_blocks"])
+            self.pool_total_blocks.labels(**labels).set(ps["num_total_blocks"])
+            self.pool_up.labels(**labels).set(1 if ps["up"] else 0)
+            self.pool_running.labels(**labels).set(ps["running"])
+
+    def observe_transfer(self, rec) -> None:
+        """One handed-off request (scheduler_svc.pools.TransferRecord)."""
+        self.kv_transfer.observe(rec.kv_transfer_s)
+        self.kv_bytes.observe(rec.kv_bytes)
+        for phase, seconds in (("queueing", rec.queue_s), ("prefill", rec.prefill_s),
+                               ("transfer", rec.kv_transfer_s)):
+            self.ttft_phase.labels(phase=phase).observe(seconds)
 
     def observe_batch(self, batch: Batch, seconds: float) -> None:
         """One batch the workers answered: seconds from submit to collect, its tokens by kind."""

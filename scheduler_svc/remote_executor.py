@@ -100,6 +100,7 @@ class RemoteExecutor:
         self._instances: list[str | None] = [None] * len(self.addresses)
         self.parallel: dict = single_rank_layout()
         self._inflight: deque[_Call] = deque()   # submitted batches, oldest first
+        self.kv_address: str | None = None       # the worker's KV receiver (from its "info")
 
     def _connect(self, i: int, address: str) -> zmq.Socket:
         """A fresh DEALER to worker i, with heartbeats and a monitor (inproc:// has neither:
@@ -157,6 +158,7 @@ class RemoteExecutor:
             replies = self._call_all([{"op": "info"}] * len(self.socks), timeout_s)
             self._check_layout(replies)
         self._model_info = ModelInfo(**replies[0]["model_info"])
+        self.kv_address = replies[0].get("kv_address")   # where this worker receives KV blocks
         if self._instances != [r.get("instance") for r in replies]:
             self._instances = [r.get("instance") for r in replies]
             self.reset()
@@ -253,6 +255,36 @@ class RemoteExecutor:
         last.timings.update(rpc_s=time.perf_counter() - head.t0, submitted_at=head.submitted_at,
                             collected_at=time.time())
         return head.batch, last
+
+    def head_ready(self) -> bool:
+        """Non-blocking: file the replies that arrived; True when the oldest batch has every
+        rank's reply, or when its timeout passed (collect() then raises). Raises as collect()
+        would (after which nothing is in flight): WorkerLostError when a rank's link went down,
+        WorkerError at an error reply. False with nothing in flight."""
+        if not self._inflight:
+            return False
+        head = self._inflight[0]
+        # link events: a disconnect loses every batch in flight (as in _wait); a handshake is news
+        # only to the monitor, not a reason to block in collect()
+        lost = [i for i in range(len(self.socks)) if self._drain_monitor(i)]
+        try:
+            if lost:
+                for i in lost:
+                    self._renew(i)
+                raise self._lost_error(lost[0], f" while batch {head.batch.batch_id} was in flight")
+            for i, sock in enumerate(self.socks):
+                while sock.poll(0, zmq.POLLIN):
+                    self._file(i, unpack(sock.recv()), head)
+        except WorkerError:
+            self.abandon()
+            raise
+        return (all(r is not None for r in head.replies)
+                or time.perf_counter() - head.t0 > self.timeout_s)
+
+    def pollables(self) -> list[zmq.Socket]:
+        """The sockets whose readiness means news for this executor (replies, link events): a
+        caller driving several executors waits on all of theirs at once (zmq.Poller)."""
+        return list(self.socks) + [m for m in self.monitors if m is not None]
 
     def abandon(self) -> None:
         """Forget every batch in flight (their replies, if any come, are dropped by seq) and

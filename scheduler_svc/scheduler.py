@@ -59,9 +59,11 @@ class Scheduler:
         self._abort_ids: list[tuple[str, str | None]] = []
         self._next_batch_id = 0
         self._scheduled_at: dict[int, float] = {}   # batch id -> clock at schedule(), until update()
+        self.reserved: dict[str, Request] = {}   # blocks held for requests prefilled elsewhere
         self._counters = dict(num_preemptions=0, prefix_cache_hit_tokens=0,
                               prefix_cache_query_tokens=0, num_finished=0, num_aborted=0,
-                              last_prefill_tokens=0, last_decode_tokens=0, last_batch_size=0)
+                              last_prefill_tokens=0, last_decode_tokens=0, last_batch_size=0,
+                              num_adopted=0, num_handed_off=0)
 
     # -- requests in -----------------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: list[int],
@@ -282,7 +284,78 @@ class Scheduler:
         self.on_batches_abandoned()
         for req in reversed(list(self.running)):
             self._preempt(req)
+        for req_id in list(self.reserved):
+            self.release_reservation(req_id)
         self.block_manager.forget_cached_contents()
+
+    # -- disaggregation: requests that move between schedulers (scheduler_svc.pools) ----------------
+    def reserve_for_handoff(self, src: Request) -> Request | None:
+        """Blocks on this scheduler's KV cache for the prompt of `src` (a request being prefilled
+        on another worker), taken now so its K/V can be written into them; None when memory or
+        max_num_seqs leave no room. The reservation (a Request holding the blocks, prefix-cache
+        hits included: num_computed_tokens = the cached prefix, which need not be sent) is held
+        in `reserved` until adopt() or release_reservation()."""
+        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
+            return None
+        req = Request(src.req_id, list(src.prompt_token_ids), src.sampling, src.arrival_time)
+        if not self.block_manager.can_allocate(req):
+            return None
+        self.block_manager.allocate(req)
+        self.reserved[req.req_id] = req
+        return req
+
+    def release_reservation(self, req_id: str) -> None:
+        """Free a reservation's blocks (the handoff will not happen); unknown ids are ignored."""
+        req = self.reserved.pop(req_id, None)
+        if req is not None:
+            self.block_manager.free(req)
+
+    def adopt(self, src: Request) -> Request:
+        """Take over `src`, whose prompt K/V were just written into its reservation here and
+        whose first token was sampled elsewhere: it runs here from now on (its next step is a
+        decode; token events continue at index num_output_tokens)."""
+        req = self.reserved.pop(src.req_id)
+        req.token_ids = list(src.token_ids)
+        req.num_computed_tokens = src.num_prompt_tokens
+        req.arrival_time, req.first_scheduled_time = src.arrival_time, src.first_scheduled_time
+        req.first_token_time, req.token_times = src.first_token_time, list(src.token_times)
+        req.logprobs, req.num_preemptions = src.logprobs, src.num_preemptions
+        req.status = RequestStatus.RUNNING
+        self.block_manager.cache_computed_blocks(req)
+        self.requests[req.req_id] = req
+        self.running.append(req)
+        self._counters["num_adopted"] += 1
+        return req
+
+    def release_handoff(self, req_id: str) -> Request:
+        """Drop a running request whose K/V another worker now holds, without an end event:
+        its blocks here are freed and the worker forgets it (freed_req_ids)."""
+        req = self.requests.pop(req_id)
+        self.block_manager.free(req)
+        self.running.remove(req)
+        self._freed_ids.append(req_id)
+        self._counters["num_handed_off"] += 1
+        return req
+
+    def take_back(self, req_id: str) -> Request | None:
+        """Remove an unfinished request that is not in flight, freeing its blocks, to be queued on
+        another scheduler (requeue) and recomputed there with the tokens it has; None if unknown."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return None
+        self.block_manager.free(req)
+        (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
+        if req.first_scheduled_time is not None:
+            self._freed_ids.append(req_id)
+        req.num_computed_tokens, req.in_flight = 0, False
+        req.status = RequestStatus.PREEMPTED if req.num_output_tokens else RequestStatus.WAITING
+        return req
+
+    def requeue(self, req: Request, front: bool = True) -> None:
+        """Queue a request taken back from another scheduler (it keeps its tokens, times and
+        id; it is recomputed from position 0 here)."""
+        self.requests[req.req_id] = req
+        (self.waiting.appendleft if front else self.waiting.append)(req)
 
     def apply_aborts(self) -> list[TokenEvent]:
         """Process pending aborts now, without scheduling (no worker to run a batch); returns

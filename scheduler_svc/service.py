@@ -41,7 +41,9 @@ import zlib
 
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.metrics import SchedulerMetrics, start_http
+from scheduler_svc.pools import PoolSet, make_pool
 from scheduler_svc.remote_executor import WorkerError, WorkerLostError, WorkerRestartedError
+from scheduler_svc.router import Router, RouterConfig
 from scheduler_svc.scheduler import Scheduler
 from shared.config import CacheConfig, SchedulerServiceConfig
 from shared.messages import RequestMsg, TokenEvent
@@ -102,6 +104,10 @@ class SchedulerService:
     @property
     def worker_up(self) -> bool:
         return self.worker_down_since is None
+
+    def stats_json(self) -> dict:
+        """What /stats answers (called by the HTTP thread): the last stats snapshot."""
+        return self.snapshot
 
     def run_once(self) -> None:
         try:
@@ -262,6 +268,98 @@ class SchedulerService:
             self.reply_to.pop(self._to_ack.pop(0), None)
 
 
+class PoolService(SchedulerService):
+    """The scheduler service over several worker pools (scheduler_svc.pools.PoolSet): colocated
+    mixed workers, or prefill/decode disaggregation. Same queue handling as SchedulerService
+    (admission, aborts, events, acks, the outbox); the pools handle their workers' faults
+    themselves (a lost worker's requests are rerouted to the pools that are up)."""
+
+    def __init__(self, pools: PoolSet, queue: SchedulerQueue, metrics: SchedulerMetrics, *,
+                 max_waiting: int = 64, idle_block_ms: int = 50, replay_interval_s: float = 5.0,
+                 worker_restart_timeout_s: float = 30.0):
+        self.scheduler = pools       # add_request / abort / has_unfinished / stats / clock
+        self.pools = pools
+        self.executor = None
+        self.loop = None
+        self.queue, self.metrics = queue, metrics
+        self.max_waiting, self.idle_block_ms = max_waiting, idle_block_ms
+        self.replay_interval_s = replay_interval_s
+        self.reply_to: dict[str, str] = {}
+        self.snapshot: dict = pools.stats()
+        self.running = False
+        self.http_port: int | None = None
+        self._last_replay = 0.0
+        self.worker_restart_timeout_s = worker_restart_timeout_s
+        self.worker_down_since = None
+        self._outbox: list[TokenEvent] = []
+        self._to_ack: list[str] = []
+        self._queue_down = False
+        pools.on_batch = lambda _pool, batch, _out, seconds: metrics.observe_batch(batch, seconds)
+        pools.on_transfer = metrics.observe_transfer
+
+    @property
+    def worker_up(self) -> bool:
+        return any(p.up for p in self.pools.pools)
+
+    def stats_json(self) -> dict:
+        """The last snapshot plus `kv_transfers`: one dict per handed-off request (req_id,
+        prefill_pool, decode_pool, kv_bytes, kv_transfer_s, queue_s, prefill_s; seconds)."""
+        return {**self.snapshot, "kv_transfers": self.pools.transfer_dicts()}
+
+    def run_once(self) -> None:
+        try:
+            self._flush()
+            for req_id in self.queue.poll_aborts():
+                self.pools.abort(req_id)
+            if self.worker_up:
+                self._pull()
+            self._set_queue_down(False)
+        except QueueUnavailableError as e:
+            self._set_queue_down(True, e)
+        except Exception as e:  # noqa: BLE001 - as in SchedulerService.run_once
+            log.exception("queue operation failed")
+            self._set_queue_down(True, e)
+        if self.pools.has_unfinished():
+            self._publish(self._step())
+        elif not all(p.up for p in self.pools.pools):
+            self._publish(self._step())   # idle: still asks the lost workers whether they answer
+            if not self.worker_up:
+                time.sleep(0.2)           # nothing pulled (no worker): do not spin
+        elif self._queue_down:
+            time.sleep(0.2)
+        self.snapshot = self.pools.stats()
+        self.metrics.observe_stats(self.snapshot)
+        self.metrics.observe_pools(self.snapshot["pools"])
+        self.metrics.worker_up.set(1 if self.worker_up else 0)
+
+    def _pull(self) -> None:
+        waiting, running = self.pools.num_waiting, self.pools.num_running
+        room = min(self.max_waiting - waiting, self.pools.max_num_seqs - running - waiting)
+        idle = not self.pools.has_unfinished()
+        if room > 0:
+            self._admit(self.queue.fetch(room, block_ms=self.idle_block_ms if idle else 0))
+            if time.monotonic() - self._last_replay > self.replay_interval_s:
+                self._last_replay = time.monotonic()
+                self._admit(self.queue.replay_pending())
+        elif idle:
+            time.sleep(self.idle_block_ms / 1000)
+
+    def _step(self) -> list[TokenEvent]:
+        try:
+            return self.pools.step()
+        except Exception as e:  # a bug must not leave requests hanging: fail them, keep serving
+            log.exception("pool step failed")
+            self.metrics.failed_iterations.inc()
+            message = f"internal error: {type(e).__name__}: {e}"
+            for p in self.pools.pools:
+                for lost in p.loop.take_in_flight():
+                    p.scheduler.fail_batch(lost, message)
+                p.scheduler.on_batches_abandoned()
+                for req_id in list(p.scheduler.requests):
+                    p.scheduler.abort(req_id, error=message)
+            return [e for p in self.pools.pools for e in p.scheduler.apply_aborts()]
+
+
 def _seeded(msg: RequestMsg):
     """The request's sampling, with a seed derived from its id if it has none (see module doc)."""
     if msg.sampling.seed is not None:
@@ -293,8 +391,16 @@ def run_scheduler(config: SchedulerServiceConfig, *, queue: SchedulerQueue | Non
     if c.metrics_port is not None:  # up first: /health answers while the workers still load
         server, _ = start_http(c.metrics_port, c.metrics_host, metrics.registry,
                                lambda: bool(services) and services[0].running and services[0].worker_up,
-                               lambda: services[0].snapshot if services else {})
+                               lambda: services[0].stats_json() if services else {})
         log.info("scheduler metrics on http://%s:%d/metrics", c.metrics_host, server.server_port)
+    if c.disagg.enabled:
+        try:
+            _run_pools(c, queue, executor, metrics, services, server, stop, on_ready)
+        finally:
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+        return
     owned = None   # the RemoteExecutor made here, closed at the end (a given executor is the caller's)
     try:
         if executor is None:
@@ -327,6 +433,70 @@ def run_scheduler(config: SchedulerServiceConfig, *, queue: SchedulerQueue | Non
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+def pool_addresses(c: SchedulerServiceConfig) -> list[tuple[str, list[str] | str]]:
+    """(role, address) of each pool: every mixed worker (c.worker_addrs, one pool each), then the
+    prefill and the decode workers."""
+    d = c.disagg
+    mixed = [a for a in c.worker_addrs if a] if (d.separate_mixed or not (d.prefill_worker_addrs or
+                                                                           d.decode_worker_addrs)) else []
+    return ([("mixed", a) for a in mixed] + [("prefill", a) for a in d.prefill_worker_addrs]
+            + [("decode", a) for a in d.decode_worker_addrs])
+
+
+def _run_pools(c: SchedulerServiceConfig, queue, executors, metrics, services, server, stop,
+               on_ready) -> None:
+    """run_scheduler with worker pools (c.disagg.enabled). executors: None (connect to the
+    configured addresses), or a list of (role, executor) handed in (tests)."""
+    from scheduler_svc.remote_executor import RemoteExecutor
+    from shared.queue import QueueConfig, make_scheduler_queue
+
+    owned = []
+    try:
+        if executors is None:
+            executors = []
+            for role, addr in pool_addresses(c):
+                ex = RemoteExecutor(addr, timeout_s=c.worker_timeout_s)
+                owned.append(ex)
+                executors.append((role, ex))
+            log.info("waiting for workers: %s", ", ".join(f"{r} {e.addresses[0]}" for r, e in executors))
+        for _, ex in executors:
+            if _wait_for_model_info(ex, stop) is None:
+                return
+        counts: dict[str, int] = {}
+        pools = []
+        for role, ex in executors:
+            counts[role] = counts.get(role, 0) + 1
+            pools.append(make_pool(f"{role}{counts[role] - 1}", role, ex, c.scheduler, c.max_model_len))
+            if role != "prefill" and c.disagg.mode != "off" and pools[-1].kv_address is None:
+                raise ValueError(f"the {role} worker at {ex.addresses[0]} has no KV receiver "
+                                 "(start it with --kv-address)")
+        d = c.disagg
+        info = pools[0].scheduler.model_info
+        metrics.set_worker(info.name, info.backend)
+        pool_set = PoolSet(pools, Router(RouterConfig(d.mode, d.threshold_tokens, d.backlog_margin_tokens)),
+                           kv_transfer_timeout_s=d.kv_transfer_timeout_s,
+                           kv_transfer_failure=d.kv_transfer_failure,
+                           restart_timeout_s=c.worker_restart_timeout_s)
+        queue = queue or make_scheduler_queue(c.redis_url, consumer=c.consumer,
+                                              config=QueueConfig(prefix=c.queue_prefix))
+        service = PoolService(pool_set, queue, metrics, worker_restart_timeout_s=c.worker_restart_timeout_s)
+        service.http_port = server.server_port if server is not None else None
+        services.append(service)
+        log.info("scheduler ready: policy=%s tau=%d model=%s pools=%s disaggregation=%s threshold=%d",
+                 c.scheduler.policy, c.scheduler.token_budget, info.name,
+                 ", ".join(f"{p.name}({p.scheduler.block_manager.num_blocks} blocks)" for p in pools),
+                 d.mode, d.threshold_tokens)
+        if on_ready is not None:
+            on_ready(service)
+        try:
+            service.run(stop or threading.Event())
+        finally:
+            queue.close()
+    finally:
+        for ex in owned:
+            ex.close()
 
 
 def _wait_for_model_info(executor, stop: threading.Event | None):

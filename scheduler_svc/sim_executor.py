@@ -67,6 +67,21 @@ class SimExecutor:
         self.kv: dict[int, list[int | None]] = {}   # block id -> token id per slot
         self.num_batches = 0
         self.computed_tokens = 0                     # tokens whose K/V were written, total
+        # disaggregation: the simulated workers reachable by KV address (shared dict), this one's
+        # address in it, and kv_fail(kv_send) -> a failure reason or None (fault tests)
+        self.kv_fabric: dict[str, "SimExecutor"] = {}
+        self.kv_address: str | None = None
+        self.kv_fail: Callable | None = None
+        self.kv_blocks_received = 0
+        # kv_cost(kv_send) -> seconds of the send: added to the iteration (and to the clock) as a
+        # separate term, reported as the request's kv_transfer_s (None: free)
+        self.kv_cost: Callable | None = None
+
+    def join_fabric(self, fabric: dict[str, "SimExecutor"], address: str) -> "SimExecutor":
+        """Receive KV blocks at `address` of `fabric` (shared by the simulated workers of a test)."""
+        self.kv_fabric, self.kv_address = fabric, address
+        fabric[address] = self
+        return self
 
     def execute(self, batch: Batch) -> BatchOutput:
         # Strict model of attention: every sequence reads the KV cache as it was before this
@@ -82,7 +97,30 @@ class SimExecutor:
         if self.clock is not None:
             self.clock.advance(cost)
         self.num_batches += 1
-        return BatchOutput(batch.batch_id, sampled, {"forward_s": cost})
+        out = BatchOutput(batch.batch_id, sampled, {"forward_s": cost})
+        for send in batch.kv_sends:
+            self._send_kv(send, out)
+        return out
+
+    def _send_kv(self, send, out: BatchOutput) -> None:
+        """Copy the slots of send.src_blocks into the receiver's send.dst_blocks (a KvSend)."""
+        reason = self.kv_fail(send) if self.kv_fail is not None else None
+        dst = self.kv_fabric.get(send.dst_address)
+        if reason is None and dst is None:
+            reason = f"no KV receiver at {send.dst_address}"
+        if reason is not None:
+            out.kv_failed[send.req_id] = reason
+            return
+        for s, d in zip(send.src_blocks, send.dst_blocks):
+            dst.kv[d] = list(self.kv.get(s, [None] * self.block_size))
+        dst.kv_blocks_received += len(send.dst_blocks)
+        seconds = self.kv_cost(send) if self.kv_cost is not None else 0.0
+        if self.clock is not None:
+            self.clock.advance(seconds)
+        out.timings["kv_transfer_s"] = out.timings.get("kv_transfer_s", 0.0) + seconds
+        # bytes as SmolLM2-135M's bf16 KV would take: 30 layers x K,V x 3 heads x 64 dims x 2 B
+        out.kv_sent[send.req_id] = {"kv_transfer_s": seconds,
+                                    "kv_bytes": len(send.src_blocks) * self.block_size * 23040}
 
     def _slot(self, seq: SeqChunk, pos: int) -> tuple[list, int]:
         block = seq.block_table[pos // self.block_size]

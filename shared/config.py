@@ -205,11 +205,56 @@ class WorkerServiceConfig:
 
     address: the ZeroMQ address to bind (tcp://host:port, ipc://path, inproc://name); rank r of a
     replica binds rank_address(address, r). parallel: None for a one-rank worker; with tp x pp > 1
-    and no rank of its own (`sarathi worker --tp 2`) every rank is started on this machine."""
+    and no rank of its own (`sarathi worker --tp 2`) every rank is started on this machine.
+    role: mixed | prefill | decode (prefill/decode disaggregation; reported in "info").
+    kv_address: where this worker receives KV blocks from other workers, as they reach it
+    (tcp://host:port listens on every interface on that port; tcp://host:0 binds host on any free
+    port; kvstore.link.KvReceiver); None: no receiver (it cannot be a handoff target). It can
+    always send KV blocks."""
 
     engine: WorkerConfig = field(default_factory=WorkerConfig)
     address: str = "tcp://0.0.0.0:5555"
     parallel: ParallelConfig | None = None
+    role: str = "mixed"
+    kv_address: str | None = None
+
+
+@dataclass
+class DisaggConfig:
+    """Worker pools and prefill/decode disaggregation (scheduler_svc.pools, scheduler_svc.router).
+
+    prefill_worker_addrs / decode_worker_addrs: one ZeroMQ address per prefill / decode worker
+    (each a pool of its own; SchedulerServiceConfig.worker_addrs are then mixed workers, one pool
+    each, when `separate_mixed` is set, else one replica as before).
+    mode: off | all | auto. threshold_tokens: auto disaggregates a prompt whose uncached length on
+    the decode worker is at least this. backlog_margin_tokens: auto keeps a long prompt colocated
+    when the prefill pool's queued prefill tokens exceed the decode pool's by more than this.
+    kv_transfer_timeout_s: the lease of one KV send (seconds). kv_transfer_failure: recompute | fail.
+    """
+
+    prefill_worker_addrs: list[str] = field(default_factory=list)
+    decode_worker_addrs: list[str] = field(default_factory=list)
+    separate_mixed: bool = False
+    mode: str = "off"
+    threshold_tokens: int = 256
+    backlog_margin_tokens: int = 2048
+    kv_transfer_timeout_s: float = 10.0
+    kv_transfer_failure: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("off", "all", "auto"):
+            raise ValueError(f"--disaggregation must be off, all or auto, not {self.mode!r}")
+        if self.kv_transfer_failure not in ("recompute", "fail"):
+            raise ValueError(f"--kv-transfer-failure must be recompute or fail, not {self.kv_transfer_failure!r}")
+        if self.mode != "off" and not self.prefill_worker_addrs:
+            raise ValueError(f"--disaggregation {self.mode} needs at least one prefill worker")
+        if self.prefill_worker_addrs and not self.decode_worker_addrs:
+            raise ValueError("prefill workers need at least one decode worker to hand requests to")
+
+    @property
+    def enabled(self) -> bool:
+        """True when the scheduler runs pools (several workers) instead of one replica."""
+        return bool(self.prefill_worker_addrs or self.decode_worker_addrs or self.separate_mixed)
 
 
 @dataclass
@@ -225,6 +270,8 @@ class SchedulerServiceConfig:
     worker_timeout_s: seconds to wait for a batch's reply. worker_restart_timeout_s: seconds to
         hold the requests of a lost worker for a worker to answer again (then they fail).
     metrics_port: HTTP port of /metrics /health /ready /stats (None: no server; 0: any free port).
+    disagg: worker pools and prefill/decode disaggregation (DisaggConfig); when enabled,
+        worker_addrs are mixed workers, one pool each (with separate_mixed).
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -237,6 +284,7 @@ class SchedulerServiceConfig:
     worker_restart_timeout_s: float = 30.0
     metrics_port: int | None = 9100
     metrics_host: str = "0.0.0.0"
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
 
 @dataclass
@@ -264,7 +312,14 @@ class ServeConfig:
 
     worker: the engine (worker.model is the model served). scheduler: the policy and limits.
     redis_url: None = the in-process queue. worker_mode: "process" (a child process, restarted
-    when it dies) or "thread". The rest as in GatewayConfig / SchedulerServiceConfig."""
+    when it dies) or "thread". The rest as in GatewayConfig / SchedulerServiceConfig.
+
+    Worker pools (each worker a process of its own, every one with worker.num_threads threads):
+    workers: colocated mixed workers (1 with no prefill/decode workers = one worker, as always);
+    prefill_workers / decode_workers: prefill/decode disaggregation (scheduler_svc.pools);
+    disaggregation: off | all | auto; disagg_threshold (tokens), disagg_backlog_margin (tokens),
+    kv_transfer_timeout_s, kv_transfer_failure: see DisaggConfig. scheduler_port: also serve the
+    scheduler's /metrics, /stats (per-request KV transfers) and /ready on this port (None: no)."""
 
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -278,7 +333,41 @@ class ServeConfig:
     worker_restart_timeout_s: float = 30.0
     worker_mode: str = "process"
     log_level: str = "info"
+    workers: int = 1
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    disaggregation: str = "off"
+    disagg_threshold: int = 256
+    disagg_backlog_margin: int = 2048
+    kv_transfer_timeout_s: float = 10.0
+    kv_transfer_failure: str = "recompute"
+    scheduler_port: int | None = None
+
 
     def __post_init__(self) -> None:
         if self.worker_mode not in ("process", "thread"):
             raise ValueError(f"worker_mode must be 'process' or 'thread', not {self.worker_mode!r}")
+        if min(self.workers, self.prefill_workers, self.decode_workers) < 0:
+            raise ValueError("worker counts must be >= 0")
+        if self.disaggregation not in ("off", "all", "auto"):
+            raise ValueError(f"--disaggregation must be off, all or auto, not {self.disaggregation!r}")
+        if self.prefill_workers and not self.decode_workers:
+            raise ValueError("--prefill-workers needs --decode-workers >= 1 to hand requests to")
+        if self.disaggregation != "off" and not self.prefill_workers:
+            raise ValueError(f"--disaggregation {self.disaggregation} needs --prefill-workers >= 1")
+        if self.prefill_workers and self.disaggregation == "off":
+            raise ValueError("prefill workers run only with --disaggregation all or auto")
+        if self.pools and self.worker_mode != "process":
+            raise ValueError("several workers run as processes only (worker_mode 'process')")
+        if not (self.workers or self.prefill_workers or self.decode_workers):
+            raise ValueError("no worker to run")
+
+    @property
+    def pools(self) -> bool:
+        """True when the scheduler runs worker pools rather than the one worker of before."""
+        return self.workers != 1 or bool(self.prefill_workers or self.decode_workers)
+
+    def worker_roles(self) -> list[str]:
+        """One role per worker process, mixed first."""
+        return ["mixed"] * (self.workers if self.pools else 1) + ["prefill"] * self.prefill_workers \
+            + ["decode"] * self.decode_workers

@@ -75,6 +75,29 @@ class SeqChunk:
 
 
 @dataclass
+class KvSend:
+    """Prefill/decode disaggregation: after this batch's forward pass, the worker sends the K/V
+    of blocks `src_blocks` (its own block ids) straight to the worker whose KV receiver listens
+    at `dst_address`, which writes them into its blocks `dst_blocks` (same length, same logical
+    order) and acknowledges. The scheduler reserved the dst blocks; nothing else references them
+    until the handoff completed. timeout_s: seconds the send may take at most (the lease on the
+    prefill side's blocks); after it the send is reported failed."""
+
+    req_id: str
+    src_blocks: list[int]
+    dst_address: str
+    dst_blocks: list[int]
+    timeout_s: float = 10.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "KvSend":
+        return cls(**d)
+
+
+@dataclass
 class Batch:
     """One iteration: a hybrid batch. Order: decodes first, then prefill chunks (by convention
     of the sarathi policy; executors must accept any order).
@@ -82,23 +105,30 @@ class Batch:
     freed_req_ids: requests that finished, were aborted or preempted since the last batch;
     the worker drops any per-request state it holds for them (their blocks are already free
     in the scheduler's block manager).
+    kv_sends: KV blocks to send to another worker once this batch's forward pass is done (the
+    prompt KV of requests whose last prompt chunk is in this batch; disaggregation only).
     """
 
     batch_id: int
     seqs: list[SeqChunk]
     freed_req_ids: list[str] = field(default_factory=list)
+    kv_sends: list[KvSend] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"batch_id": self.batch_id, "seqs": [s.to_wire() for s in self.seqs],
-                "freed_req_ids": list(self.freed_req_ids)}
+        d = {"batch_id": self.batch_id, "seqs": [s.to_wire() for s in self.seqs],
+             "freed_req_ids": list(self.freed_req_ids)}
+        if self.kv_sends:
+            d["kv_sends"] = [k.to_wire() for k in self.kv_sends]
+        return d
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "Batch":
-        return cls(d["batch_id"], [SeqChunk.from_wire(s) for s in d["seqs"]], list(d["freed_req_ids"]))
+        return cls(d["batch_id"], [SeqChunk.from_wire(s) for s in d["seqs"]], list(d["freed_req_ids"]),
+                   [KvSend.from_wire(k) for k in d.get("kv_sends") or ()])
 
 
 @dataclass
@@ -110,23 +140,33 @@ class BatchOutput:
     logprobs: req_id -> [logprob of the sampled token, [top token ids], [their logprobs]], only
         for sampled requests whose SamplingParams.logprobs is not None (top lists of that length,
         most likely first). Only these numbers cross the wire, never a logits row.
+    kv_sent: req_id -> {"kv_transfer_s": seconds from the start of the send to the receiver's
+        ack, "kv_bytes": bytes moved}, for each KvSend of the batch that the receiver acknowledged.
+    kv_failed: req_id -> reason ("timeout", or the error), for each KvSend that did not complete.
     """
 
     batch_id: int
     sampled: dict[str, int]
     timings: dict[str, float] = field(default_factory=dict)
     logprobs: dict[str, list] = field(default_factory=dict)
+    kv_sent: dict[str, dict] = field(default_factory=dict)
+    kv_failed: dict[str, str] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         d = {"batch_id": self.batch_id, "sampled": self.sampled, "timings": self.timings}
         if self.logprobs:
             d["logprobs"] = self.logprobs
+        if self.kv_sent:
+            d["kv_sent"] = self.kv_sent
+        if self.kv_failed:
+            d["kv_failed"] = self.kv_failed
         return d
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "BatchOutput":
         return cls(d["batch_id"], dict(d["sampled"]), dict(d.get("timings", {})),
-                   dict(d.get("logprobs") or {}))
+                   dict(d.get("logprobs") or {}), dict(d.get("kv_sent") or {}),
+                   dict(d.get("kv_failed") or {}))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from typing import Any
 
 import msgpack
 
-from shared.messages import Batch, BatchOutput, SeqChunk
+from shared.messages import Batch, BatchOutput, KvSend, SeqChunk
 from shared.sampling import SamplingParams
 
 
@@ -160,8 +160,11 @@ class BatchEncoder(_Mirror):
                 seqs.append(d)
                 st.advance(chunk)
                 st.output_index = chunk.output_index
-        return {"op": "batch", "epoch": self.epoch, "batch_id": batch.batch_id,
-                "seqs": seqs, "freed": list(batch.freed_req_ids)}
+        msg = {"op": "batch", "epoch": self.epoch, "batch_id": batch.batch_id,
+               "seqs": seqs, "freed": list(batch.freed_req_ids)}
+        if batch.kv_sends:
+            msg["kv_sends"] = [k.to_wire() for k in batch.kv_sends]
+        return msg
 
 
 class BatchDecoder(_Mirror):
@@ -195,7 +198,8 @@ class BatchDecoder(_Mirror):
             if "sp" not in d and (d["r"] not in self.states or d["r"] in freed):
                 raise UnknownRequestError(d["r"])
         self.free(msg["freed"])
-        return Batch(msg["batch_id"], [self._chunk(d) for d in msg["seqs"]], list(msg["freed"]))
+        return Batch(msg["batch_id"], [self._chunk(d) for d in msg["seqs"]], list(msg["freed"]),
+                     [KvSend.from_wire(k) for k in msg.get("kv_sends") or ()])
 
     def _chunk(self, d: dict[str, Any]) -> SeqChunk:
         if "sp" in d:

@@ -7,7 +7,10 @@ and its KV cache (the content of every block) is gone.
 
 * {"op": "ping"} -> {"ok": True}
 * {"op": "info"} -> {"ok": True, "model_info": {...ModelInfo fields...},
-  "parallel": {"rank", "world_size", "tp", "pp"}} (this rank's place in a TP x PP replica)
+  "parallel": {"rank", "world_size", "tp", "pp"} (this rank's place in a TP x PP replica),
+  "role": mixed | prefill | decode, "kv_address": where it receives KV blocks, or None}
+* a batch may carry "kv_sends" (shared.messages.KvSend): after its forward pass the worker sends
+  those blocks to the named workers (kvstore.link) and the reply reports "kv_sent" / "kv_failed"
 * {"op": "batch", "epoch", "batch_id", "seqs", "freed"} (see shared.wire) ->
   {"ok": True, "batch_id", "sampled": {req_id: token_id}, "timings": {name: seconds},
   "logprobs": {req_id: [logprob, [top ids], [top logprobs]]} (only when a request asked)}
@@ -47,12 +50,25 @@ class ExecutorLike(Protocol):
     def free(self, req_ids: list[str]) -> None: ...
 
 
+class KvLinkLike(Protocol):
+    """Worker-to-worker KV blocks (kvstore.link.KvLink): sends, and receives at `address`."""
+
+    address: str | None
+
+    def send(self, src_blocks: list[int], dst_address: str, dst_blocks: list[int],
+             timeout_s: float) -> tuple[float, int]: ...
+
+    def close(self) -> None: ...
+
+
 class WorkerServer:
     """Serves one executor on `address` (tcp://, ipc:// or inproc://). Single-threaded: batches
     are executed one at a time, in arrival order (the wire mirror relies on that order)."""
 
-    def __init__(self, executor: ExecutorLike, address: str, ctx: zmq.Context | None = None):
+    def __init__(self, executor: ExecutorLike, address: str, ctx: zmq.Context | None = None,
+                 role: str = "mixed", kv_link: KvLinkLike | None = None):
         self.executor = executor
+        self.role = role
         self.decoder = BatchDecoder()
         # names this process's KV cache: a client that sees it change knows the KV is gone
         self.instance = uuid.uuid4().hex
@@ -63,6 +79,8 @@ class WorkerServer:
         # the address actually bound (resolves tcp://*:0 to a real port)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.fatal: str | None = None   # set when a fatal executor error stopped the server
+        # disaggregation: KV blocks in (the link's receiver thread) and out (after a forward pass)
+        self.kv_link = kv_link
 
     def serve_forever(self, stop: threading.Event | None = None, poll_ms: int = 100) -> None:
         """Answer requests until `stop` is set (checked every poll_ms milliseconds)."""
@@ -74,7 +92,13 @@ class WorkerServer:
                 self.sock.send_multipart(frames[:-1] + [pack(self.handle_bytes(frames[-1]))])
 
     def close(self) -> None:
+        if self.kv_link is not None:
+            self.kv_link.close()
         self.sock.close(0)
+
+    @property
+    def kv_address(self) -> str | None:
+        return self.kv_link.address if self.kv_link is not None else None
 
     def handle_bytes(self, payload: bytes) -> dict[str, Any]:
         try:
@@ -92,7 +116,8 @@ class WorkerServer:
             return {"ok": True}
         if op == "info":
             return {"ok": True, "model_info": dataclasses.asdict(self.executor.model_info),
-                    "parallel": getattr(self.executor, "parallel_info", None) or single_rank_layout()}
+                    "parallel": getattr(self.executor, "parallel_info", None) or single_rank_layout(),
+                    "role": self.role, "kv_address": self.kv_address}
         if op == "batch":
             return self._batch(msg)
         return error_reply("unknown_op", f"unknown op {op!r}; expected ping, info or batch")
@@ -120,9 +145,29 @@ class WorkerServer:
             self._forget_all()
             return error_reply("execute_failed", f"{type(e).__name__}: {e}")
         self.decoder.on_output(output)
+        if batch.kv_sends:
+            self._send_kv(batch, output)
         timings = dict(output.timings)
         timings.update(decode_s=t1 - t0, worker_total_s=time.perf_counter() - t0)
-        return output_reply(BatchOutput(output.batch_id, dict(output.sampled), timings, output.logprobs))
+        return output_reply(BatchOutput(output.batch_id, dict(output.sampled), timings, output.logprobs,
+                                        output.kv_sent, output.kv_failed))
+
+    def _send_kv(self, batch: Batch, output: BatchOutput) -> None:
+        """After the forward pass: send each KvSend's blocks to its receiver, synchronously (the
+        transfer time is a separate term of this batch: timings["kv_transfer_s"])."""
+        t0 = time.perf_counter()
+        for send in batch.kv_sends:
+            if self.kv_link is None:
+                output.kv_failed[send.req_id] = "this worker has no KV link to send with"
+                continue
+            try:
+                seconds, nbytes = self.kv_link.send(send.src_blocks, send.dst_address,
+                                                      send.dst_blocks, send.timeout_s)
+                output.kv_sent[send.req_id] = {"kv_transfer_s": seconds, "kv_bytes": nbytes}
+            except Exception as e:  # noqa: BLE001 - a failed send is reported, never fatal
+                log.warning("KV send of %s to %s failed: %s", send.req_id, send.dst_address, e)
+                output.kv_failed[send.req_id] = str(e)
+        output.timings["kv_transfer_s"] = time.perf_counter() - t0
 
     def _forget_all(self) -> None:
         """After a failed execute the executor's per-request state is unknown: drop it all and
@@ -150,13 +195,16 @@ def stop_when_parent_exits(parent_pid: int, poll_s: float = 0.5) -> threading.Ev
 
 
 def run_worker(config: WorkerServiceConfig, *, executor: ExecutorLike | None = None,
-               stop: threading.Event | None = None, ready: threading.Event | None = None) -> None:
+               stop: threading.Event | None = None, ready: threading.Event | None = None,
+               kv_link=None) -> None:
     """Load config.engine's model and serve it on config.address until `stop` is set (forever
     when None); rank r of a replica (config.parallel) binds shared.config.rank_address(address, r).
 
     executor: serve this object instead of loading a model (tests, the simulated worker). ready:
-    set once the socket is bound and the model is loaded. Raises SystemExit(3) when a fatal error
-    (a lost rank) stopped the server.
+    set once the socket is bound and the model is loaded. kv_link(executor, kv_address) -> a
+    KvLinkLike or None: makes the worker's KV link (kvstore.link.make_kv_link; the caller passes
+    it, worker_svc does not import kvstore); None: this worker neither sends nor receives KV.
+    Raises SystemExit(3) when a fatal error (a lost rank) stopped the server.
     """
     address, parallel = config.address, config.parallel
     if executor is None:
@@ -164,8 +212,10 @@ def run_worker(config: WorkerServiceConfig, *, executor: ExecutorLike | None = N
         executor = Executor(config.engine, parallel=parallel)
     if parallel is not None:
         address = rank_address(address, parallel.rank)
-    server = WorkerServer(executor, address)
-    log.info("worker serving %s on %s", executor.model_info.name, server.address)
+    link = kv_link(executor, config.kv_address) if kv_link is not None else None
+    server = WorkerServer(executor, address, role=config.role, kv_link=link)
+    log.info("worker (%s) serving %s on %s%s", config.role, executor.model_info.name, server.address,
+             f", KV receiver on {server.kv_address}" if server.kv_address else "")
     if ready is not None:
         ready.set()
     try:
