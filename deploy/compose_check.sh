@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Brings up docker-compose.yml for real on a machine without a container registry, runs the
-# `openai` client against it (deploy/compose_smoke.py), and tears it down. Needs root (dockerd,
+# Brings up two stacks for real on a machine without a container registry, one after the other:
+# docker-compose.yml (colocated) and the prefill/decode one (+ docker-compose.disagg.yml); runs
+# the `openai` client against each (deploy/compose_smoke.py), and tears it down. Needs root (dockerd,
 # debootstrap) and Docker Compose (v2 `docker compose`, or Debian's `docker-compose` 1.29).
 #   deploy/compose_check.sh [OUT_JSON]     (default bench/results/deploy/compose_check.json)
 # Steps: a local Debian base image (deploy/local_base_image.sh, skipped when it exists), wheels
@@ -24,25 +25,46 @@ tb=$(date +%s)
 docker build -q --build-arg BASE_IMAGE="$BASE" -t sarathi-serve:latest . >/dev/null
 build_s=$(( $(date +%s) - tb ))
 
-down() { "${COMPOSE[@]}" -p "$PROJECT" "${FILES[@]}" down -v --remove-orphans >/dev/null 2>&1 || true; }
-trap down EXIT
-down
-"${COMPOSE[@]}" -p "$PROJECT" "${FILES[@]}" up -d --no-build
-if ! smoke=$("$PY" deploy/compose_smoke.py --wait 600); then
-    "${COMPOSE[@]}" -p "$PROJECT" "${FILES[@]}" logs --no-color > "${OUT%.json}.logs.txt" 2>&1 || true
-    echo "compose check FAILED; logs in ${OUT%.json}.logs.txt" >&2
-    exit 1
-fi
-services=$("${COMPOSE[@]}" -p "$PROJECT" "${FILES[@]}" ps --services | sort | tr '\n' ' ')
-"$PY" - "$OUT" "$smoke" "$build_s" "$(( $(date +%s) - t0 ))" "$services" "${COMPOSE[*]}" <<'PY'
+# one stack after the other: colocated (docker-compose.yml) and prefill/decode disaggregated
+# (+ docker-compose.disagg.yml), each brought up, smoke-tested with the openai client, torn down
+STACKS=(colocated disagg)
+declare -A EXTRA=([colocated]="" [disagg]="-f docker-compose.disagg.yml")
+# the P/D stack runs with every prompt disaggregated, so that the smoke's short prompts move KV
+declare -A ENVS=([colocated]="" [disagg]="SARATHI_DISAGGREGATION=all")
+declare -A SMOKE=([colocated]="" [disagg]="--expect-handoffs")
+RESULTS=()
+for stack in "${STACKS[@]}"; do
+    # shellcheck disable=SC2206
+    files=("${FILES[@]}" ${EXTRA[$stack]})
+    down() { "${COMPOSE[@]}" -p "$PROJECT" "${files[@]}" down -v --remove-orphans >/dev/null 2>&1 || true; }
+    trap down EXIT
+    down
+    ts=$(date +%s)
+    env ${ENVS[$stack]} "${COMPOSE[@]}" -p "$PROJECT" "${files[@]}" up -d --no-build
+    # shellcheck disable=SC2086
+    if ! smoke=$("$PY" deploy/compose_smoke.py --wait 600 ${SMOKE[$stack]}); then
+        "${COMPOSE[@]}" -p "$PROJECT" "${files[@]}" logs --no-color > "${OUT%.json}.$stack.logs.txt" 2>&1 || true
+        echo "compose check FAILED ($stack); logs in ${OUT%.json}.$stack.logs.txt" >&2
+        exit 1
+    fi
+    services=$("${COMPOSE[@]}" -p "$PROJECT" "${files[@]}" ps --services | sort | tr '\n' ' ')
+    RESULTS+=("$stack" "${files[*]}" "$services" "$(( $(date +%s) - ts ))" "$smoke")
+    down
+    trap - EXIT
+done
+"$PY" - "$OUT" "$build_s" "$(( $(date +%s) - t0 ))" "${COMPOSE[*]}" "${RESULTS[@]}" <<'PY'
 import datetime, json, platform, subprocess, sys
-out, smoke, build_s, total_s, services, compose = sys.argv[1:]
+out, build_s, total_s, compose, *rest = sys.argv[1:]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+stacks = {}
+for i in range(0, len(rest), 5):
+    name, files, services, seconds, smoke = rest[i:i + 5]
+    stacks[name] = {"files": files.split(), "services": services.split(), "up_and_smoke_s": int(seconds),
+                    "smoke": json.loads(smoke)}
 res = {"command": "deploy/compose_check.sh " + out, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
        "machine": f"{cpu}, {platform.platform()}",
        "docker": subprocess.run(["docker", "version", "--format", "{{.Server.Version}}"], capture_output=True, text=True).stdout.strip(),
-       "compose": compose, "services": services.split(), "image_build_s": int(build_s), "total_s": int(total_s),
-       "smoke": json.loads(smoke)}
+       "compose": compose, "image_build_s": int(build_s), "total_s": int(total_s), "stacks": stacks}
 open(out, "w").write(json.dumps(res, indent=2) + "\n")
 print(json.dumps(res, indent=2))
 PY

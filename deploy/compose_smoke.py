@@ -36,6 +36,8 @@ def main() -> int:
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--metrics", default="http://127.0.0.1:9100")
     ap.add_argument("--wait", type=float, default=600.0)
+    ap.add_argument("--expect-handoffs", action="store_true",
+                    help="a prefill/decode stack with --disaggregation all: both requests moved their KV")
     a = ap.parse_args()
     out: dict = {"url": a.url}
     out["ready_s"] = round(wait_ready(f"{a.url}/ready", a.wait), 1)
@@ -62,6 +64,15 @@ def main() -> int:
         text = m.read().decode()
     out["scheduler_metrics_lines"] = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
     assert out["scheduler_metrics_lines"] > 0
+    # a prefill/decode stack: how many requests were handed off, and the pools' roles
+    handoffs = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("sarathi_scheduler_kv_transfer_seconds_count")]
+    roles = sorted({line.split('role="', 1)[1].split('"', 1)[0] for line in text.splitlines()
+                    if line.startswith("sarathi_scheduler_pool_up{") and 'role="' in line})
+    if handoffs or roles:
+        out["kv_handoffs"], out["pool_roles"] = sum(handoffs), roles
+    if a.expect_handoffs:
+        assert out.get("kv_handoffs", 0) >= 2, f"expected the two requests handed off: {out}"
     print(json.dumps(out, indent=2))
     return 0
 

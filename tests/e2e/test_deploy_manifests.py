@@ -33,7 +33,8 @@ def test_kubernetes_manifests_pass_strict_schema_validation():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.parallel.yml", "docker-compose.local.yml"])
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.parallel.yml", "docker-compose.local.yml",
+                                  "docker-compose.disagg.yml"])
 def test_compose_file_passes_the_compose_spec(name):
     r = subprocess.run([BIN / "check-jsonschema", "--builtin-schema", "vendor.compose-spec",
                         ROOT / name], capture_output=True, text=True)
@@ -115,9 +116,10 @@ def deployed_env() -> list[tuple[str, str]]:
     for svc in compose["services"].values():
         if svc.get("command") and svc["command"][0] in ("gateway", "scheduler", "worker"):
             pairs += [(svc["command"][0], k) for k in svc["environment"]]
-    parallel = yaml.safe_load((ROOT / "docker-compose.parallel.yml").read_text())
-    for name, svc in parallel["services"].items():   # an override: the command is the base's
-        pairs += [(compose["services"][name]["command"][0], k) for k in svc.get("environment", {})]
+    for override in ("docker-compose.parallel.yml", "docker-compose.disagg.yml"):
+        for name, svc in yaml.safe_load((ROOT / override).read_text())["services"].items():
+            command = svc.get("command") or compose["services"][name]["command"]   # else the base's
+            pairs += [(command[0], k) for k in svc.get("environment", {})]
     for d in docs():
         if d["kind"] in ("Deployment", "StatefulSet"):
             for c in d["spec"]["template"]["spec"]["containers"]:
@@ -127,5 +129,33 @@ def deployed_env() -> list[tuple[str, str]]:
 
 
 def test_every_sarathi_env_var_in_the_deployments_is_an_option_of_its_command():
-    unknown = [(cmd, var) for cmd, var in deployed_env() if var not in cli_options(cmd)]
+    unknown = [(cmd, var) for cmd, var in deployed_env()
+               if var.startswith("SARATHI_") and var not in cli_options(cmd)]
     assert not unknown, f"env vars no CLI option reads: {unknown}"
+
+
+def test_disaggregated_examples_wire_a_prefill_and_a_decode_worker_to_one_scheduler():
+    """compose: the base's worker becomes the decode worker (its kv address on its own name),
+    a prefill worker is added, the scheduler names both and no mixed worker; k8s: a prefill and
+    a decode StatefulSet, the decode pod advertising its stable DNS name on its kv port."""
+    compose = yaml.safe_load((ROOT / "docker-compose.disagg.yml").read_text())["services"]
+    sched = compose["scheduler"]["environment"]
+    assert sched["SARATHI_WORKER_ADDR"] == ""
+    assert sched["SARATHI_PREFILL_WORKER_ADDRS"] == "tcp://prefill-worker:5555"
+    assert sched["SARATHI_DECODE_WORKER_ADDRS"] == "tcp://worker:5555"
+    assert compose["prefill-worker"]["environment"]["SARATHI_ROLE"] == "prefill"
+    assert compose["worker"]["environment"] == {"SARATHI_ROLE": "decode", "SARATHI_KV_ADDRESS": "tcp://worker:5600"}
+
+    def env(component):
+        (c,) = containers("StatefulSet", component)
+        return c, {e["name"]: e.get("value") for e in c["env"]}
+
+    (_, prefill), (decode_c, decode) = env("prefill"), env("decode")
+    assert (prefill["SARATHI_ROLE"], decode["SARATHI_ROLE"]) == ("prefill", "decode")
+    kv_port = next(p["containerPort"] for p in decode_c["ports"] if p["name"] == "kv")
+    assert decode["SARATHI_KV_ADDRESS"] == f"tcp://$(POD_NAME).sarathi-decode:{kv_port}"
+    assert [e["name"] for e in decode_c["env"]].index("POD_NAME") == 0   # defined before it is used
+    _, s = env("pd-scheduler")
+    assert s["SARATHI_PREFILL_WORKER_ADDRS"] == "tcp://sarathi-prefill-0.sarathi-prefill:5555"
+    assert s["SARATHI_DECODE_WORKER_ADDRS"] == "tcp://sarathi-decode-0.sarathi-decode:5555"
+    assert s["SARATHI_DISAGGREGATION"] in ("all", "auto") and s["SARATHI_WORKER_ADDR"] == ""
