@@ -5,7 +5,10 @@ per worker and KV blocks per worker, each a real `sarathi serve` stack driven ov
 
 * colocated: `--workers 2` (two mixed workers, stall-free chunked prefills on both);
 * disagg:    `--prefill-workers 1 --decode-workers 1 --disaggregation all`;
-* auto:      `--prefill-workers 1 --decode-workers 1 --disaggregation auto`.
+* auto:      `--prefill-workers 1 --decode-workers 1 --disaggregation auto` (threshold 256 tokens,
+             backlog margin 2048 tokens: the defaults);
+* auto-tbt:  the same with the threshold and margin a strict TBT SLO asks for (32 tokens: what
+             fits one SLO-compliant iteration beside the decodes; no backlog fallback).
 
 Two workloads: (a) the ShareGPT length trace scaled as in bench/results/paper (x0.125), (b) a
 long-prompt workload (outputs uniform in [16, 48] tokens, prompts 8-16x their output). Every
@@ -55,6 +58,10 @@ DEPLOYMENTS = {
     "colocated": ["--workers", "2"],
     "disagg": ["--prefill-workers", "1", "--decode-workers", "1", "--disaggregation", "all"],
     "auto": ["--prefill-workers", "1", "--decode-workers", "1", "--disaggregation", "auto"],
+    # auto as planned for a strict TBT SLO: a prompt colocated on the decode worker must fit one
+    # iteration within the SLO (~32 tokens here), and a prefill backlog never sends prompts back
+    "auto-tbt": ["--prefill-workers", "1", "--decode-workers", "1", "--disaggregation", "auto",
+                 "--disagg-threshold", "32", "--disagg-backlog-margin", "100000"],
 }
 ATTAINMENT = 0.9
 VOCAB = 49152   # SmolLM2's; prompts are random ids in [100, VOCAB)
@@ -319,7 +326,7 @@ def plot(result: dict, data: dict, path: Path) -> None:
     slos = list(result["slos"])
     fig, axes = plt.subplots(len(wls), len(slos) + 1, figsize=(4.2 * (len(slos) + 1), 3.4 * len(wls)),
                              squeeze=False)
-    colors = {"colocated": "tab:blue", "disagg": "tab:red", "auto": "tab:green"}
+    colors = {"colocated": "tab:blue", "disagg": "tab:red", "auto": "tab:green", "auto-tbt": "tab:olive"}
     for i, wl in enumerate(wls):
         for j, slo in enumerate(slos):
             ax = axes[i][j]
