@@ -178,7 +178,7 @@ def test_scalar_build_is_correct_and_not_picked_by_auto(fresh_native, monkeypatc
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
-@pytest.mark.parametrize("march", ["skylake-avx512", "haswell", "x86-64"])
+@pytest.mark.parametrize("march", ["icelake-server", "skylake-avx512", "haswell", "x86-64"])
 def test_every_simd_path_compiles_cleanly(march, tmp_path):
     """The AVX-512 path cannot run on an AVX2 machine: at least it must compile, without warnings."""
     for src in native.SOURCES:

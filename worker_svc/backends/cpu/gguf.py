@@ -22,6 +22,8 @@ kernel, dequantized at load with a log line) run plain F.linear, as does any non
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -34,22 +36,42 @@ from worker_svc.backends.cpu import native
 GGUF_MAX_TOKENS = {"avx2": 32}
 
 
+# The small-batch kernel's arithmetic: "int8" = llama.cpp's method (each token's activations
+# quantized to 8-bit blocks of 32 once per call, integer dots with the file's blocks: vpdpbusd /
+# maddubs; csrc/gguf_linear.c gguf_linear_q8); "fp32" = the exact path (each row dequantized in
+# cache, fp32 dots: F.linear on the file's dequantized weights up to summation order).
+# SARATHI_GGUF_DOT overrides the default.
+DOTS = ("int8", "fp32")
+DEFAULT_DOT = "int8"
+
+
 def default_max_tokens() -> int:
     return GGUF_MAX_TOKENS.get(native.gguf_isa(), 0) if native.available() else 0
+
+
+def default_dot() -> str:
+    dot = os.environ.get("SARATHI_GGUF_DOT", DEFAULT_DOT)
+    if dot not in DOTS:
+        raise ValueError(f"SARATHI_GGUF_DOT must be one of {DOTS}, got {dot!r}")
+    return dot
 
 
 class GgufLinearMethod(LinearMethod):
     """Block kernel for T <= max_tokens, float GEMM above (module docstring). process() keeps
     layer.gguf's blocks as buffer layer.gguf_data (uint8 [N, row_bytes]) and layer.gguf_type."""
 
-    def __init__(self, max_tokens: int | None = None, large: str = "cached"):
+    def __init__(self, max_tokens: int | None = None, large: str = "cached", dot: str | None = None):
         if not native.available():
             raise ValueError(f"GGUF block kernels need the native library: {native.unavailable_reason()}")
         if large not in ("cached", "dequant"):
             raise ValueError(f"large must be 'cached' or 'dequant', got {large!r}")
+        self.dot = default_dot() if dot is None else dot
+        if self.dot not in DOTS:
+            raise ValueError(f"dot must be one of {DOTS}, got {self.dot!r}")
         self.max_tokens = default_max_tokens() if max_tokens is None else max_tokens
         self.large = large
-        self.name = f"gguf blocks ({native.gguf_isa()}) for <= {self.max_tokens} tokens, float GEMM above" + (
+        isa = native.gguf_q8_isa() + " int8 dot" if self.dot == "int8" else native.gguf_isa() + " fp32 dot"
+        self.name = f"gguf blocks ({isa}) for <= {self.max_tokens} tokens, float GEMM above" + (
             " (dequantized per call)" if large == "dequant" else "")
 
     def process(self, layer: torch.nn.Module) -> None:
@@ -81,7 +103,8 @@ class GgufLinearMethod(LinearMethod):
         if bias is not None:
             b = layer.bias_f32 if bias is layer.bias else bias.float().contiguous()
         xf = rows if rows.stride(-1) == 1 else rows.contiguous()
-        y = native.gguf_linear_unchecked(layer.gguf_type, data, xf, b)
+        y = (native.gguf_linear_q8_unchecked if self.dot == "int8" else native.gguf_linear_unchecked)(
+            layer.gguf_type, data, xf, b)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -95,8 +118,8 @@ class GroupInt8LinearMethod(GgufLinearMethod):
     per-row int8: SmolLM2 top-1 agreement 0.879 with Hugging Face), at the memory of a per-64
     fp32-scale scheme. Layers whose K is not a multiple of 32 keep float weights."""
 
-    def __init__(self, max_tokens: int | None = None):
-        super().__init__(max_tokens)
+    def __init__(self, max_tokens: int | None = None, dot: str | None = None):
+        super().__init__(max_tokens, dot=dot)
         self.name = "int8 per 32-column group (Q8_0 blocks) " + self.name.removeprefix("gguf blocks ")
 
     def process(self, layer: torch.nn.Module) -> None:
