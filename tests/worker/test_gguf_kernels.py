@@ -93,17 +93,34 @@ def test_rejects_bad_shapes():
 
 
 # --- the integer-dot path (gguf_linear_q8: llama.cpp's method) -----------------------------------
-def quantize_act_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """numpy's float32 version of the kernel's activation quantization (per token, blocks of 32)."""
+def quantize_act_reference(x: np.ndarray, parts: int = 1):
+    """numpy's float32 version of the kernel's activation quantization (per token, blocks of 32):
+    (q, d, s), or (q, q_lo, d, s) for parts=2; x ~ d * q, or d * (128 q + q_lo)."""
     T, K = x.shape
     xb = x.reshape(T, K // 32, 32).astype(np.float32)
     amax = np.abs(xb).max(axis=2)
     with np.errstate(divide="ignore"):
         inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(xb * inv[:, :, None]).astype(np.int8)
+    v = (xb * inv[:, :, None]).astype(np.float32)
+    r = np.rint(v)
+    q = r.astype(np.int8)
     d = (amax / np.float32(127)).astype(np.float32)
-    s = (d * q.astype(np.int32).sum(axis=2).astype(np.float32)).astype(np.float32)
-    return q.reshape(T, K), d, s
+    if parts == 1:
+        s = (d * q.astype(np.int32).sum(axis=2).astype(np.float32)).astype(np.float32)
+        return q.reshape(T, K), d, s
+    lo = np.rint((v - r) * np.float32(128)).astype(np.int8)
+    d = (d / np.float32(128)).astype(np.float32)
+    s = (d * (128 * q.astype(np.int32) + lo).sum(axis=2).astype(np.float32)).astype(np.float32)
+    return q.reshape(T, K), lo.reshape(T, K), d, s
+
+
+def dequantized_act(x: np.ndarray, parts: int) -> tuple[torch.Tensor, np.ndarray]:
+    """(the activations the integer dots see, as float64 [T, K]; their scale d [T, K/32])"""
+    T, K = x.shape
+    ref = quantize_act_reference(x, parts)
+    q = ref[0].astype(np.float64) if parts == 1 else 128 * ref[0].astype(np.float64) + ref[1]
+    d = ref[-2]
+    return torch.from_numpy((q.reshape(T, -1, 32) * d[:, :, None].astype(np.float64)).reshape(T, K)), d
 
 
 def test_activation_quantization_bit_identical_to_numpy():
@@ -112,25 +129,31 @@ def test_activation_quantization_bit_identical_to_numpy():
     x[1, 32:64] = 0.0                                  # an all-zero block: scale 0, quants 0
     x[2, 5] = 1e4                                      # an outlier: its block's others round to 0
     x[3, :32] = np.float32(0.5) * np.arange(-16, 16, dtype=np.float32)   # halves: round to even
-    q_ref, d_ref, s_ref = quantize_act_reference(x)
-    for scalar in paths():
-        q, d, s = native.gguf_quantize_act(torch.from_numpy(x), force_scalar=scalar)
-        assert np.array_equal(q.numpy(), q_ref) and np.array_equal(d.numpy(), d_ref), scalar
-        assert np.array_equal(s.numpy(), s_ref), scalar
+    for parts in (1, 2):
+        want = quantize_act_reference(x, parts)
+        for scalar in paths():
+            got = native.gguf_quantize_act(torch.from_numpy(x), force_scalar=scalar, parts=parts)
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert np.array_equal(g.numpy(), w), (parts, scalar)
+    q, lo, d, _ = quantize_act_reference(x, 2)
+    assert np.abs(lo).max() <= 64                      # the remainder of a rounding: |v - q| <= 1/2
+    xq = (128 * q.astype(np.float64) + lo).reshape(5, 3, 32) * d[:, :, None]
+    # 8 + 7 bits: within amax / 127 / 256 of x
+    assert (np.abs(xq.reshape(5, 96) - x) <= np.repeat(d, 32, axis=1) / 2 * (1 + 1e-5)).all()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype):
+def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype, parts_list=(1, 2)):
     """The integer dots compute exactly W_deq . (q_a * d_a) up to fp32 rounding of the scale
     products and the sums; and they differ from the exact F.linear by the activation rounding only."""
     rng = np.random.default_rng(200 + int(qtype))
-    for n, k in shapes(qtype):
+    for (n, k), parts in ((s, p) for s in shapes(qtype) for p in parts_list):
         raw = random_blocks(qtype, n, k, rng)
         w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).astype(np.float32)).double()
         for T in (1, 3, 6):                           # tiles of 4 tokens: full, partial, both
             x = rng.standard_normal((T, k)).astype(np.float32)
-            q, d, _ = quantize_act_reference(x)
-            xq = torch.from_numpy((q.reshape(T, -1, 32) * d[:, :, None].astype(np.float64)).reshape(T, k))
+            xq, d = dequantized_act(x, parts)
             bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
             want = F.linear(xq, w, bias.double())
             tol = 8 * k * 6e-8 * (xq.abs() @ w.abs().T) + 2 * 6e-8 * want.abs() + 1e-30
@@ -139,10 +162,10 @@ def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype):
             exact = F.linear(torch.from_numpy(x).double(), w, bias.double())
             for scalar in paths():
                 got = native.gguf_linear_q8(int(qtype), torch.from_numpy(raw), torch.from_numpy(x), bias,
-                                            force_scalar=scalar).double()
+                                            force_scalar=scalar, parts=parts).double()
                 assert got.shape == (T, n)
-                assert ((got - want).abs() <= tol).all(), (qtype.name, n, k, T, scalar)
-                assert ((got - exact).abs() <= half @ w.abs().T + tol).all(), (qtype.name, n, k, T, scalar)
+                assert ((got - want).abs() <= tol).all(), (qtype.name, n, k, T, parts, scalar)
+                assert ((got - exact).abs() <= half @ w.abs().T + tol).all(), (qtype.name, n, k, T, parts, scalar)
 
 
 def test_q8_token_results_do_not_depend_on_the_batch_or_threads():
@@ -153,13 +176,15 @@ def test_q8_token_results_do_not_depend_on_the_batch_or_threads():
         k = 512
         raw = torch.from_numpy(random_blocks(qtype, 300, k, rng))
         x = torch.from_numpy(rng.standard_normal((7, k)).astype(np.float32))
-        for scalar in paths():
-            full = native.gguf_linear_q8(int(qtype), raw, x, num_threads=2, force_scalar=scalar)
+        for scalar, parts in ((s, p) for s in paths() for p in (1, 2)):
+            full = native.gguf_linear_q8(int(qtype), raw, x, num_threads=2, force_scalar=scalar, parts=parts)
             for t in range(7):
-                alone = native.gguf_linear_q8(int(qtype), raw, x[t:t + 1], num_threads=1, force_scalar=scalar)
-                assert torch.equal(alone[0], full[t]), (qtype.name, t, scalar)
+                alone = native.gguf_linear_q8(int(qtype), raw, x[t:t + 1], num_threads=1, force_scalar=scalar,
+                                              parts=parts)
+                assert torch.equal(alone[0], full[t]), (qtype.name, t, scalar, parts)
             perm = [6, 2, 0, 5]
-            assert torch.equal(native.gguf_linear_q8(int(qtype), raw, x[perm], force_scalar=scalar), full[perm])
+            assert torch.equal(native.gguf_linear_q8(int(qtype), raw, x[perm], force_scalar=scalar, parts=parts),
+                               full[perm])
 
 
 def test_q8_strided_rows_and_rejects_bad_shapes():

@@ -36,13 +36,18 @@ from worker_svc.backends.cpu import native
 GGUF_MAX_TOKENS = {"avx2": 32}
 
 
-# The small-batch kernel's arithmetic: "int8" = llama.cpp's method (each token's activations
-# quantized to 8-bit blocks of 32 once per call, integer dots with the file's blocks: vpdpbusd /
-# maddubs; csrc/gguf_linear.c gguf_linear_q8); "fp32" = the exact path (each row dequantized in
-# cache, fp32 dots: F.linear on the file's dequantized weights up to summation order).
-# SARATHI_GGUF_DOT overrides the default.
-DOTS = ("int8", "fp32")
-DEFAULT_DOT = "int8"
+# The small-batch kernel's arithmetic (SARATHI_GGUF_DOT overrides the default):
+# * "int8" = llama.cpp's method: each token's activations quantized once per call to 8-bit blocks
+#   of 32 (scale amax / 127), integer dots with the file's blocks (vpdpbusd / maddubs;
+#   csrc/gguf_linear.c gguf_linear_q8), fp32 scales;
+# * "int8x2": the same plus a second 8-bit part holding the rounding remainder in 1/128 steps
+#   (x ~ d (q + q_lo / 128): ~15-bit activations), two integer dots per run of 32;
+# * "fp32": the exact path (each row dequantized in cache, fp32 dots: F.linear on the file's
+#   dequantized weights up to summation order).
+# All three read the file's own blocks; they differ in the activations' precision only.
+DOTS = ("int8x2", "int8", "fp32")
+DEFAULT_DOT = "int8x2"
+_PARTS = {"int8": 1, "int8x2": 2}
 
 
 def default_max_tokens() -> int:
@@ -70,7 +75,7 @@ class GgufLinearMethod(LinearMethod):
             raise ValueError(f"dot must be one of {DOTS}, got {self.dot!r}")
         self.max_tokens = default_max_tokens() if max_tokens is None else max_tokens
         self.large = large
-        isa = native.gguf_q8_isa() + " int8 dot" if self.dot == "int8" else native.gguf_isa() + " fp32 dot"
+        isa = f"{native.gguf_q8_isa()} {self.dot} dot" if self.dot in _PARTS else native.gguf_isa() + " fp32 dot"
         self.name = f"gguf blocks ({isa}) for <= {self.max_tokens} tokens, float GEMM above" + (
             " (dequantized per call)" if large == "dequant" else "")
 
@@ -103,8 +108,10 @@ class GgufLinearMethod(LinearMethod):
         if bias is not None:
             b = layer.bias_f32 if bias is layer.bias else bias.float().contiguous()
         xf = rows if rows.stride(-1) == 1 else rows.contiguous()
-        y = (native.gguf_linear_q8_unchecked if self.dot == "int8" else native.gguf_linear_unchecked)(
-            layer.gguf_type, data, xf, b)
+        if self.dot == "fp32":
+            y = native.gguf_linear_unchecked(layer.gguf_type, data, xf, b)
+        else:
+            y = native.gguf_linear_q8_unchecked(layer.gguf_type, data, xf, b, parts=_PARTS[self.dot])
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -377,7 +377,7 @@ const char *gguf_linear_isa(void) {
 
 /* one token: x [K] -> q [K] int8, d [K/32], s [K/32] (identical on every path: IEEE multiply,
  * round half to even, as numpy's float32 rint) */
-static void quant_act_scalar(const float *x, int nb, int8_t *q, float *d, float *s) {
+static void quant_act_scalar(const float *x, int nb, int parts, int8_t *q, int8_t *ql, float *d, float *s) {
     for (int b = 0; b < nb; b++) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
@@ -385,11 +385,15 @@ static void quant_act_scalar(const float *x, int nb, int8_t *q, float *d, float 
         const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
         int sum = 0;
         for (int l = 0; l < 32; l++) {
-            const int v = (int)__builtin_rintf(xb[l] * id);
-            q[32 * b + l] = (int8_t)v;
-            sum += v;
+            const float v = xb[l] * id, r = __builtin_rintf(v);
+            q[32 * b + l] = (int8_t)r;
+            if (parts == 2) {
+                const int lo = (int)__builtin_rintf((v - r) * 128.0f);
+                ql[32 * b + l] = (int8_t)lo;
+                sum += 128 * (int)r + lo;
+            } else sum += (int)r;
         }
-        d[b] = amax / 127.0f;
+        d[b] = parts == 2 ? amax / 127.0f / 128.0f : amax / 127.0f;
         s[b] = d[b] * (float)sum;
     }
 }
@@ -399,35 +403,46 @@ static void quant_act_scalar(const float *x, int nb, int8_t *q, float *d, float 
 #define GG_VNNI 1
 #endif
 
-static void quant_act_avx2(const float *x, int nb, int8_t *q, float *d, float *s) {
+static inline __m256i pack32(__m256i i0, __m256i i1, __m256i i2, __m256i i3) {
+    i0 = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    return _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static inline int hsum_epi32(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+}
+
+static void quant_act_avx2(const float *x, int nb, int parts, int8_t *q, int8_t *ql, float *d, float *s) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const int rm = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     for (int b = 0; b < nb; b++) {
         const float *xb = x + 32 * b;
-        __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
-               v3 = _mm256_loadu_ps(xb + 24);
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, absmask), _mm256_and_ps(v1, absmask)),
-                                 _mm256_max_ps(_mm256_and_ps(v2, absmask), _mm256_and_ps(v3, absmask)));
+        __m256 v[4];
+        for (int g = 0; g < 4; g++) v[g] = _mm256_loadu_ps(xb + 8 * g);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                 _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
         __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
         const float amax = _mm_cvtss_f32(h);
         const __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
-        const int r = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, id), r));
-        __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, id), r));
-        __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, id), r));
-        __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, id), r));
-        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-        i0 = _mm256_packs_epi32(i0, i1);
-        i2 = _mm256_packs_epi32(i2, i3);
-        i0 = _mm256_packs_epi16(i0, i2);
-        i0 = _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + 32 * b), i0);
-        d[b] = amax / 127.0f;
-        s[b] = d[b] * (float)_mm_cvtsi128_si32(t);
+        __m256i hi[4], lo[4];
+        __m256i sum = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            const __m256 sv = _mm256_mul_ps(v[g], id), r = _mm256_round_ps(sv, rm);
+            hi[g] = _mm256_cvtps_epi32(r);
+            if (parts == 2) {
+                lo[g] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(sv, r), _mm256_set1_ps(128.0f)), rm));
+                sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_slli_epi32(hi[g], 7), lo[g]));
+            } else sum = _mm256_add_epi32(sum, hi[g]);
+        }
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), pack32(hi[0], hi[1], hi[2], hi[3]));
+        if (parts == 2) _mm256_storeu_si256((__m256i *)(ql + 32 * b), pack32(lo[0], lo[1], lo[2], lo[3]));
+        d[b] = parts == 2 ? amax / 127.0f / 128.0f : amax / 127.0f;
+        s[b] = d[b] * (float)hsum_epi32(sum);
     }
 }
 
@@ -453,15 +468,21 @@ static inline float hsum8(__m256 v) {
     for (int t = 0; t < NT; t++) {                                                                 \
         __m256i a = _mm256_load_si256((const __m256i *)(qa + t * qs + 32 * (b)));                  \
         if (SIGNED) a = _mm256_sign_epi8(a, sgn);                                                  \
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(u, a)),                                 \
+        __m256i dt = dot_us(u, a);                                                                 \
+        if (TWO) {                                                                                 \
+            __m256i al = _mm256_load_si256((const __m256i *)(qa + t * qs + loff + 32 * (b)));        \
+            if (SIGNED) al = _mm256_sign_epi8(al, sgn);                                            \
+            dt = _mm256_add_epi32(_mm256_slli_epi32(dt, 7), dot_us(u, al));                        \
+        }                                                                                          \
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt),                                           \
                                  _mm256_mul_ps(scale, _mm256_set1_ps(da[t * fs + (b)])), acc[t]);  \
         if (cw != 0.0f) corr[t] += cw * sa[t * fs + (b)];                                          \
     }
 
 /* NT tokens (activations qa + t * qs, da / sa + t * fs) against one row p of nb native blocks */
 static inline __attribute__((always_inline)) void
-q8_row_avx2(const int type, const int NT, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
-            const float *da, const float *sa, int64_t fs, float *res) {
+q8_row_avx2(const int type, const int NT, const int TWO, const uint8_t *p, int nb, const int8_t *qa,
+            int64_t qs, int64_t loff, const float *da, const float *sa, int64_t fs, float *res) {
     __m256 acc[Q8_TILE];
     float corr[Q8_TILE];
     for (int t = 0; t < NT; t++) { acc[t] = _mm256_setzero_ps(); corr[t] = 0.0f; }
@@ -532,18 +553,21 @@ q8_row_avx2(const int type, const int NT, const uint8_t *p, int nb, const int8_t
 }
 #undef RUN32
 
+#define Q8_NT(TY, TW)                                                                              \
+    switch (nt) {                                                                                  \
+    case 1: q8_row_avx2(TY, 1, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
+    case 2: q8_row_avx2(TY, 2, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
+    case 3: q8_row_avx2(TY, 3, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
+    default: q8_row_avx2(TY, 4, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                    \
+    }
 #define Q8_CASE(TY)                                                                                \
     case TY:                                                                                       \
-        switch (nt) {                                                                              \
-        case 1: q8_row_avx2(TY, 1, p, nb, qa, qs, da, sa, fs, res); break;                         \
-        case 2: q8_row_avx2(TY, 2, p, nb, qa, qs, da, sa, fs, res); break;                         \
-        case 3: q8_row_avx2(TY, 3, p, nb, qa, qs, da, sa, fs, res); break;                         \
-        default: q8_row_avx2(TY, 4, p, nb, qa, qs, da, sa, fs, res); break;                        \
-        }                                                                                          \
+        if (lo) { Q8_NT(TY, 1) } else { Q8_NT(TY, 0) }                                             \
         break;
 
+/* lo: offset of the low parts from the high ones (0: one part) */
 static void q8_row_avx2_any(int type, int nt, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
-                            const float *da, const float *sa, int64_t fs, float *res) {
+                            int64_t lo, const float *da, const float *sa, int64_t fs, float *res) {
     switch (type) {
     Q8_CASE(T_Q4_0)
     Q8_CASE(T_Q4_1)
@@ -553,8 +577,27 @@ static void q8_row_avx2_any(int type, int nt, const uint8_t *p, int nb, const in
     Q8_CASE(T_Q6_K)
     }
 }
+#undef Q8_NT
 #undef Q8_CASE
 #endif
+
+/* The activation quantization (also for tests): x [T, K] (row stride xs) -> token t's high parts
+ * at q + t * qs, low parts (parts == 2) at q + t * qs + lo, d and s [T, K/32]. */
+int gguf_quantize_act(const float *x, int64_t xs, int T, int K, int8_t *q, int64_t qs, int64_t lo,
+                      float *d, float *s, int parts, int force_scalar) {
+    if (K % 32 || T < 0 || parts < 1 || parts > 2) return -1;
+    const int nb = K / 32;
+    (void)force_scalar;
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (int64_t)t * xs;
+        int8_t *qt = q + (int64_t)t * qs;
+#if defined(GG_AVX2)
+        if (!force_scalar) { quant_act_avx2(xt, nb, parts, qt, qt + lo, d + (int64_t)t * nb, s + (int64_t)t * nb); continue; }
+#endif
+        quant_act_scalar(xt, nb, parts, qt, qt + lo, d + (int64_t)t * nb, s + (int64_t)t * nb);
+    }
+    return 0;
+}
 
 /* scalar: the same integer dots and fp32 scale products, summed per run (a different fp32
  * summation order from the SIMD lanes). Not auto-vectorized: GCC 12 with AVX512-VNNI
@@ -562,9 +605,10 @@ static void q8_row_avx2_any(int type, int nt, const uint8_t *p, int nb, const in
  * vpdpbusd, which is unsigned x signed: wrong sums; reproduced here for Q8_0). */
 __attribute__((optimize("no-tree-vectorize")))
 static void q8_row_scalar(int type, int nt, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
-                          const float *da, const float *sa, int64_t fs, float *res) {
+                          int64_t loff, const float *da, const float *sa, int64_t fs, float *res) {
     for (int t = 0; t < nt; t++) {
-        const int8_t *a = qa + t * qs;
+        const int8_t *a_ = qa + t * qs;
+#define a(i) (loff ? 128 * a_[i] + a_[(i) + loff] : a_[i])
         const float *dt = da + t * fs, *st = sa + t * fs;
         float acc = 0.0f, corr = 0.0f;
         for (int i = 0; i < nb; i++) {
@@ -573,7 +617,7 @@ static void q8_row_scalar(int type, int nt, const uint8_t *p, int nb, const int8
                 const int bb = type == T_Q4_0 ? 18 : 20;
                 const uint8_t *b = p + (int64_t)i * bb, *q = b + bb - 16;
                 int dot = 0;
-                for (int l = 0; l < 16; l++) dot += (q[l] & 15) * a[32 * i + l] + (q[l] >> 4) * a[32 * i + l + 16];
+                for (int l = 0; l < 16; l++) dot += (q[l] & 15) * a(32 * i + l) + (q[l] >> 4) * a(32 * i + l + 16);
                 const float d = h2f(b);
                 acc += (float)dot * (d * dt[i]);
                 corr += (type == T_Q4_0 ? -8.0f * d : h2f(b + 2)) * st[i];
@@ -582,7 +626,7 @@ static void q8_row_scalar(int type, int nt, const uint8_t *p, int nb, const int8
             case T_Q8_0: {
                 const uint8_t *b = p + (int64_t)i * 34;
                 int dot = 0;
-                for (int l = 0; l < 32; l++) dot += (int8_t)b[2 + l] * a[32 * i + l];
+                for (int l = 0; l < 32; l++) dot += (int8_t)b[2 + l] * a(32 * i + l);
                 acc += (float)dot * (h2f(b) * dt[i]);
                 break;
             }
@@ -594,12 +638,11 @@ static void q8_row_scalar(int type, int nt, const uint8_t *p, int nb, const int8
                 for (int j = 0; j < 8; j++) {
                     int s, mm;
                     scale_min_k4(j, scp, &s, &mm);
-                    const int8_t *aj = a + 256 * i + 32 * j;
                     int dot = 0;
                     for (int l = 0; l < 32; l++) {
                         int v = (q4[32 * (j / 2) + l] >> (4 * (j & 1))) & 15;
                         if (type == T_Q5_K) v |= ((qh[l] >> j) & 1) << 4;
-                        dot += v * aj[l];
+                        dot += v * a(256 * i + 32 * j + l);
                     }
                     acc += (float)dot * ((d * (float)s) * dt[8 * i + j]);
                     corr += -(dmin * (float)mm) * st[8 * i + j];
@@ -617,7 +660,7 @@ static void q8_row_scalar(int type, int nt, const uint8_t *p, int nb, const int8
                         for (int l = 0; l < 32; l++) {
                             const int lo = (ql[64 * h + 32 * (j & 1) + l] >> (4 * (j >> 1))) & 15;
                             const int hi = (qh[32 * h + l] >> (2 * j)) & 3;
-                            dots[l >> 4] += ((lo | (hi << 4)) - 32) * a[256 * i + e0 + l];
+                            dots[l >> 4] += ((lo | (hi << 4)) - 32) * a(256 * i + e0 + l);
                         }
                         const float dab = dt[8 * i + 4 * h + j];
                         acc += (float)dots[0] * ((d * (float)scp[e0 / 16]) * dab)
@@ -628,30 +671,26 @@ static void q8_row_scalar(int type, int nt, const uint8_t *p, int nb, const int8
             }
         }
         res[t] = acc + corr;
+#undef a
     }
 }
 
-/* out [T, N] (row stride os) = x W^T (+ bias) on the integer-dot path (see above). Returns 0;
- * -1 for an unsupported type or inconsistent shape; -2 out of memory. */
+/* out [T, N] (row stride os) = x W^T (+ bias) on the integer-dot path (see above); parts 1: 8-bit
+ * activations (llama.cpp's), 2: 8 + 7 bits (x ~ d (q + q_lo / 128): two integer dots per run).
+ * Returns 0; -1 for an unsupported type or inconsistent shape; -2 out of memory. */
 int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t xs,
                    const float *bias, float *out, int64_t os, int T, int N, int K, int num_threads,
-                   int force_scalar) {
-    if (check(type, row_bytes, N, K) || T < 0) return -1;
+                   int parts, int force_scalar) {
+    if (check(type, row_bytes, N, K) || T < 0 || parts < 1 || parts > 2) return -1;
     if (T == 0 || N == 0) return 0;
     const int nb = K / block_elems(type), nb32 = K / 32;
-    const int64_t qs = ((int64_t)K + 63) & ~(int64_t)63, fs = nb32;
+    const int64_t kp = ((int64_t)K + 63) & ~(int64_t)63, qs = parts * kp, fs = nb32, lo = parts == 2 ? kp : 0;
     int8_t *qa = aligned_alloc(64, (size_t)(qs * T));
     float *da = malloc(sizeof(float) * (size_t)(2 * fs * T));
     if (!qa || !da) { free(qa); free(da); return -2; }
     float *sa = da + fs * T;
     num_threads = threads_for(num_threads, N, K);
-    (void)force_scalar;
-    for (int t = 0; t < T; t++) {
-#if defined(GG_AVX2)
-        if (!force_scalar) { quant_act_avx2(x + (int64_t)t * xs, nb32, qa + t * qs, da + t * fs, sa + t * fs); continue; }
-#endif
-        quant_act_scalar(x + (int64_t)t * xs, nb32, qa + t * qs, da + t * fs, sa + t * fs);
-    }
+    gguf_quantize_act(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int n = 0; n < N; n++) {
         const uint8_t *p = w + (int64_t)n * row_bytes;
@@ -662,28 +701,15 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
             const int8_t *qt = qa + t0 * qs;
             const float *dt = da + t0 * fs, *st = sa + t0 * fs;
 #if defined(GG_AVX2)
-            if (!force_scalar) q8_row_avx2_any(type, nt, p, nb, qt, qs, dt, st, fs, res);
+            if (!force_scalar) q8_row_avx2_any(type, nt, p, nb, qt, qs, lo, dt, st, fs, res);
             else
 #endif
-                q8_row_scalar(type, nt, p, nb, qt, qs, dt, st, fs, res);
+                q8_row_scalar(type, nt, p, nb, qt, qs, lo, dt, st, fs, res);
             for (int t = 0; t < nt; t++) out[(int64_t)(t0 + t) * os + n] = res[t] + b;
         }
     }
     free(qa);
     free(da);
-    return 0;
-}
-
-/* The activation quantization alone (tests): x [T, K] -> q [T, K] int8, d [T, K/32], s [T, K/32]. */
-int gguf_quantize_act(const float *x, int64_t xs, int T, int K, int8_t *q, float *d, float *s, int force_scalar) {
-    if (K % 32 || T < 0) return -1;
-    (void)force_scalar;
-    for (int t = 0; t < T; t++) {
-#if defined(GG_AVX2)
-        if (!force_scalar) { quant_act_avx2(x + (int64_t)t * xs, K / 32, q + (int64_t)t * K, d + (int64_t)t * (K / 32), s + (int64_t)t * (K / 32)); continue; }
-#endif
-        quant_act_scalar(x + (int64_t)t * xs, K / 32, q + (int64_t)t * K, d + (int64_t)t * (K / 32), s + (int64_t)t * (K / 32));
-    }
     return 0;
 }
 
