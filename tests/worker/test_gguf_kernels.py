@@ -191,7 +191,8 @@ def test_q8_strided_rows_and_rejects_bad_shapes():
     rng = np.random.default_rng(8)
     raw = torch.from_numpy(random_blocks(Q.Q4_0, 40, 256, rng))
     x = torch.from_numpy(rng.standard_normal((3, 512)).astype(np.float32))[:, :256]
-    assert torch.equal(native.gguf_linear_q8(int(Q.Q4_0), raw, x), native.gguf_linear_q8(int(Q.Q4_0), raw, x.contiguous()))
+    q4_0 = int(Q.Q4_0)
+    assert torch.equal(native.gguf_linear_q8(q4_0, raw, x), native.gguf_linear_q8(q4_0, raw, x.contiguous()))
     with pytest.raises(ValueError):
         native.gguf_linear_q8(int(Q.Q4_0), raw, torch.zeros(1, 64))
     with pytest.raises(ValueError):
