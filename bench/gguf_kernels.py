@@ -12,7 +12,7 @@ by token count T, each a full sweep over the weights (more than the L3, as in a 
   path with large="dequant": no fp32 copy kept);
 * int8-native: the older per-row int8 kernel (`--weight-quant int8-bf16`) on the same weights.
 The threshold recorded in worker_svc/backends/cpu/gguf.py (GGUF_MAX_TOKENS) is the largest T up to
-which the block kernel beats float32-cached at every T.
+which the default block kernel (gguf-int8x2) beats float32-cached at every T.
 
 Part "engine": SmolLM2's real GGUF on the Executor, one process per SARATHI_GGUF_DOT (fp32 = the
 default before this change, int8x2 = the default now, int8) stepped in turn (bench.common.EngineProcess),
@@ -87,12 +87,14 @@ def bench_layers(rounds: int, sizes: list[int]) -> dict:
                     fn(L, xs[T][L[2].shape[1]])
                 times[name][T].append(time.perf_counter() - t0)
     med = {v: {T: statistics.median(ts) for T, ts in d.items()} for v, d in times.items()}
-    threshold = 0
-    for T in sizes:
-        if med["gguf-block"][T] < med["float32-cached"][T]:
-            threshold = T
-        else:
-            break
+    threshold = {}
+    for kernel in ("gguf-int8x2", "gguf-block"):
+        threshold[kernel] = 0
+        for T in sizes:
+            if med[kernel][T] < med["float32-cached"][T]:
+                threshold[kernel] = T
+            else:
+                break
     return {"ms": {v: {str(T): round(1e3 * s, 3) for T, s in d.items()} for v, d in med.items()},
             "block_bytes": sum(b.numel() for _, b, _, _, _ in layers),
             "fp32_bytes": sum(4 * w.numel() for _, _, w, _, _ in layers),
@@ -180,6 +182,25 @@ def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool) -> di
     return res
 
 
+def cpu_id() -> str:
+    """lscpu's model name, family and model (machine_line has only the name)."""
+    fields = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if k.strip() in ("model name", "cpu family", "model") and k.strip() not in fields:
+            fields[k.strip()] = v.strip()
+    return f"{fields.get('model name')}, family {fields.get('cpu family')} model {fields.get('model')}"
+
+
+def pressure() -> str | None:
+    """/proc/pressure/cpu's "some" line: time runnable tasks waited for a CPU (other processes'
+    load on this shared machine shows here), None where the kernel has no PSI."""
+    try:
+        return Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except OSError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -196,9 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     now = datetime.datetime.now(datetime.timezone.utc)
     command = "python -m bench.gguf_kernels " + " ".join(argv if argv is not None else sys.argv[1:])
-    res = {"machine": machine_line(), "date": now.isoformat(timespec="seconds"), "command": command,
+    res = {"machine": machine_line(), "cpu": cpu_id(), "date": now.isoformat(timespec="seconds"), "command": command,
            "threads": args.threads, "gguf_isa": native.gguf_isa(),
-           "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
+           "loadavg_start": Path("/proc/loadavg").read_text().split()[:3], "cpu_pressure_start": pressure(),
            "layers": {"block_bytes": sum(BLOCK_FORMATS[Q8_0 if i == len(layer_shapes()) - 1 else Q4_1][1] * n * k
                                          // BLOCK_FORMATS[Q4_1][0] for i, (n, k) in enumerate(layer_shapes()))}
            if args.no_layers else bench_layers(args.rounds, [int(t) for t in args.sizes.split(",")])}
@@ -208,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                                      not args.no_llama)
         print(json.dumps(res["engine"], indent=1), flush=True)
     res["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
+    res["cpu_pressure_end"] = pressure()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
@@ -220,7 +242,9 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    eng = res.get("engine")
+    fig, axes = plt.subplots(1, 2 if eng else 1, figsize=(13 if eng else 7, 4.8), squeeze=False)
+    ax = axes[0][0]
     for name, d in res["layers"]["ms"].items():
         ts = [int(t) for t in d]
         ax.plot(ts, list(d.values()), marker="o", label=name)
@@ -228,9 +252,29 @@ def plot(res: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("tokens per step (T)")
     ax.set_ylabel("ms per SmolLM2 step, all linear layers")
-    ax.set_title(f"GGUF block kernels, {res['threads']} threads\n{res['machine'][:70]}", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_title("linear layers alone", fontsize=9)
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
+    if eng:
+        ax = axes[0][1]
+        cases = ["decode:1", "decode:32", "prefill:512"]
+        names = list(eng["ms"])
+        w = 0.8 / len(names)
+        for i, name in enumerate(names):
+            xs = [j + (i - (len(names) - 1) / 2) * w for j, c in enumerate(cases) if c in eng["ms"][name]]
+            ys = [eng["ms"][name][c] for c in cases if c in eng["ms"][name]]
+            ax.bar(xs, ys, w, label=name)
+            for x, y in zip(xs, ys):
+                ax.text(x, y, f"{y:.0f}" if y >= 100 else f"{y:.1f}", ha="center", va="bottom", fontsize=6)
+        ax.axhline(eng["decode32_bound"]["bound_ms"], color="k", ls=":", lw=1,
+                   label=f"decode:32 bytes-read bound {eng['decode32_bound']['bound_ms']} ms")
+        ax.set_xticks(range(len(cases)), ["decode 1 @1k", "decode 32 @1k", "prefill 512"])
+        ax.set_yscale("log")
+        ax.set_ylabel("ms per step (median)")
+        ax.set_title("engine (SmolLM2 Q4_1 GGUF) vs llama.cpp, same run", fontsize=9)
+        ax.legend(fontsize=6)
+        ax.grid(alpha=0.3, axis="y", which="both")
+    fig.suptitle(f"GGUF kernels, {res['threads']} threads, {res['machine'][:60]}, {res['date'][:16]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -17,6 +17,9 @@
  *
  * Paths: AVX2+FMA (integer unpacking of 32 quants at a time, 8-wide converts) when built with it,
  * scalar otherwise or when force_scalar is set (tests run both on one build).
+ *
+ * Second method, gguf_linear_q8 (the serving default for small batches, see the section at the
+ * end): llama.cpp's integer dots on the same blocks, activations quantized per token.
  */
 #pragma GCC optimize("fp-contract=off")
 #include <stdint.h>
