@@ -1,25 +1,28 @@
 """GGUF block kernels (worker_svc/backends/cpu/csrc/gguf_linear.c) against the other linear paths,
-and the engine with the new default (the file's own blocks) against the old one (int8 re-quantized).
+and the engine's small-batch GGUF arithmetics against each other and against llama.cpp.
 
 Part "layers": every linear layer of one SmolLM2-135M step (30 x qkv, o, gate_up, down in Q4_1, the
 LM head in Q8_0, as the default GGUF stores them; random blocks: timing does not depend on values),
 by token count T, each a full sweep over the weights (more than the L3, as in a real step):
-* gguf-block: the block kernel on the file's bytes;
+* gguf-int8x2: integer dots on the file's blocks, activations in two 8-bit parts (the default);
+* gguf-int8: integer dots, activations in 8 bits (llama.cpp's method);
+* gguf-block: the exact kernel (rows dequantized in cache, fp32 dots; the default before);
 * float32-cached: F.linear on the dequantized fp32 weights kept in memory (the large path, default);
 * dequant+float32: the blocks dequantized into a buffer on every call, then F.linear (the large
   path with large="dequant": no fp32 copy kept);
-* int8-native: the old default's per-row int8 kernel on the same weights.
+* int8-native: the older per-row int8 kernel (`--weight-quant int8-bf16`) on the same weights.
 The threshold recorded in worker_svc/backends/cpu/gguf.py (GGUF_MAX_TOKENS) is the largest T up to
-which gguf-block beats float32-cached at every T.
+which the default block kernel (gguf-int8x2) beats float32-cached at every T.
 
-Part "engine" (--engine): SmolLM2's real GGUF on the Executor in two processes stepped in turn
-(bench.common.EngineProcess): the tree before issue 19 (--base-tree; its default: per-row int8
-weights) vs this one (auto: the file's blocks; and --weight-quant int8, Q8_0 groups),
-cases decode:1 and decode:32 at 1k context, prefill:512; and the bytes-read bound of decode:32 (the
-file's weight bytes + the bf16 KV read, over the copy bandwidth measured in the same run).
+Part "engine": SmolLM2's real GGUF on the Executor, one process per SARATHI_GGUF_DOT (fp32 = the
+default before this change, int8x2 = the default now, int8) stepped in turn (bench.common.EngineProcess),
+cases decode:1 and decode:32 at 1k context, prefill:512; llama.cpp's llama-bench between the rounds
+(same GGUF, same threads: `-p 0 -n 32 -d 1024` = decode at depth 1024, `-p 512 -n 0` = prefill 512);
+and the bytes-read bound of decode:32 (the file's weight bytes + the bf16 KV read, over the copy
+bandwidth measured in the same run).
 
-    python -m bench.gguf_kernels --base-tree BASE [--rounds 5] [--threads 2] [--engine-rounds 10]
-                                 [--out bench/results/kernels/gguf_kernels_amd]
+    python -m bench.gguf_kernels [--rounds 5] [--threads 2] [--engine-rounds 10] [--no-llama]
+                                 [--out bench/results/kernels/gguf_kernels_zen4]
 """
 from __future__ import annotations
 
@@ -66,6 +69,8 @@ def bench_layers(rounds: int, sizes: list[int]) -> dict:
         layers.append((qtype, blocks, w, q, s))
     scratch = torch.empty(max(w.numel() for _, _, w, _, _ in layers))
     variants = {
+        "gguf-int8x2": lambda L, x: native.gguf_linear_q8_unchecked(L[0], L[1], x, parts=2),
+        "gguf-int8": lambda L, x: native.gguf_linear_q8_unchecked(L[0], L[1], x, parts=1),
         "gguf-block": lambda L, x: native.gguf_linear_unchecked(L[0], L[1], x),
         "float32-cached": lambda L, x: F.linear(x, L[2]),
         "dequant+float32": lambda L, x: F.linear(x, native.gguf_dequantize(
@@ -82,12 +87,14 @@ def bench_layers(rounds: int, sizes: list[int]) -> dict:
                     fn(L, xs[T][L[2].shape[1]])
                 times[name][T].append(time.perf_counter() - t0)
     med = {v: {T: statistics.median(ts) for T, ts in d.items()} for v, d in times.items()}
-    threshold = 0
-    for T in sizes:
-        if med["gguf-block"][T] < med["float32-cached"][T]:
-            threshold = T
-        else:
-            break
+    threshold = {}
+    for kernel in ("gguf-int8x2", "gguf-block"):
+        threshold[kernel] = 0
+        for T in sizes:
+            if med[kernel][T] < med["float32-cached"][T]:
+                threshold[kernel] = T
+            else:
+                break
     return {"ms": {v: {str(T): round(1e3 * s, 3) for T, s in d.items()} for v, d in med.items()},
             "block_bytes": sum(b.numel() for _, b, _, _, _ in layers),
             "fp32_bytes": sum(4 * w.numel() for _, _, w, _, _ in layers),
@@ -106,13 +113,44 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() * 4 / statistics.median(ts)
 
 
-def bench_engine(rounds: int, threads: int, block_bytes: int, base_tree: Path) -> dict:
+def llama_bench_once(threads: int) -> dict:
+    """One llama-bench run on the default GGUF: decode 32 tokens at depth 1024 (ms a step) and
+    prefill 512 from an empty context (ms); the binary from bench/build_llama_server.sh."""
+    import os
+    import subprocess
+
+    from shared.model_source import default_gguf_path
+
+    binary = Path(os.environ.get("SARATHI_PEER_CACHE", Path.home() / ".cache/sarathi-peer")) / \
+        "build-11434.0.0/bin/llama-bench"
+    if not binary.exists():
+        raise SystemExit(f"llama-bench not built ({binary}): bench/build_llama_server.sh builds it")
+    out = {}
+    for case, args in (("decode:1", ["-p", "0", "-n", "32", "-d", "1024"]), ("prefill:512", ["-p", "512", "-n", "0"])):
+        cmd = [str(binary), "-m", str(default_gguf_path()), *args, "-t", str(threads), "-r", "1", "-o", "json"]
+        r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout)[0]
+        out[case] = (512 if case == "prefill:512" else 1) / r["avg_ts"]
+        LLAMA_CMDS[case] = " ".join(["~/.cache/sarathi-peer/build-11434.0.0/bin/llama-bench", "-m",
+                                     default_gguf_path().name, *cmd[3:]])
+    return out
+
+
+LLAMA_CMDS: dict = {}
+STEPS = {"decode:1": 8, "decode:32": 3, "prefill:512": 1}     # timed consecutive steps per round
+LLAMA = "llama.cpp llama-bench (same GGUF)"
+DOTS = {"today (fp32 dot, main before this change)": "fp32",
+        "new default (int8x2 dot)": "int8x2",
+        "int8 dot (llama.cpp's activation quantization)": "int8"}
+
+
+def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool) -> dict:
+    """The engine on SmolLM2's GGUF (defaults; SARATHI_GGUF_DOT per process), stepped in turn, and
+    llama-bench between the engine's rounds (same hold, same GGUF, same threads)."""
     tree = Path(__file__).resolve().parent.parent
-    specs = {OLD: (base_tree, "float32:auto:auto"), NEW: (tree, "float32:auto:auto"),
-             INT8: (tree, "float32:auto:int8")}
-    procs = {name: EngineProcess(t, threads, spec) for name, (t, spec) in specs.items()}
+    procs = {name: EngineProcess(tree, threads, "float32:auto:auto", env={"SARATHI_GGUF_DOT": dot})
+             for name, dot in DOTS.items()}
     cases = ["decode:1", "decode:32", "prefill:512"]
-    times: dict = {name: {c: [] for c in cases} for name in procs}
+    times: dict = {name: {c: [] for c in cases} for name in [*procs, *([LLAMA] if llama else [])]}
     for c in cases:                                   # warm-up
         for p in procs.values():
             p.step(c)
@@ -120,18 +158,47 @@ def bench_engine(rounds: int, threads: int, block_bytes: int, base_tree: Path) -
         order = list(procs.items()) if r % 2 == 0 else list(procs.items())[::-1]   # ABBA
         for c in cases:
             for name, p in order:
-                times[name][c].append(p.step(c)["s"])
+                # STEPS[c] consecutive steps, as llama-bench times consecutive tokens: the first
+                # after another process ran pays for the caches that process left (dropped)
+                ts = [p.step(c)["s"] for _ in range(STEPS[c] + 1)][1:]
+                times[name][c].append(statistics.median(ts))
+        if llama:
+            for c, sec in llama_bench_once(threads).items():
+                times[LLAMA][c].append(sec)
     info = {name: p.info["ready"] for name, p in procs.items()}
     for p in procs.values():
         p.close()
-    med = {name: {c: round(1e3 * statistics.median(ts), 2) for c, ts in d.items()} for name, d in times.items()}
+    med = {name: {c: round(1e3 * statistics.median(ts), 2) for c, ts in d.items() if ts} for name, d in times.items()}
     kv_bytes = 32 * (CONTEXT + 1) * 2 * LAYERS * KV_HEADS * HEAD_DIM * 2    # bf16 K and V
     bw = copy_bandwidth()
     bound_ms = 1e3 * (block_bytes + kv_bytes) / bw
-    return {"ms": med, "backends": info, "block_size": BLOCK_SIZE,
-            "decode32_bound": {"weight_bytes": block_bytes, "kv_bytes": kv_bytes, "copy_bw_GBps": round(bw / 1e9, 2),
-                               "bound_ms": round(bound_ms, 2),
-                               "ratio_new_default": round(med[NEW]["decode:32"] / bound_ms, 2)}}
+    new = "new default (int8x2 dot)"
+    res = {"ms": med, "backends": info, "block_size": BLOCK_SIZE, "llama_bench_commands": LLAMA_CMDS,
+           "decode32_bound": {"weight_bytes": block_bytes, "kv_bytes": kv_bytes, "copy_bw_GBps": round(bw / 1e9, 2),
+                              "bound_ms": round(bound_ms, 2),
+                              "ratio_new_default": round(med[new]["decode:32"] / bound_ms, 2)}}
+    if llama:
+        res["new_default_over_llama"] = {c: round(med[new][c] / med[LLAMA][c], 3) for c in med[LLAMA]}
+    return res
+
+
+def cpu_id() -> str:
+    """lscpu's model name, family and model (machine_line has only the name)."""
+    fields = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if k.strip() in ("model name", "cpu family", "model") and k.strip() not in fields:
+            fields[k.strip()] = v.strip()
+    return f"{fields.get('model name')}, family {fields.get('cpu family')} model {fields.get('model')}"
+
+
+def pressure() -> str | None:
+    """/proc/pressure/cpu's "some" line: time runnable tasks waited for a CPU (other processes'
+    load on this shared machine shows here), None where the kernel has no PSI."""
+    try:
+        return Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except OSError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,8 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--no-layers", action="store_true", help="the engine part only")
-    ap.add_argument("--base-tree", default=None, help="the source tree before issue 19 (e.g. `git archive "
-                    "166d502 | tar -x -C ../base`): its default engine is the 'before'")
+    ap.add_argument("--no-llama", action="store_true", help="no llama-bench rounds")
     ap.add_argument("--out", default="bench/results/kernels/gguf_kernels_amd")
     args = ap.parse_args(argv)
     if not native.available():
@@ -151,20 +217,19 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     now = datetime.datetime.now(datetime.timezone.utc)
     command = "python -m bench.gguf_kernels " + " ".join(argv if argv is not None else sys.argv[1:])
-    if args.base_tree:     # the base tree's path is this machine's: recorded as BASE
-        command = command.replace(args.base_tree, "BASE")
-    res = {"machine": machine_line(), "date": now.isoformat(timespec="seconds"), "command": command,
+    res = {"machine": machine_line(), "cpu": cpu_id(), "date": now.isoformat(timespec="seconds"), "command": command,
            "threads": args.threads, "gguf_isa": native.gguf_isa(),
-           "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
+           "loadavg_start": Path("/proc/loadavg").read_text().split()[:3], "cpu_pressure_start": pressure(),
            "layers": {"block_bytes": sum(BLOCK_FORMATS[Q8_0 if i == len(layer_shapes()) - 1 else Q4_1][1] * n * k
                                          // BLOCK_FORMATS[Q4_1][0] for i, (n, k) in enumerate(layer_shapes()))}
            if args.no_layers else bench_layers(args.rounds, [int(t) for t in args.sizes.split(",")])}
     print(json.dumps(res["layers"], indent=1), flush=True)
     if not args.no_engine:
         res["engine"] = bench_engine(args.engine_rounds, args.threads, res["layers"]["block_bytes"],
-                                     Path(args.base_tree))
+                                     not args.no_llama)
         print(json.dumps(res["engine"], indent=1), flush=True)
     res["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
+    res["cpu_pressure_end"] = pressure()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
@@ -177,7 +242,9 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    eng = res.get("engine")
+    fig, axes = plt.subplots(1, 2 if eng else 1, figsize=(13 if eng else 7, 4.8), squeeze=False)
+    ax = axes[0][0]
     for name, d in res["layers"]["ms"].items():
         ts = [int(t) for t in d]
         ax.plot(ts, list(d.values()), marker="o", label=name)
@@ -185,9 +252,29 @@ def plot(res: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("tokens per step (T)")
     ax.set_ylabel("ms per SmolLM2 step, all linear layers")
-    ax.set_title(f"GGUF block kernels, {res['threads']} threads\n{res['machine'][:70]}", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_title("linear layers alone", fontsize=9)
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
+    if eng:
+        ax = axes[0][1]
+        cases = ["decode:1", "decode:32", "prefill:512"]
+        names = list(eng["ms"])
+        w = 0.8 / len(names)
+        for i, name in enumerate(names):
+            xs = [j + (i - (len(names) - 1) / 2) * w for j, c in enumerate(cases) if c in eng["ms"][name]]
+            ys = [eng["ms"][name][c] for c in cases if c in eng["ms"][name]]
+            ax.bar(xs, ys, w, label=name)
+            for x, y in zip(xs, ys):
+                ax.text(x, y, f"{y:.0f}" if y >= 100 else f"{y:.1f}", ha="center", va="bottom", fontsize=6)
+        ax.axhline(eng["decode32_bound"]["bound_ms"], color="k", ls=":", lw=1,
+                   label=f"decode:32 bytes-read bound {eng['decode32_bound']['bound_ms']} ms")
+        ax.set_xticks(range(len(cases)), ["decode 1 @1k", "decode 32 @1k", "prefill 512"])
+        ax.set_yscale("log")
+        ax.set_ylabel("ms per step (median)")
+        ax.set_title("engine (SmolLM2 Q4_1 GGUF) vs llama.cpp, same run", fontsize=9)
+        ax.legend(fontsize=6)
+        ax.grid(alpha=0.3, axis="y", which="both")
+    fig.suptitle(f"GGUF kernels, {res['threads']} threads, {res['machine'][:60]}, {res['date'][:16]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -3,14 +3,19 @@
 continuation, fp32 KV, per choice the top-1 agreement over the 33 positions and the max logit
 error as a fraction of the logit range. Not a timing: the README's --weight-quant table.
 
-    python -m bench.weight_quant_agreement [--choices auto,none,int8,int8-bf16]
+    python -m bench.weight_quant_agreement [--choices auto,none,int8,int8-bf16] [--dots int8x2,int8,fp32]
                                            [--out bench/results/kernels/weight_quant_agreement.json]
+
+--dots: the GGUF block kernels' small-batch arithmetic (SARATHI_GGUF_DOT, worker_svc/backends/cpu/gguf.py)
+under which each choice that runs them (auto, int8) is measured; the first is the default, recorded
+under the choice's bare name, the others as "choice/dot".
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +38,7 @@ PROMPT = [{"role": "user", "content": "Write a short story about a robot who lea
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--choices", default="auto,none,int8,int8-bf16")
+    ap.add_argument("--dots", default="int8x2,int8,fp32")
     ap.add_argument("--out", default="bench/results/kernels/weight_quant_agreement.json")
     args = ap.parse_args(argv)
     from shared.model_source import resolve_model
@@ -47,13 +53,17 @@ def main(argv: list[str] | None = None) -> None:
     res = {"machine": machine_line(), "date": now,
            "command": "python -m bench.weight_quant_agreement " + " ".join(argv if argv is not None else sys.argv[1:]),
            "model": source.path.name, "positions": len(seq) - len(prompt) + 1, "kv": "float32", "choices": {}}
-    for choice in args.choices.split(","):
+    dots = args.dots.split(",")
+    runs = [(c, d) for c in args.choices.split(",") for d in (dots if c in ("auto", "int8") else dots[:1])]
+    for choice, dot in runs:
+        os.environ["SARATHI_GGUF_DOT"] = dot
         ex = make_executor(f"float32:float32:{choice}", Layout(decodes=0, chunk=64 * 16))   # 64 KV blocks
         got = teacher_forced_logits(ex, seq, prefix=len(prompt))
         top1, err = agreement(got, ref[:len(got)])
-        res["choices"][choice] = {"backend": ex.model_info.backend, "top1_agreement": round(top1, 4),
-                                  "max_logit_error_of_range": round(err, 5)}
-        print(choice, res["choices"][choice], flush=True)
+        key = choice if dot == dots[0] else f"{choice}/{dot}"
+        res["choices"][key] = {"backend": ex.model_info.backend, "top1_agreement": round(top1, 4),
+                               "max_logit_error_of_range": round(err, 5)}
+        print(key, res["choices"][key], flush=True)
         del ex
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -90,3 +90,124 @@ def test_rejects_bad_shapes():
         native.gguf_linear(int(Q.Q4_1), raw, torch.zeros(1, 64))      # 64 columns need 40 bytes a row
     with pytest.raises(ValueError):
         native.gguf_linear(int(Q.F16), raw, torch.zeros(1, 32))       # no kernel for F16
+
+
+# --- the integer-dot path (gguf_linear_q8: llama.cpp's method) -----------------------------------
+def quantize_act_reference(x: np.ndarray, parts: int = 1):
+    """numpy's float32 version of the kernel's activation quantization (per token, blocks of 32):
+    (q, d, s), or (q, q_lo, d, s) for parts=2; x ~ d * q, or d * (128 q + q_lo)."""
+    T, K = x.shape
+    xb = x.reshape(T, K // 32, 32).astype(np.float32)
+    amax = np.abs(xb).max(axis=2)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    v = (xb * inv[:, :, None]).astype(np.float32)
+    r = np.rint(v)
+    q = r.astype(np.int8)
+    d = (amax / np.float32(127)).astype(np.float32)
+    if parts == 1:
+        s = (d * q.astype(np.int32).sum(axis=2).astype(np.float32)).astype(np.float32)
+        return q.reshape(T, K), d, s
+    lo = np.rint((v - r) * np.float32(128)).astype(np.int8)
+    d = (d / np.float32(128)).astype(np.float32)
+    s = (d * (128 * q.astype(np.int32) + lo).sum(axis=2).astype(np.float32)).astype(np.float32)
+    return q.reshape(T, K), lo.reshape(T, K), d, s
+
+
+def dequantized_act(x: np.ndarray, parts: int) -> tuple[torch.Tensor, np.ndarray]:
+    """(the activations the integer dots see, as float64 [T, K]; their scale d [T, K/32])"""
+    T, K = x.shape
+    ref = quantize_act_reference(x, parts)
+    q = ref[0].astype(np.float64) if parts == 1 else 128 * ref[0].astype(np.float64) + ref[1]
+    d = ref[-2]
+    return torch.from_numpy((q.reshape(T, -1, 32) * d[:, :, None].astype(np.float64)).reshape(T, K)), d
+
+
+def test_activation_quantization_bit_identical_to_numpy():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 96)).astype(np.float32) * np.float32(3)
+    x[1, 32:64] = 0.0                                  # an all-zero block: scale 0, quants 0
+    x[2, 5] = 1e4                                      # an outlier: its block's others round to 0
+    x[3, :32] = np.float32(0.5) * np.arange(-16, 16, dtype=np.float32)   # halves: round to even
+    for parts in (1, 2):
+        want = quantize_act_reference(x, parts)
+        for scalar in paths():
+            got = native.gguf_quantize_act(torch.from_numpy(x), force_scalar=scalar, parts=parts)
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert np.array_equal(g.numpy(), w), (parts, scalar)
+    q, lo, d, _ = quantize_act_reference(x, 2)
+    assert np.abs(lo).max() <= 64                      # the remainder of a rounding: |v - q| <= 1/2
+    xq = (128 * q.astype(np.float64) + lo).reshape(5, 3, 32) * d[:, :, None]
+    # 8 + 7 bits: within amax / 127 / 256 of x
+    assert (np.abs(xq.reshape(5, 96) - x) <= np.repeat(d, 32, axis=1) / 2 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype, parts_list=(1, 2)):
+    """The integer dots compute exactly W_deq . (q_a * d_a) up to fp32 rounding of the scale
+    products and the sums; and they differ from the exact F.linear by the activation rounding only."""
+    rng = np.random.default_rng(200 + int(qtype))
+    for (n, k), parts in ((s, p) for s in shapes(qtype) for p in parts_list):
+        raw = random_blocks(qtype, n, k, rng)
+        w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).astype(np.float32)).double()
+        for T in (1, 3, 6):                           # tiles of 4 tokens: full, partial, both
+            x = rng.standard_normal((T, k)).astype(np.float32)
+            xq, d = dequantized_act(x, parts)
+            bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+            want = F.linear(xq, w, bias.double())
+            tol = 8 * k * 6e-8 * (xq.abs() @ w.abs().T) + 2 * 6e-8 * want.abs() + 1e-30
+            # |x - xq| <= d_a / 2 per element: the bound of the difference from the exact product
+            half = torch.from_numpy(np.repeat(d.astype(np.float64) / 2, 32, axis=1))
+            exact = F.linear(torch.from_numpy(x).double(), w, bias.double())
+            for scalar in paths():
+                got = native.gguf_linear_q8(int(qtype), torch.from_numpy(raw), torch.from_numpy(x), bias,
+                                            force_scalar=scalar, parts=parts).double()
+                assert got.shape == (T, n)
+                assert ((got - want).abs() <= tol).all(), (qtype.name, n, k, T, parts, scalar)
+                assert ((got - exact).abs() <= half @ w.abs().T + tol).all(), (qtype.name, n, k, T, parts, scalar)
+
+
+def test_q8_token_results_do_not_depend_on_the_batch_or_threads():
+    """Activations are quantized per token, rows split over threads: a token's output is bit-identical
+    alone, in any batch, at any position, with any thread count (the batch-independence rule)."""
+    rng = np.random.default_rng(11)
+    for qtype in (Q.Q4_1, Q.Q8_0, Q.Q6_K):
+        k = 512
+        raw = torch.from_numpy(random_blocks(qtype, 300, k, rng))
+        x = torch.from_numpy(rng.standard_normal((7, k)).astype(np.float32))
+        for scalar, parts in ((s, p) for s in paths() for p in (1, 2)):
+            full = native.gguf_linear_q8(int(qtype), raw, x, num_threads=2, force_scalar=scalar, parts=parts)
+            for t in range(7):
+                alone = native.gguf_linear_q8(int(qtype), raw, x[t:t + 1], num_threads=1, force_scalar=scalar,
+                                              parts=parts)
+                assert torch.equal(alone[0], full[t]), (qtype.name, t, scalar, parts)
+            perm = [6, 2, 0, 5]
+            assert torch.equal(native.gguf_linear_q8(int(qtype), raw, x[perm], force_scalar=scalar, parts=parts),
+                               full[perm])
+
+
+def test_q8_strided_rows_and_rejects_bad_shapes():
+    rng = np.random.default_rng(8)
+    raw = torch.from_numpy(random_blocks(Q.Q4_0, 40, 256, rng))
+    x = torch.from_numpy(rng.standard_normal((3, 512)).astype(np.float32))[:, :256]
+    q4_0 = int(Q.Q4_0)
+    assert torch.equal(native.gguf_linear_q8(q4_0, raw, x), native.gguf_linear_q8(q4_0, raw, x.contiguous()))
+    with pytest.raises(ValueError):
+        native.gguf_linear_q8(int(Q.Q4_0), raw, torch.zeros(1, 64))
+    with pytest.raises(ValueError):
+        native.gguf_quantize_act(torch.zeros(1, 48))
+
+
+@pytest.mark.skipif(native.gguf_q8_isa() != "avx512vnni", reason="the AVX2 build is the second SIMD path on "
+                    "an AVX-512 VNNI machine (elsewhere the default build is the AVX2 or scalar one)")
+def test_avx2_build_on_an_avx512_machine(fresh_native, monkeypatch):
+    """Every SIMD path this machine runs: the AVX2 build (maddubs, no VNNI) of both GGUF paths."""
+    monkeypatch.setenv("SARATHI_NATIVE_MARCH", "haswell")
+    assert native.available() and native.gguf_isa() == "avx2" and native.gguf_q8_isa() == "avx2"
+    for qtype in TYPES:
+        test_dequantize_bit_identical_to_gguf(qtype)
+        test_linear_matches_float_gemm_on_dequantized(qtype)
+        test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype)
+    test_activation_quantization_bit_identical_to_numpy()
+    test_q8_token_results_do_not_depend_on_the_batch_or_threads()

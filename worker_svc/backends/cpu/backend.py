@@ -18,8 +18,10 @@ The three choices, each made once per worker and printed by the executor:
   exponent range (fp16 overflows at 65504); fp16's 3 extra mantissa bits remain available as
   --kv-cache-dtype float16;
 * weight quantization "auto": the model as its files define it. A GGUF's quantized matrices run
-  on the file's own blocks for small batches (cpu/gguf.py, csrc/gguf_linear.c) and a float GEMM
-  on their exact dequantization above; a float checkpoint stays float. "none": float weights
+  on the file's own blocks for small batches (cpu/gguf.py, csrc/gguf_linear.c: integer dots with
+  each token's activations quantized to ~15 bits, "int8x2"; SARATHI_GGUF_DOT=int8 / fp32 pick
+  llama.cpp's 8-bit activations or the exact fp32-dot kernel) and a float GEMM on their exact
+  dequantization above; a float checkpoint stays float. "none": float weights
   everywhere (a GGUF exactly dequantized). Explicit, lossy choices: "int8", re-quantized to int8
   with a scale per 32 columns (Q8_0 blocks on the same kernels: cpu/gguf.py GroupInt8LinearMethod);
   "int8-bf16", per-row int8 for small batches and a bf16 GEMM above (cpu/quant.py).

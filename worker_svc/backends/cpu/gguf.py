@@ -3,12 +3,21 @@
 A GGUF model is served as the file defines it: no re-quantization. Layers whose weight carries
 the file's blocks (layer.gguf, see worker_svc/model/gguf_blocks.py) in a format with a block
 kernel (csrc/gguf_linear.c: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) run:
-* T <= max_tokens rows (decode-sized batches): the block kernel, which reads the file's bytes
-  (Q4_1: 5 bits a weight, 1/6.4 of fp32) and dequantizes them in cache, fp32 accumulation;
+* T <= max_tokens rows (decode-sized batches): a block kernel reading the file's bytes (Q4_1:
+  5 bits a weight, 1/6.4 of fp32). Its arithmetic (`dot`, DOTS below): by default "int8x2",
+  llama.cpp's integer-dot method with a finer activation: each token's activations quantized once
+  per call to blocks of 32 in two 8-bit parts (~15 bits a value), integer dots with the file's
+  quants (AVX-512 VNNI vpdpbusd, or AVX2 maddubs), the file's scales applied in fp32;
 * T > max_tokens (prefill chunks, large hybrid batches): F.linear on the exactly dequantized
-  float weight layer.weight (the loader's dequantization, bit-identical to the kernel's).
-Both compute F.linear on the same float weights up to fp32 summation order, so a request's
-greedy output does not depend on which batch carried it (tests/e2e/test_offline_api.py).
+  float weight layer.weight (the loader's dequantization, bit-identical to the kernels').
+Both use the file's weights unchanged; they differ by the small-batch path's activation rounding
+(int8x2: within amax / 32512 per block of 32; "fp32": none, only summation order) and summation
+order. A token's activations are quantized alone, so its output does not depend on the other
+tokens of its batch below the threshold (the threshold switch is the one exception, as it was
+with the exact kernel). Measured on SmolLM2's Q4_1 GGUF against Hugging Face (teacher-forced, 33
+positions, bench/results/kernels/weight_quant_agreement.json): int8x2 top-1 agreement 1.000, max
+logit error 0.01% of the logit range; "int8" (llama.cpp's own 8-bit activations) 0.909, 1.5%;
+"fp32" 1.000, 0.
 
 Large path memory: large="cached" (default) keeps the float weight (the model holds it anyway:
 4 bytes a weight beside the file's blocks); large="dequant" drops it and dequantizes the blocks
@@ -22,6 +31,8 @@ kernel, dequantized at load with a log line) run plain F.linear, as does any non
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -29,27 +40,54 @@ from worker_svc.backends.base import LinearMethod
 from worker_svc.backends.cpu import native
 
 # largest T at which the block kernel beats F.linear on the float weight at every T over a SmolLM2
-# (Q4_1) step: bench/results/kernels/gguf_kernels_amd.json (AMD EPYC family 23, Zen 3, 2 threads:
-# 285 vs 397 ms at T=32, 565 vs 455 at 64). "scalar": never.
+# (Q4_1) step: bench/results/kernels/gguf_kernels_amd.json (AMD EPYC family 23, Zen 3, 2 threads,
+# the fp32-dot kernel: 285 vs 397 ms at T=32, 565 vs 455 at 64); the int8x2 default on Zen 4
+# (family 25 model 17, bench/results/kernels/gguf_kernels_zen4.json) keeps 32: it beats the float
+# GEMM up to T=32 and loses at 64. "scalar": never.
 GGUF_MAX_TOKENS = {"avx2": 32}
+
+
+# The small-batch kernel's arithmetic (SARATHI_GGUF_DOT overrides the default):
+# * "int8" = llama.cpp's method: each token's activations quantized once per call to 8-bit blocks
+#   of 32 (scale amax / 127), integer dots with the file's blocks (vpdpbusd / maddubs;
+#   csrc/gguf_linear.c gguf_linear_q8), fp32 scales;
+# * "int8x2": the same plus a second 8-bit part holding the rounding remainder in 1/128 steps
+#   (x ~ d (q + q_lo / 128): ~15-bit activations), two integer dots per run of 32;
+# * "fp32": the exact path (each row dequantized in cache, fp32 dots: F.linear on the file's
+#   dequantized weights up to summation order).
+# All three read the file's own blocks; they differ in the activations' precision only.
+DOTS = ("int8x2", "int8", "fp32")
+DEFAULT_DOT = "int8x2"
+_PARTS = {"int8": 1, "int8x2": 2}
 
 
 def default_max_tokens() -> int:
     return GGUF_MAX_TOKENS.get(native.gguf_isa(), 0) if native.available() else 0
 
 
+def default_dot() -> str:
+    dot = os.environ.get("SARATHI_GGUF_DOT", DEFAULT_DOT)
+    if dot not in DOTS:
+        raise ValueError(f"SARATHI_GGUF_DOT must be one of {DOTS}, got {dot!r}")
+    return dot
+
+
 class GgufLinearMethod(LinearMethod):
     """Block kernel for T <= max_tokens, float GEMM above (module docstring). process() keeps
     layer.gguf's blocks as buffer layer.gguf_data (uint8 [N, row_bytes]) and layer.gguf_type."""
 
-    def __init__(self, max_tokens: int | None = None, large: str = "cached"):
+    def __init__(self, max_tokens: int | None = None, large: str = "cached", dot: str | None = None):
         if not native.available():
             raise ValueError(f"GGUF block kernels need the native library: {native.unavailable_reason()}")
         if large not in ("cached", "dequant"):
             raise ValueError(f"large must be 'cached' or 'dequant', got {large!r}")
+        self.dot = default_dot() if dot is None else dot
+        if self.dot not in DOTS:
+            raise ValueError(f"dot must be one of {DOTS}, got {self.dot!r}")
         self.max_tokens = default_max_tokens() if max_tokens is None else max_tokens
         self.large = large
-        self.name = f"gguf blocks ({native.gguf_isa()}) for <= {self.max_tokens} tokens, float GEMM above" + (
+        isa = f"{native.gguf_q8_isa()} {self.dot} dot" if self.dot in _PARTS else native.gguf_isa() + " fp32 dot"
+        self.name = f"gguf blocks ({isa}) for <= {self.max_tokens} tokens, float GEMM above" + (
             " (dequantized per call)" if large == "dequant" else "")
 
     def process(self, layer: torch.nn.Module) -> None:
@@ -81,7 +119,10 @@ class GgufLinearMethod(LinearMethod):
         if bias is not None:
             b = layer.bias_f32 if bias is layer.bias else bias.float().contiguous()
         xf = rows if rows.stride(-1) == 1 else rows.contiguous()
-        y = native.gguf_linear_unchecked(layer.gguf_type, data, xf, b)
+        if self.dot == "fp32":
+            y = native.gguf_linear_unchecked(layer.gguf_type, data, xf, b)
+        else:
+            y = native.gguf_linear_q8_unchecked(layer.gguf_type, data, xf, b, parts=_PARTS[self.dot])
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -95,8 +136,8 @@ class GroupInt8LinearMethod(GgufLinearMethod):
     per-row int8: SmolLM2 top-1 agreement 0.879 with Hugging Face), at the memory of a per-64
     fp32-scale scheme. Layers whose K is not a multiple of 32 keep float weights."""
 
-    def __init__(self, max_tokens: int | None = None):
-        super().__init__(max_tokens)
+    def __init__(self, max_tokens: int | None = None, dot: str | None = None):
+        super().__init__(max_tokens, dot=dot)
         self.name = "int8 per 32-column group (Q8_0 blocks) " + self.name.removeprefix("gguf blocks ")
 
     def process(self, layer: torch.nn.Module) -> None:

@@ -436,11 +436,22 @@ def _bind_gguf(lib: ctypes.CDLL) -> None:
     lib.gguf_dequantize.restype = I
     lib.gguf_linear_supports.argtypes = [I]
     lib.gguf_linear_supports.restype = I
+    lib.gguf_linear_q8.argtypes = [I, P, L, P, L, P, P, L, I, I, I, I, I, I]
+    lib.gguf_linear_q8.restype = I
+    lib.gguf_quantize_act.argtypes = [P, L, I, I, P, L, L, P, P, I, I]
+    lib.gguf_quantize_act.restype = I
+    lib.gguf_q8_isa.restype = ctypes.c_char_p
 
 
 def gguf_isa() -> str:
     """The fastest path of the GGUF block kernels here: "avx2" or "scalar" ("" when unavailable)."""
     return _lib.gguf_linear_isa().decode() if available() else ""
+
+
+def gguf_q8_isa() -> str:
+    """The instructions of the integer-dot GGUF path here: "avx512vnni" (vpdpbusd), "avx2" (maddubs)
+    or "scalar" ("" when the library is unavailable)."""
+    return _lib.gguf_q8_isa().decode() if available() else ""
 
 
 def gguf_supports(ggml_type: int) -> bool:
@@ -499,3 +510,54 @@ def gguf_dequantize(ggml_type: int, w: torch.Tensor, K: int, num_threads: int | 
     if rc != 0:
         raise ValueError(f"gguf_dequantize rejected type {ggml_type}, w {tuple(w.shape)}, K={K} (rc={rc})")
     return out
+
+
+def gguf_linear_q8(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
+                   num_threads: int | None = None, force_scalar: bool = False, parts: int = 1) -> torch.Tensor:
+    """gguf_linear on the integer-dot path (csrc/gguf_linear.c, gguf_linear_q8): each token's x
+    quantized to 8-bit blocks of 32 (gguf_quantize_act; parts=2: a second 7-bit part of the
+    rounding remainder, two integer dots per run), integer dots with the file's blocks, fp32
+    scales. F.linear on the exact dequantization up to the activation rounding."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or x.device.type != "cpu":
+        raise ValueError(f"x must be a CPU fp32 [T, K] tensor with contiguous rows, got {tuple(x.shape)} {x.dtype}")
+    _check_blocks(ggml_type, w, x.shape[1])
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.shape[0],) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous fp32 [{w.shape[0]}]")
+    if parts not in (1, 2):
+        raise ValueError(f"parts must be 1 or 2, got {parts}")
+    return gguf_linear_q8_unchecked(ggml_type, w, x, bias, num_threads, force_scalar, parts=parts)
+
+
+def gguf_linear_q8_unchecked(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
+                             num_threads: int | None = None, force_scalar: bool = False,
+                             out: torch.Tensor | None = None, parts: int = 1) -> torch.Tensor:
+    """gguf_linear_q8 without the argument checks; out: an fp32 [T, N] tensor with contiguous rows
+    to write into (None: a new one)."""
+    T, K = x.shape
+    N = w.shape[0]
+    if out is None:
+        out = torch.empty(T, N, dtype=torch.float32)
+    rc = _lib.gguf_linear_q8(ggml_type, w.data_ptr(), w.shape[1], x.data_ptr(), x.stride(0),
+                             None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), T, N, K,
+                             num_threads or torch.get_num_threads(), parts, int(force_scalar))
+    if rc != 0:
+        raise ValueError(f"gguf_linear_q8 rejected type {ggml_type}, w {tuple(w.shape)}, K={K} (rc={rc})")
+    return out
+
+
+def gguf_quantize_act(x: torch.Tensor, force_scalar: bool = False, parts: int = 1):
+    """The integer-dot path's activation quantization of x [T, K] fp32 (K a multiple of 32), per
+    block of 32 with v = x * (127 / amax) (fp32): parts=1 -> (q = rint(v) int8 [T, K],
+    d = amax / 127, s = d * sum(q)) with d, s fp32 [T, K/32]; parts=2 -> (q, q_lo = rint((v - q) * 128),
+    d = amax / 127 / 128, s = d * sum(128 q + q_lo)), so x ~ d (128 q + q_lo)."""
+    if not available():
+        raise RuntimeError(f"native kernels unavailable: {_reason}")
+    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or x.shape[1] % 32 or parts not in (1, 2):
+        raise ValueError(f"x must be fp32 [T, K] with contiguous rows and K % 32 == 0, got {tuple(x.shape)}")
+    T, K = x.shape
+    q = torch.empty(T, parts, K, dtype=torch.int8)
+    d = torch.empty(T, K // 32, dtype=torch.float32)
+    s = torch.empty(T, K // 32, dtype=torch.float32)
+    _lib.gguf_quantize_act(x.data_ptr(), x.stride(0), T, K, q.data_ptr(), parts * K, K if parts == 2 else 0,
+                           d.data_ptr(), s.data_ptr(), parts, int(force_scalar))
+    return (q[:, 0], d, s) if parts == 1 else (q[:, 0], q[:, 1], d, s)

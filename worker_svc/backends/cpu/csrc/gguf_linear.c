@@ -17,6 +17,9 @@
  *
  * Paths: AVX2+FMA (integer unpacking of 32 quants at a time, 8-wide converts) when built with it,
  * scalar otherwise or when force_scalar is set (tests run both on one build).
+ *
+ * Second method, gguf_linear_q8 (the serving default for small batches, see the section at the
+ * end): llama.cpp's integer dots on the same blocks, activations quantized per token.
  */
 #pragma GCC optimize("fp-contract=off")
 #include <stdint.h>
@@ -349,6 +352,375 @@ int gguf_linear_supports(int type) { return block_elems(type) != 0; }
 /* "avx2" or "scalar": the fastest path this build runs (force_scalar picks the scalar one). */
 const char *gguf_linear_isa(void) {
 #if defined(GG_AVX2)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}
+
+/* ========================================================================================== */
+/* Integer-dot path (llama.cpp's method): gguf_linear_q8                                      */
+/* ========================================================================================== */
+/* Each token's activations are quantized once per call to 8-bit blocks of 32 (the layout of
+ * every format's 32-element runs): q = round_half_even(x * 127 / amax), one fp32 scale
+ * d = amax / 127 per block, and s = d * sum(q) for the formats' offset / min terms. Per token, so
+ * a token's result never depends on the other tokens of the call (batch independence). Then per
+ * weight run of 32 the integer dot sum(u8 weight * s8 activation) (AVX-512 VNNI vpdpbusd when
+ * built with it, AVX2 maddubs + madd otherwise, or scalar), scaled in fp32 by the run's weight
+ * scale times the activation block's d:
+ *   Q4_0: d (q - 8)           -> d da dot(q, a) - 8 d sa
+ *   Q4_1: d q + m             -> d da dot(q, a) + m sa
+ *   Q8_0: d q (signed)        -> d da dot(|q|, sign(a, q))
+ *   Q4_K, Q5_K: d sc_j q - dmin m_j   -> d sc_j da dot(q, a) - dmin m_j sa
+ *   Q6_K: d sc_{e/16} (q - 32) (signed) -> per 16: d sc da dot(|v|, sign(a, v))
+ * This differs from F.linear on the exact dequantization by the activation rounding only (at
+ * most da/2 per element); the weights are the file's, unchanged. Tokens run in tiles of up to 4
+ * over each row's blocks (weights unpacked once per tile). */
+#define Q8_TILE 4
+
+/* one token: x [K] -> q [K] int8, d [K/32], s [K/32] (identical on every path: IEEE multiply,
+ * round half to even, as numpy's float32 rint) */
+static void quant_act_scalar(const float *x, int nb, int parts, int8_t *q, int8_t *ql, float *d, float *s) {
+    for (int b = 0; b < nb; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int l = 0; l < 32; l++) { const float a = xb[l] < 0 ? -xb[l] : xb[l]; amax = a > amax ? a : amax; }
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int l = 0; l < 32; l++) {
+            const float v = xb[l] * id, r = __builtin_rintf(v);
+            q[32 * b + l] = (int8_t)r;
+            if (parts == 2) {
+                const int lo = (int)__builtin_rintf((v - r) * 128.0f);
+                ql[32 * b + l] = (int8_t)lo;
+                sum += 128 * (int)r + lo;
+            } else sum += (int)r;
+        }
+        d[b] = parts == 2 ? amax / 127.0f / 128.0f : amax / 127.0f;
+        s[b] = d[b] * (float)sum;
+    }
+}
+
+#if defined(GG_AVX2)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define GG_VNNI 1
+#endif
+
+static inline __m256i pack32(__m256i i0, __m256i i1, __m256i i2, __m256i i3) {
+    i0 = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    return _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static inline int hsum_epi32(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+}
+
+static void quant_act_avx2(const float *x, int nb, int parts, int8_t *q, int8_t *ql, float *d, float *s) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const int rm = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int b = 0; b < nb; b++) {
+        const float *xb = x + 32 * b;
+        __m256 v[4];
+        for (int g = 0; g < 4; g++) v[g] = _mm256_loadu_ps(xb + 8 * g);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                 _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        const __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+        __m256i hi[4], lo[4];
+        __m256i sum = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            const __m256 sv = _mm256_mul_ps(v[g], id), r = _mm256_round_ps(sv, rm);
+            hi[g] = _mm256_cvtps_epi32(r);
+            if (parts == 2) {
+                lo[g] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(sv, r), _mm256_set1_ps(128.0f)), rm));
+                sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_slli_epi32(hi[g], 7), lo[g]));
+            } else sum = _mm256_add_epi32(sum, hi[g]);
+        }
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), pack32(hi[0], hi[1], hi[2], hi[3]));
+        if (parts == 2) _mm256_storeu_si256((__m256i *)(ql + 32 * b), pack32(lo[0], lo[1], lo[2], lo[3]));
+        d[b] = parts == 2 ? amax / 127.0f / 128.0f : amax / 127.0f;
+        s[b] = d[b] * (float)hsum_epi32(sum);
+    }
+}
+
+/* 8 dword sums of 4 adjacent u8 * s8 products */
+static inline __attribute__((always_inline)) __m256i dot_us(__m256i u, __m256i a) {
+#if defined(GG_VNNI)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* one run of 32 weights (u unsigned, or |v| with sgn = v for signed types) against NT tokens'
+ * activation block b: acc[t] += dot * (scale * da[t][b]); corr[t] += cw * sa[t][b] */
+#define RUN32(u, sgn, SIGNED, scale, cw, b)                                                        \
+    for (int t = 0; t < NT; t++) {                                                                 \
+        __m256i a = _mm256_load_si256((const __m256i *)(qa + t * qs + 32 * (b)));                  \
+        if (SIGNED) a = _mm256_sign_epi8(a, sgn);                                                  \
+        __m256i dt = dot_us(u, a);                                                                 \
+        if (TWO) {                                                                                 \
+            __m256i al = _mm256_load_si256((const __m256i *)(qa + t * qs + loff + 32 * (b)));        \
+            if (SIGNED) al = _mm256_sign_epi8(al, sgn);                                            \
+            dt = _mm256_add_epi32(_mm256_slli_epi32(dt, 7), dot_us(u, al));                        \
+        }                                                                                          \
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt),                                           \
+                                 _mm256_mul_ps(scale, _mm256_set1_ps(da[t * fs + (b)])), acc[t]);  \
+        if (cw != 0.0f) corr[t] += cw * sa[t * fs + (b)];                                          \
+    }
+
+/* NT tokens (activations qa + t * qs, da / sa + t * fs) against one row p of nb native blocks */
+static inline __attribute__((always_inline)) void
+q8_row_avx2(const int type, const int NT, const int TWO, const uint8_t *p, int nb, const int8_t *qa,
+            int64_t qs, int64_t loff, const float *da, const float *sa, int64_t fs, float *res) {
+    __m256 acc[Q8_TILE];
+    float corr[Q8_TILE];
+    for (int t = 0; t < NT; t++) { acc[t] = _mm256_setzero_ps(); corr[t] = 0.0f; }
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int i = 0; i < nb; i++) {
+        if (type == T_Q4_0 || type == T_Q4_1) {
+            const int bb = type == T_Q4_0 ? 18 : 20;
+            const uint8_t *b = p + (int64_t)i * bb;
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + bb - 16));
+            const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+            const float d = h16(b);
+            const float cw = type == T_Q4_0 ? -8.0f * d : h16(b + 2);
+            const __m256 sc = _mm256_set1_ps(d);
+            RUN32(u, u, 0, sc, cw, i)
+        } else if (type == T_Q8_0) {
+            const uint8_t *b = p + (int64_t)i * 34;
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 2));
+            const __m256i u = _mm256_sign_epi8(v, v);     /* |v|: -128 -> 128 as u8 */
+            const __m256 sc = _mm256_set1_ps(h16(b));
+            RUN32(u, v, 1, sc, 0.0f, i)
+        } else if (type == T_Q4_K || type == T_Q5_K) {
+            const int bb = type == T_Q4_K ? 144 : 176;
+            const uint8_t *b = p + (int64_t)i * bb;
+            const float d = h16(b), dmin = h16(b + 2);
+            const uint8_t *scp = b + 4, *q4 = type == T_Q4_K ? b + 16 : b + 48;
+            __m256i qh = _mm256_setzero_si256();
+            if (type == T_Q5_K) qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+            for (int j2 = 0; j2 < 4; j2++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(q4 + 32 * j2));
+                for (int half = 0; half < 2; half++) {
+                    const int j = 2 * j2 + half;
+                    __m256i u = _mm256_and_si256(half ? _mm256_srli_epi16(q, 4) : q, m4);
+                    if (type == T_Q5_K)
+                        u = _mm256_or_si256(u, _mm256_and_si256(
+                            j >= 4 ? _mm256_srli_epi16(qh, j - 4) : _mm256_slli_epi16(qh, 4 - j),
+                            _mm256_set1_epi8(16)));
+                    int s, mm;
+                    scale_min_k4(j, scp, &s, &mm);
+                    const __m256 sc = _mm256_set1_ps(d * (float)s);
+                    const float cw = -(dmin * (float)mm);
+                    RUN32(u, u, 0, sc, cw, 8 * i + j)
+                }
+            }
+        } else if (type == T_Q6_K) {
+            const uint8_t *b = p + (int64_t)i * 210;
+            const int8_t *scp = (const int8_t *)(b + 192);
+            const float d = h16(b + 208);
+            const __m256i m2 = _mm256_set1_epi8(3 << 4), off = _mm256_set1_epi8(32);
+            for (int h = 0; h < 2; h++) {
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                for (int j = 0; j < 4; j++) {
+                    const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (j & 1)));
+                    const __m256i lo = _mm256_and_si256(j >> 1 ? _mm256_srli_epi16(l, 4) : l, m4);
+                    const __m256i hi = _mm256_and_si256(
+                        2 * j >= 4 ? _mm256_srli_epi16(qh, 2 * j - 4) : _mm256_slli_epi16(qh, 4 - 2 * j), m2);
+                    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, hi), off);
+                    const __m256i u = _mm256_sign_epi8(v, v);
+                    const int e = 128 * h + 32 * j;
+                    /* dwords 0-3 hold elements 0-15 (scale sc[e/16]), 4-7 elements 16-31 */
+                    const __m256 sc = _mm256_set_m128(_mm_set1_ps(d * (float)scp[e / 16 + 1]),
+                                                      _mm_set1_ps(d * (float)scp[e / 16]));
+                    RUN32(u, v, 1, sc, 0.0f, 8 * i + h * 4 + j)
+                }
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) res[t] = hsum8(acc[t]) + corr[t];
+}
+#undef RUN32
+
+#define Q8_NT(TY, TW)                                                                              \
+    switch (nt) {                                                                                  \
+    case 1: q8_row_avx2(TY, 1, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
+    case 2: q8_row_avx2(TY, 2, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
+    case 3: q8_row_avx2(TY, 3, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
+    default: q8_row_avx2(TY, 4, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                    \
+    }
+#define Q8_CASE(TY)                                                                                \
+    case TY:                                                                                       \
+        if (lo) { Q8_NT(TY, 1) } else { Q8_NT(TY, 0) }                                             \
+        break;
+
+/* lo: offset of the low parts from the high ones (0: one part) */
+static void q8_row_avx2_any(int type, int nt, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
+                            int64_t lo, const float *da, const float *sa, int64_t fs, float *res) {
+    switch (type) {
+    Q8_CASE(T_Q4_0)
+    Q8_CASE(T_Q4_1)
+    Q8_CASE(T_Q8_0)
+    Q8_CASE(T_Q4_K)
+    Q8_CASE(T_Q5_K)
+    Q8_CASE(T_Q6_K)
+    }
+}
+#undef Q8_NT
+#undef Q8_CASE
+#endif
+
+/* The activation quantization (also for tests): x [T, K] (row stride xs) -> token t's high parts
+ * at q + t * qs, low parts (parts == 2) at q + t * qs + lo, d and s [T, K/32]. */
+int gguf_quantize_act(const float *x, int64_t xs, int T, int K, int8_t *q, int64_t qs, int64_t lo,
+                      float *d, float *s, int parts, int force_scalar) {
+    if (K % 32 || T < 0 || parts < 1 || parts > 2) return -1;
+    const int nb = K / 32;
+    (void)force_scalar;
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (int64_t)t * xs;
+        int8_t *qt = q + (int64_t)t * qs;
+#if defined(GG_AVX2)
+        if (!force_scalar) { quant_act_avx2(xt, nb, parts, qt, qt + lo, d + (int64_t)t * nb, s + (int64_t)t * nb); continue; }
+#endif
+        quant_act_scalar(xt, nb, parts, qt, qt + lo, d + (int64_t)t * nb, s + (int64_t)t * nb);
+    }
+    return 0;
+}
+
+/* scalar: the same integer dots and fp32 scale products, summed per run (a different fp32
+ * summation order from the SIMD lanes). Not auto-vectorized: GCC 12 with AVX512-VNNI
+ * (-march=znver4 / native on Zen 4) miscompiles a signed int8 x int8 dot reduction (it emits
+ * vpdpbusd, which is unsigned x signed: wrong sums; reproduced here for Q8_0). */
+__attribute__((optimize("no-tree-vectorize")))
+static void q8_row_scalar(int type, int nt, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
+                          int64_t loff, const float *da, const float *sa, int64_t fs, float *res) {
+    for (int t = 0; t < nt; t++) {
+        const int8_t *a_ = qa + t * qs;
+#define a(i) (loff ? 128 * a_[i] + a_[(i) + loff] : a_[i])
+        const float *dt = da + t * fs, *st = sa + t * fs;
+        float acc = 0.0f, corr = 0.0f;
+        for (int i = 0; i < nb; i++) {
+            switch (type) {
+            case T_Q4_0: case T_Q4_1: {
+                const int bb = type == T_Q4_0 ? 18 : 20;
+                const uint8_t *b = p + (int64_t)i * bb, *q = b + bb - 16;
+                int dot = 0;
+                for (int l = 0; l < 16; l++) dot += (q[l] & 15) * a(32 * i + l) + (q[l] >> 4) * a(32 * i + l + 16);
+                const float d = h2f(b);
+                acc += (float)dot * (d * dt[i]);
+                corr += (type == T_Q4_0 ? -8.0f * d : h2f(b + 2)) * st[i];
+                break;
+            }
+            case T_Q8_0: {
+                const uint8_t *b = p + (int64_t)i * 34;
+                int dot = 0;
+                for (int l = 0; l < 32; l++) dot += (int8_t)b[2 + l] * a(32 * i + l);
+                acc += (float)dot * (h2f(b) * dt[i]);
+                break;
+            }
+            case T_Q4_K: case T_Q5_K: {
+                const int bb = type == T_Q4_K ? 144 : 176;
+                const uint8_t *b = p + (int64_t)i * bb;
+                const float d = h2f(b), dmin = h2f(b + 2);
+                const uint8_t *scp = b + 4, *qh = b + 16, *q4 = type == T_Q4_K ? b + 16 : b + 48;
+                for (int j = 0; j < 8; j++) {
+                    int s, mm;
+                    scale_min_k4(j, scp, &s, &mm);
+                    int dot = 0;
+                    for (int l = 0; l < 32; l++) {
+                        int v = (q4[32 * (j / 2) + l] >> (4 * (j & 1))) & 15;
+                        if (type == T_Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+                        dot += v * a(256 * i + 32 * j + l);
+                    }
+                    acc += (float)dot * ((d * (float)s) * dt[8 * i + j]);
+                    corr += -(dmin * (float)mm) * st[8 * i + j];
+                }
+                break;
+            }
+            case T_Q6_K: {
+                const uint8_t *b = p + (int64_t)i * 210, *ql = b, *qh = b + 128;
+                const int8_t *scp = (const int8_t *)(b + 192);
+                const float d = h2f(b + 208);
+                for (int h = 0; h < 2; h++)
+                    for (int j = 0; j < 4; j++) {
+                        const int e0 = 128 * h + 32 * j;
+                        int dots[2] = {0, 0};
+                        for (int l = 0; l < 32; l++) {
+                            const int lo = (ql[64 * h + 32 * (j & 1) + l] >> (4 * (j >> 1))) & 15;
+                            const int hi = (qh[32 * h + l] >> (2 * j)) & 3;
+                            dots[l >> 4] += ((lo | (hi << 4)) - 32) * a(256 * i + e0 + l);
+                        }
+                        const float dab = dt[8 * i + 4 * h + j];
+                        acc += (float)dots[0] * ((d * (float)scp[e0 / 16]) * dab)
+                             + (float)dots[1] * ((d * (float)scp[e0 / 16 + 1]) * dab);
+                    }
+                break;
+            }
+            }
+        }
+        res[t] = acc + corr;
+#undef a
+    }
+}
+
+/* out [T, N] (row stride os) = x W^T (+ bias) on the integer-dot path (see above); parts 1: 8-bit
+ * activations (llama.cpp's), 2: 8 + 7 bits (x ~ d (q + q_lo / 128): two integer dots per run).
+ * Returns 0; -1 for an unsupported type or inconsistent shape; -2 out of memory. */
+int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t xs,
+                   const float *bias, float *out, int64_t os, int T, int N, int K, int num_threads,
+                   int parts, int force_scalar) {
+    if (check(type, row_bytes, N, K) || T < 0 || parts < 1 || parts > 2) return -1;
+    if (T == 0 || N == 0) return 0;
+    const int nb = K / block_elems(type), nb32 = K / 32;
+    const int64_t kp = ((int64_t)K + 63) & ~(int64_t)63, qs = parts * kp, fs = nb32, lo = parts == 2 ? kp : 0;
+    int8_t *qa = aligned_alloc(64, (size_t)(qs * T));
+    float *da = malloc(sizeof(float) * (size_t)(2 * fs * T));
+    if (!qa || !da) { free(qa); free(da); return -2; }
+    float *sa = da + fs * T;
+    num_threads = threads_for(num_threads, N, K);
+    gguf_quantize_act(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *p = w + (int64_t)n * row_bytes;
+        const float b = bias ? bias[n] : 0.0f;
+        float res[Q8_TILE];
+        for (int t0 = 0; t0 < T; t0 += Q8_TILE) {
+            const int nt = T - t0 < Q8_TILE ? T - t0 : Q8_TILE;
+            const int8_t *qt = qa + t0 * qs;
+            const float *dt = da + t0 * fs, *st = sa + t0 * fs;
+#if defined(GG_AVX2)
+            if (!force_scalar) q8_row_avx2_any(type, nt, p, nb, qt, qs, lo, dt, st, fs, res);
+            else
+#endif
+                q8_row_scalar(type, nt, p, nb, qt, qs, lo, dt, st, fs, res);
+            for (int t = 0; t < nt; t++) out[(int64_t)(t0 + t) * os + n] = res[t] + b;
+        }
+    }
+    free(qa);
+    free(da);
+    return 0;
+}
+
+/* The integer-dot path's instructions: "avx512vnni" (vpdpbusd), "avx2" (maddubs) or "scalar". */
+const char *gguf_q8_isa(void) {
+#if defined(GG_VNNI)
+    return "avx512vnni";
+#elif defined(GG_AVX2)
     return "avx2";
 #else
     return "scalar";
