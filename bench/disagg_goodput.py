@@ -155,6 +155,18 @@ def _metric_delta(before: dict, after: dict, pattern: str) -> dict[str, float]:
 
 
 # -- running -------------------------------------------------------------------------------------
+def _commit() -> str | None:
+    """The checkout's commit (a run's code), with '+' when the tree has uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("+" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def run(args) -> None:
     out = Path(args.out)
     runs_path = out.parent / f"{out.name}_runs.json"
@@ -190,7 +202,9 @@ def run(args) -> None:
                       f"finished {s['finished']}/{n}, P50 TTFT {s['ttft_p50_s']:.2f} s, "
                       f"P99 TBT {s['tbt_p99_s']:.3f} s", file=sys.stderr)
                 data["runs"].append(dict(
-                    deployment=dep, workload=wl, qps=qps, requests=[r.to_dict() for r in rr.records],
+                    deployment=dep, workload=wl, qps=qps, commit=_commit(),
+                    env={k: v for k, v in os.environ.items() if k.startswith("SARATHI_")},
+                    requests=[r.to_dict() for r in rr.records],
                     end_time=rr.end_time, summary=s,
                     metrics=_metric_delta(before, after, r"kv_transfer|ttft|disagg|prefill_pool|handoff")))
                 runs_path.write_text(json.dumps(json_safe(data)))
@@ -285,8 +299,8 @@ def report(args) -> None:
                                    "duration_s", "drain_s", "seed")}
     result.update(slos={k: {"ttft_s": a, "tbt_s": b} for k, (a, b) in slos.items()},
                   attainment_target=ATTAINMENT, **evaluate(data, slos),
-                  runs=[{k: r[k] for k in ("deployment", "workload", "qps", "summary", "metrics")}
-                        for r in data["runs"]])
+                  runs=[{k: r.get(k) for k in ("deployment", "workload", "qps", "commit", "env", "summary",
+                                               "metrics")} for r in data["runs"]])
     out.with_suffix(".json").write_text(json.dumps(json_safe(result), indent=1))
     print(table(result))
     plot(result, data, out.with_suffix(".png"))
