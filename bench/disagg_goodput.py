@@ -305,6 +305,38 @@ def report(args) -> None:
     print(table(result))
     plot(result, data, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}", file=sys.stderr)
+    for spec in args.timeline or []:
+        wl, qps = spec.split(":")
+        path = out.parent / f"{out.name}_timeline_{wl}_{qps}.png"
+        timeline(data, wl, float(qps), path)
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def timeline(data: dict, workload: str, qps: float, path: Path) -> None:
+    """Per deployment, one run (workload at qps): each request's TTFT at its arrival time and
+    every token gap at the time it closed, so a reader sees where a deployment queues prompts
+    (TTFT grows) or stalls decodes (gaps grow)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in data["runs"] if r["workload"] == workload and r["qps"] == qps]
+    fig, axes = plt.subplots(2, len(runs), figsize=(4.2 * len(runs), 6), squeeze=False, sharey="row")
+    for j, r in enumerate(runs):
+        recs = _records(r)
+        ax = axes[0][j]
+        ax.scatter([x.arrival for x in recs], [min(x.ttft, 1e3) for x in recs], s=10,
+                   c=[x.prompt_tokens for x in recs], cmap="viridis")
+        ax.set(title=f"{r['deployment']}: {workload} @ {qps:g} QPS", xlabel="arrival (s)",
+               ylabel="TTFT (s; colour: prompt tokens)", yscale="log")
+        ax = axes[1][j]
+        for x in recs:
+            t = x.token_times
+            ax.plot(t[1:], [b - a for a, b in zip(t, t[1:])], ".", ms=2, color="tab:blue")
+        ax.set(xlabel="time (s)", ylabel="gap between tokens (s)", yscale="log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def table(result: dict) -> str:
@@ -385,6 +417,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="flags every deployment's `sarathi serve` gets")
     p.add_argument("--slo", action="append", default=None,
                    help="NAME=TTFT_S,TBT_S (repeat); default: three pairs for this CPU")
+    p.add_argument("--timeline", action="append", default=None,
+                   help="WORKLOAD:QPS (report): a timeline figure of that run for every deployment")
     args = p.parse_args(argv)
     args.slo = args.slo or ["strict-tbt=8,0.25", "strict-ttft=1.5,1.0", "balanced=3,0.5"]
     (run if args.action == "run" else report)(args)
