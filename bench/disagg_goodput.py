@@ -396,7 +396,10 @@ def plot(result: dict, data: dict, path: Path) -> None:
                     color=colors.get(dep), label=f"{dep} P99 TBT")
         ax.set(title=f"{wl}: latency by rate", xlabel="request rate (QPS)", ylabel="seconds", yscale="log")
         ax.legend(fontsize=7)
-    fig.suptitle(f"{result['machine']} — {result['date']}", fontsize=8)
+    m = result["machine"]
+    fig.suptitle(f"{m['cpu']}, {m['cpus']} CPUs ({m['isa']}); last sweep started {result['date']}; "
+                 f"{result['duration_s']:g} s of Poisson arrivals per point; attainment = TTFT <= SLO and "
+                 "mean TBT <= SLO; dotted: 90%", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
