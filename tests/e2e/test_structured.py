@@ -160,13 +160,30 @@ def test_preemption_keeps_the_constraint(stack, client, greedy_team):
 
 
 def test_a_worker_replay_keeps_the_constraint(stack, client, greedy_team):
-    killer = threading.Timer(1.5, stack.kill_worker)      # mid-generation: `sarathi serve` restarts it
+    url = stack.scheduler_metrics_url
+    lost_before = metric(get(url)[1], "sarathi_scheduler_worker_lost_total")
+    decoded_before = metric(get(url)[1], "sarathi_scheduler_tokens_total", '{kind="decode"}')
+    killed = threading.Event()
+
+    def kill_mid_generation() -> None:
+        # kill once the two requests have decoded a few tokens (not on a timer: a fast CPU may
+        # finish both before any fixed delay); `sarathi serve` restarts the worker
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if metric(get(url)[1], "sarathi_scheduler_tokens_total", '{kind="decode"}') >= decoded_before + 6:
+                stack.kill_worker()
+                killed.set()
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_mid_generation, daemon=True)
     killer.start()
     t0 = time.monotonic()
     results = _concurrently(client, 2)
     killer.join()
+    assert killed.is_set(), "the requests never decoded: nothing to kill"
     assert results == [greedy_team] * 2, f"after {time.monotonic() - t0:.1f} s"
-    assert metric(get(stack.scheduler_metrics_url)[1], "sarathi_scheduler_worker_lost_total") >= 1
+    assert metric(get(url)[1], "sarathi_scheduler_worker_lost_total") >= lost_before + 1
 
 
 def _concurrently(client, n: int) -> list[str]:

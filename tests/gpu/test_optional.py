@@ -73,7 +73,7 @@ def test_serve_and_worker_pass_device_options_through(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(serve, "run_embedded", lambda config: seen.setdefault("serve", config))
-    monkeypatch.setattr(service, "run_worker", lambda config: seen.setdefault("worker", config))
+    monkeypatch.setattr(service, "run_worker", lambda config, **kw: seen.setdefault("worker", config))
     assert cli.main(["serve", "--device", "cuda", "--model", "/m", "--no-cuda-graphs",
                      "--gpu-memory-utilization", "0.8"]) == 0
     assert cli.main(["worker", "--device", "cuda:1", "--max-num-seqs", "64"]) == 0
