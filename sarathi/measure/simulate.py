@@ -338,7 +338,7 @@ def run_pools(ps, clock: SimClock, workload: list[RequestSpec], *, drain_s: floa
     for t in transfers:
         t["ttft_s"] = ttft.get(t["req_id"], math.inf)
     extra = {"pools": [{"name": p.name, "role": p.role, "requests_routed": routed[p.name],
-                        "busy_s": round(sum(p.executor.busy), 4), "kv_send_s": round(p.executor.kv_s, 4)}
+                        "busy_s": round(sum(p.executor.busy), 4), "kv_send_s": round(p.executor.kv_s, 7)}
                        for p in ps.pools],
              "counters": dict(ps.counters), **transfer_summary(transfers)}
     iterations.sort(key=lambda it: it.start)
