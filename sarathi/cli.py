@@ -273,6 +273,19 @@ def _measure_parsers(sub) -> None:
     _add(p, "windows", 0, "> 0: also report P99 TBT in this many equal time windows of each run")
     _add(p, "noise-sigma", 0.0, "> 0: each iteration's time x a lognormal factor (mean 1, this sigma; seeded): "
          "the iteration-to-iteration variation a fitted cost model leaves out")
+    _add(p, "prefill-replicas", 0, "prefill/decode disaggregation: simulated prefill workers (with "
+         "--decode-replicas; all pools under one scheduler: the real PoolSet + Router)")
+    _add(p, "decode-replicas", 0, "simulated decode workers (with --prefill-replicas)")
+    _add(p, "disaggregation", "off", "with --prefill-replicas/--decode-replicas: off (colocated on the decode "
+         "workers), all, auto (prompts >= --disagg-threshold uncached tokens while the prefill pool is not the "
+         "bottleneck)", choices=["off", "all", "auto"])
+    _add(p, "disagg-threshold", 256, "auto: the shortest uncached prompt (tokens) sent to a prefill worker "
+         "(`sarathi plan` proposes one)")
+    _add(p, "disagg-backlog-margin", 2048, "auto: a long prompt stays colocated when the prefill worker's queued "
+         "prefill tokens exceed the decode worker's by more than this")
+    _add(p, "prefill-token-budget", 0, "token budget of the prefill workers (0 = --token-budget)")
+    _add(p, "kv-link-gbs", 25.0, "KV transfer link between workers in GB/s (assumption; 25 = a 200 Gb/s RDMA NIC): "
+         "a transfer takes prompt blocks x block size x the model's KV bytes per token / this")
 
     p = sub.add_parser("profile", help="iteration-time table, SLOs and cost model of this machine")
     _model_args(p)
@@ -296,6 +309,10 @@ def _measure_parsers(sub) -> None:
     _add(p, "context", 0, "decode context in tokens (0 = the profile's SLO context)")
     _add(p, "tile", 32, "tau is a multiple of this many tokens")
     _add(p, "max-num-seqs", 128, "cap on running requests")
+    _add(p, "kv-link-gbs", 25.0, "KV link between prefill and decode workers (GB/s) for the transfer time "
+         "reported beside the disaggregation threshold")
+    _add(p, "kv-bytes-per-token", 0, "KV bytes per token moved by a transfer (0 = the --device model's; with a "
+         "profile, no transfer time unless given)")
     _add(p, "out", "sarathi-plan.json", "plan file (JSON; a PNG is written next to it)")
     _sim_device_args(p, required=False)
 

@@ -368,7 +368,7 @@ def plan(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from sarathi.measure.env import command_line, machine
-    from sarathi.measure.plan import plan_token_budget
+    from sarathi.measure.plan import plan_disagg_threshold, plan_token_budget
     from sarathi.measure.profile import load_cost_model
 
     if a.device:   # a simulated GPU instead of a measured profile
@@ -393,12 +393,22 @@ def plan(a: argparse.Namespace) -> int:
     res = plan_token_budget(model, slo, context=a.context or prof["slo"]["context"],
                             tile=a.tile, decode_batch=a.decode_batch, qps=a.qps or None,
                             mean_output_tokens=mean_out, max_num_seqs=a.max_num_seqs)
+    kv_bytes = a.kv_bytes_per_token or (model.shape.kv_bytes_per_token(model.shape.num_layers, 1)
+                                        if a.device else 0)
+    disagg = plan_disagg_threshold(model, slo, context=res["context"], decode_batch=res["decode_batch"],
+                                   tile=a.tile, kv_bytes_per_token=kv_bytes, kv_link_gbs=a.kv_link_gbs)
     result = {"command": command_line(), "machine": machine(),
-              **({"simulated": desc} if desc else {"profile": a.profile}), **res}
+              **({"simulated": desc} if desc else {"profile": a.profile}), **res,
+              "disagg_threshold": disagg["disagg_threshold"], "disagg": disagg}
     out = Path(a.out if a.out.endswith(".json") else a.out + ".json")
     _report("plan", result, str(out), str(out))
     print(f"token budget {res['token_budget']} (predicted iteration {res['iteration_s']:.3f} s "
           f"with {res['decode_batch']} decodes at {res['context']} tokens; SLO {slo:.3f} s) -> {out}")
+    xfer = (f"; its KV ({disagg['kv_bytes'] / 1e6:.1f} MB) takes {disagg['kv_transfer_s'] * 1e3:.2f} ms over "
+            f"{a.kv_link_gbs:g} GB/s" if disagg["kv_transfer_s"] is not None else "")
+    print(f"disaggregation threshold {disagg['disagg_threshold']} tokens (--disagg-threshold): a whole prompt "
+          f"of that length beside {disagg['decode_batch']} decodes is predicted at "
+          f"{disagg['iteration_s']:.3f} s <= the SLO{xfer}")
     return 0
 
 
@@ -422,10 +432,26 @@ def _sim_cost_model(a: argparse.Namespace):
     return m, {**m.describe(), "slo_context": ctx}, slo_decode_s(m, ctx), blocks
 
 
+def _sim_roles(a: argparse.Namespace) -> list[str] | None:
+    """The pools of `simulate`: None for --replicas (independent replicas), else one role per
+    pool: --prefill-replicas x prefill + --decode-replicas x decode."""
+    if a.prefill_replicas < 0 or a.decode_replicas < 0:
+        raise ValueError("--prefill-replicas and --decode-replicas must be >= 0")
+    if not a.prefill_replicas and not a.decode_replicas:
+        if a.disaggregation != "off":
+            raise ValueError("--disaggregation all|auto needs --prefill-replicas and --decode-replicas")
+        return None
+    if a.replicas != 1:
+        raise ValueError("give either --replicas or --prefill-replicas/--decode-replicas")
+    if a.disaggregation != "off" and not (a.prefill_replicas and a.decode_replicas):
+        raise ValueError("--disaggregation all|auto needs at least one prefill and one decode replica")
+    return ["prefill"] * a.prefill_replicas + ["decode"] * a.decode_replicas
+
+
 def simulate(a: argparse.Namespace) -> int:
     from sarathi.measure.env import command_line, machine
     from sarathi.measure.profile import RELAXED, STRICT
-    from sarathi.measure.simulate import simulated_target
+    from sarathi.measure.simulate import pool_target, simulated_target
     from sarathi.measure.tools import capacity as search
     from sarathi.measure.tools import run_once
 
@@ -438,13 +464,31 @@ def simulate(a: argparse.Namespace) -> int:
     tau = _token_budget(a, slo)
     sched = _scheduler_config(a, slo)
     max_len = 8192 if desc["kind"] == "gpu" else _read_profile(a.profile)["model_info"]["max_model_len"]
-    target = simulated_target(cost, replicas=a.replicas, depth=a.pp, block_size=a.block_size,
-                              num_blocks=num_blocks, max_model_len=max_len, sched_config=sched,
-                              description=desc, windows=a.windows, noise_sigma=a.noise_sigma)
+    roles = _sim_roles(a)
+    if roles is None:
+        target = simulated_target(cost, replicas=a.replicas, depth=a.pp, block_size=a.block_size,
+                                  num_blocks=num_blocks, max_model_len=max_len, sched_config=sched,
+                                  description=desc, windows=a.windows, noise_sigma=a.noise_sigma)
+    else:
+        kv_bytes = (cost.shape.kv_bytes_per_token(cost.shape.num_layers, 1) if desc["kind"] == "gpu"
+                    else 23040)   # a profile: SmolLM2-135M's bf16 KV (30 layers x K,V x 3 heads x 64 x 2 B)
+        target = pool_target(cost, roles=roles, mode=a.disaggregation, threshold_tokens=a.disagg_threshold,
+                             backlog_margin_tokens=a.disagg_backlog_margin,
+                             prefill_token_budget=a.prefill_token_budget, depth=a.pp,
+                             block_size=a.block_size, num_blocks=num_blocks, max_model_len=max_len,
+                             kv_bytes_per_token=kv_bytes, kv_link_gbs=a.kv_link_gbs, sched_config=sched,
+                             description=desc, noise_sigma=a.noise_sigma, keep_transfers=a.details)
+        desc = {**desc, "pools": roles, "disaggregation": a.disaggregation,
+                "disagg_threshold": a.disagg_threshold, "disagg_backlog_margin": a.disagg_backlog_margin,
+                "prefill_token_budget": a.prefill_token_budget or None, "kv_link_gbs": a.kv_link_gbs,
+                "kv_bytes_per_token": kv_bytes,
+                "kv_link_assumption": f"{a.kv_link_gbs:g} GB/s between workers (25 GB/s = one 200 Gb/s "
+                                      "RDMA NIC); transfer = prompt blocks x block size x KV bytes per token / link"}
     w = dataclasses.replace(_workload(a, max_len), shift_prompt_scale=a.shift_prompt_scale)
     label = f"{a.policy} tau={'adaptive' if tau.adaptive_slo else tau.budget}"
     result = {"command": command_line(), "machine": machine(), "target": "sim",
-              "simulated": {**desc, "replicas": a.replicas, "num_blocks": num_blocks,
+              "simulated": {**desc, "replicas": a.replicas if roles is None else len(roles),
+                            "num_blocks": num_blocks,
                             "noise_sigma": a.noise_sigma,
                             "slo_base_decode_b32_s": slo_base},
               "workload": {"trace": w.trace.source, "num_requests": w.num_requests, "arrival": w.arrival,
@@ -471,6 +515,9 @@ def simulate(a: argparse.Namespace) -> int:
         print(f"{q:g} QPS: TTFT P50 {s['ttft_p50_s']:.3f} s | TBT P50 {s['tbt_p50_s']:.4f} s, P99 "
               f"{s['tbt_p99_s']:.4f} s | sched delay P50 {s['sched_delay_p50_s']:.3f} s | "
               f"{s['finished']}/{s['requests']} finished"
-              + (f" | PP bubbles {s['pp_bubble_fraction']:.1%}" if a.pp > 1 else ""))
+              + (f" | PP bubbles {s['pp_bubble_fraction']:.1%}" if a.pp > 1 and "pp_bubble_fraction" in s else "")
+              + (f" | {s['disaggregated_requests']} disaggregated, KV transfer P50 "
+                 f"{s['kv_transfer_p50_s'] * 1e3:.2f} ms = {s['kv_transfer_share_of_ttft_p50']:.1%} of their "
+                 f"P50 TTFT {s['disagg_ttft_p50_s']:.3f} s" if s.get("disaggregated_requests") else ""))
     _report("bench", result, a.out, f"sarathi-simulate-{a.policy}")
     return 0

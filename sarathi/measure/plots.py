@@ -110,7 +110,17 @@ def plot_plan(result: dict, path: Path) -> None:
             label="predicted hybrid iteration")
     ax.axhline(result["tbt_slo_s"], color="r", ls=":", label="TBT SLO")
     ax.axvline(result["token_budget"], color="g", ls="--", label=f"tau = {result['token_budget']}")
-    ax.set(xlabel="token budget tau (tokens)", ylabel="seconds",
+    d = result.get("disagg")
+    if d:
+        top = 1.5 * result["tbt_slo_s"]
+        pts = [c for c in d["curve"] if c["iteration_s"] <= top] or d["curve"][:1]
+        ax.plot([c["prompt"] for c in pts], [c["iteration_s"] for c in pts], ".-", color="tab:purple",
+                label="decodes + a whole prompt of x tokens")
+        xfer = (f", KV {d['kv_transfer_s'] * 1e3:.1f} ms @ {d['kv_link_gbs']:g} GB/s"
+                if d.get("kv_transfer_s") is not None else "")
+        ax.axvline(d["disagg_threshold"], color="tab:purple", ls="--",
+                   label=f"disagg threshold = {d['disagg_threshold']}{xfer}")
+    ax.set(xlabel="token budget tau / prompt length (tokens)", ylabel="seconds",
            title=f"{result['decode_batch']} decodes @{result['context']} + chunk")
     ax.grid(alpha=0.3)
     ax.legend()

@@ -49,8 +49,15 @@ class SimulatedWorker:
     Keeps busy / bubble seconds per stage."""
 
     def __init__(self, cost, clock: SimClock, block_size: int, vocab_size: int,
-                 noise_sigma: float = 0.0, seed: int = 0):
+                 noise_sigma: float = 0.0, seed: int = 0, kv_bytes_per_token: int = 0,
+                 kv_link_gbs: float = 25.0):
         self.cost, self.clock = cost, clock
+        self.block_size = block_size
+        # KV transfer (prefill/decode disaggregation): a batch's KvSends move len(src_blocks) x
+        # block_size x kv_bytes_per_token bytes over a kv_link_gbs GB/s link, one after another,
+        # after the last stage; the worker waits for the ack, so its next batch starts after them
+        self.kv_bytes_per_token, self.kv_link_gbs = kv_bytes_per_token, kv_link_gbs
+        self.kv_s = 0.0          # seconds spent sending KV (s), not in busy
         self.noise_sigma = noise_sigma
         self._rng = np.random.default_rng(seed)
         self.stage_times: Callable[[Batch], list[float]] = (
@@ -79,15 +86,41 @@ class SimulatedWorker:
             t = start + dt
             self.stage_free[s] = t
             self.busy[s] += dt
-        self._queue.append((batch, t, times))
+        sent = {}
+        for send in batch.kv_sends:
+            nbytes, secs = self.kv_transfer(len(send.src_blocks))
+            sent[send.req_id] = {"kv_transfer_s": secs, "kv_bytes": nbytes}
+            t += secs
+            self.kv_s += secs
+        self.stage_free[-1] = t
+        self._queue.append((batch, t, times, submitted, sent))
+
+    def kv_transfer(self, num_blocks: int) -> tuple[int, float]:
+        """(bytes, seconds) of sending num_blocks KV blocks to another worker."""
+        nbytes = num_blocks * self.block_size * self.kv_bytes_per_token
+        return nbytes, nbytes / (self.kv_link_gbs * 1e9)
+
+    def head_ready(self) -> bool:
+        """The oldest batch has ended by the clock (a PoolSet collects only those)."""
+        return bool(self._queue) and self._queue[0][1] <= self.clock.now
+
+    @property
+    def next_done(self) -> float:
+        """When the oldest batch in flight ends (inf: none)."""
+        return self._queue[0][1] if self._queue else math.inf
 
     def collect(self) -> tuple[Batch, BatchOutput]:
-        batch, done, times = self._queue.popleft()
+        batch, done, times, submitted, sent = self._queue.popleft()
         self.clock.now = max(self.clock.now, done)
         # the token is a function of the position only: outputs ignore EOS, so only lengths matter
         sampled = {s.req_id: 1 + (s.start_pos + len(s.token_ids)) % (self.vocab_size - 1)
                    for s in batch.seqs if s.sample}
-        return batch, BatchOutput(batch.batch_id, sampled, {"forward_s": sum(times), "stages_s": times})
+        out = BatchOutput(batch.batch_id, sampled, {"forward_s": sum(times), "stages_s": times,
+                                                     "submitted_s": submitted, "done_s": done})
+        if sent:
+            out.kv_sent.update(sent)
+            out.timings["kv_transfer_s"] = sum(v["kv_transfer_s"] for v in sent.values())
+        return batch, out
 
     def abandon(self) -> None:
         self._queue.clear()
@@ -194,6 +227,171 @@ def simulated_target(cost, *, replicas: int = 1, depth: int = 1, block_size: int
                         noise_sigma=noise_sigma, seed=i)
                 for i in range(replicas)]
         return run_replicas(reps, workload, drain_s=drain_s, on_progress=on_progress, windows=windows)
+
+    return Target("sim", run=run, max_model_len=max_model_len, vocab_size=vocab_size,
+                  description=description or {})
+
+
+# -- worker pools: colocated replicas and prefill/decode disaggregation --------------------------
+ROLE_LAYOUTS = ("replicas", "pd")
+
+
+def make_sim_poolset(cost, sched_config: SchedulerConfig, roles: list[str], *, mode: str = "off",
+                     threshold_tokens: int = 256, backlog_margin_tokens: int = 2048,
+                     prefill_token_budget: int = 0, block_size: int = 16, num_blocks: int = 2048,
+                     max_model_len: int = 8192, vocab_size: int = 32000, depth: int = 1,
+                     kv_bytes_per_token: int = 0, kv_link_gbs: float = 25.0,
+                     noise_sigma: float = 0.0, seed: int = 0):
+    """The real PoolSet + Router over one SimulatedWorker per role (e.g. ["mixed", "mixed"] or
+    ["prefill", "decode"]), all on one SimClock. A prefill pool's token budget is
+    prefill_token_budget (0: the config's); KV sends cost bytes / kv_link_gbs (SimulatedWorker)."""
+    import dataclasses
+
+    from scheduler_svc.pools import Pool, PoolSet
+    from scheduler_svc.router import Router, RouterConfig
+
+    clock, pools = SimClock(), []
+    for i, role in enumerate(roles):
+        cfg = dataclasses.replace(sched_config, max_model_len=max_model_len)
+        if role == "prefill" and prefill_token_budget:
+            cfg = dataclasses.replace(cfg, token_budget=prefill_token_budget,
+                                      max_num_batched_tokens=max(cfg.max_num_batched_tokens,
+                                                                 prefill_token_budget))
+        sched = Scheduler(cfg, CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                          ModelInfo("sim", max_model_len, vocab_size, [0], block_size=block_size,
+                                    num_blocks=num_blocks), clock=clock)
+        worker = SimulatedWorker(cost, clock, block_size, vocab_size, noise_sigma, seed + i,
+                                 kv_bytes_per_token=kv_bytes_per_token, kv_link_gbs=kv_link_gbs)
+        pools.append(Pool(f"{role}{i}", role, sched, worker, kv_address=f"sim://{role}{i}", depth=depth))
+    router = Router(RouterConfig(mode, threshold_tokens, backlog_margin_tokens))
+    return PoolSet(pools, router), clock
+
+
+def run_pools(ps, clock: SimClock, workload: list[RequestSpec], *, drain_s: float,
+              on_progress: Callable[[int], None] | None = None) -> tuple[RunResult, dict]:
+    """Drive a PoolSet of SimulatedWorkers through the workload on virtual time: admit the
+    arrivals due, step the PoolSet (it fills every pool and collects every batch that has ended)
+    until nothing changes at this instant, then move the clock to the next batch end or arrival.
+    Token times are the clock at the step that published them (the scheduler's own times).
+
+    Returns the run and extras: per pool its role, requests routed and busy seconds; per
+    disaggregated request its KV transfer (bytes, seconds, queue, prefill); the transfer's share
+    of the median TTFT of disaggregated requests; the counters of the coordinator."""
+    end = (workload[-1].arrival if workload else 0.0) + drain_s
+    pending = deque(sorted(workload, key=lambda s: s.arrival))
+    specs: dict[str, RequestSpec] = {}
+    first_sched: dict[str, object] = {}
+    times: dict[str, list[float]] = {}
+    ended: dict[str, tuple[str, str | None]] = {}
+    routed = {p.name: 0 for p in ps.pools}
+    iterations: list[IterationRecord] = []
+    collected = [0]
+
+    def on_batch(pool, batch: Batch, output: BatchOutput, seconds: float) -> None:
+        collected[0] += 1
+        tokens, kv, pairs, seqs = aggregates(batch_shapes(batch))
+        decodes = sum(1 for s in batch.seqs if s.is_decode)
+        start = output.timings["submitted_s"]
+        iterations.append(IterationRecord(start, output.timings["done_s"] - start, tokens - decodes,
+                                          decodes, seqs, kv, pairs))
+
+    ps.on_batch = on_batch
+    while True:
+        while pending and pending[0].arrival <= clock.now:
+            spec = pending.popleft()
+            req = ps.add_request(spec.req_id, spec.prompt_ids, bench_sampling(spec.max_tokens), spec.arrival)
+            specs[spec.req_id], first_sched[spec.req_id], times[spec.req_id] = spec, req, []
+            owner = ps.owner(spec.req_id)
+            if owner is not None:
+                routed[owner.name] += 1
+        if clock.now >= end:
+            break
+        before = (collected[0], sum(len(p.loop.in_flight) for p in ps.pools))
+        done = 0
+        for ev in ps.step(wait_s=0.0):
+            t = times.get(ev.req_id)
+            if t is not None and ev.token_id is not None and ev.index == len(t):
+                t.append(clock.now)
+            if ev.finish_reason is not None and ev.req_id not in ended:
+                ended[ev.req_id] = (ev.finish_reason, ev.error)
+                done += 1
+        if done and on_progress:
+            on_progress(done)
+        if (collected[0], sum(len(p.loop.in_flight) for p in ps.pools)) != before:
+            continue   # something ran or was submitted: let the pools refill at this instant
+        t_next = min([p.executor.next_done for p in ps.pools if p.loop.in_flight]
+                     + [pending[0].arrival if pending else math.inf])
+        if t_next == math.inf:
+            if ps.has_unfinished():
+                from scheduler_svc.engine_loop import StalledError
+                raise StalledError(f"nothing schedulable; stats: {ps.stats()}")
+            break
+        clock.now = max(clock.now, min(t_next, end))
+    records = []
+    for rid, spec in specs.items():
+        reason, error = ended.get(rid, (None, None))
+        fs = first_sched[rid].first_scheduled_time
+        records.append(_record(spec, 0.0, times[rid], fs, reason in ("stop", "length"), error))
+    records += [_record(spec, 0.0, [], None, False, None) for spec in pending]
+    transfers = ps.transfer_dicts()
+    ttft = {r.req_id: r.ttft for r in records}
+    for t in transfers:
+        t["ttft_s"] = ttft.get(t["req_id"], math.inf)
+    extra = {"pools": [{"name": p.name, "role": p.role, "requests_routed": routed[p.name],
+                        "busy_s": round(sum(p.executor.busy), 4), "kv_send_s": round(p.executor.kv_s, 7)}
+                       for p in ps.pools],
+             "counters": dict(ps.counters), **transfer_summary(transfers)}
+    iterations.sort(key=lambda it: it.start)
+    return RunResult(records, iterations, clock.now), {**extra, "transfers": transfers}
+
+
+def transfer_summary(transfers: list[dict]) -> dict:
+    """Over disaggregated requests: how many, median KV bytes and transfer seconds, median TTFT,
+    and the transfer's share of it (median transfer / median TTFT; and the median per-request
+    share)."""
+    from sarathi.measure.metrics import percentile
+
+    if not transfers:
+        return {"disaggregated_requests": 0}
+    secs = [t["kv_transfer_s"] for t in transfers]
+    ttft = [t["ttft_s"] for t in transfers]
+    med_ttft = percentile(ttft, 50)
+    return {"disaggregated_requests": len(transfers),
+            "kv_bytes_p50": percentile([t["kv_bytes"] for t in transfers], 50),
+            "kv_transfer_p50_s": percentile(secs, 50),
+            "kv_transfer_total_s": sum(secs),
+            "disagg_ttft_p50_s": med_ttft,
+            "kv_transfer_share_of_ttft_p50": (percentile(secs, 50) / med_ttft
+                                              if math.isfinite(med_ttft) and med_ttft > 0 else math.nan),
+            "kv_transfer_share_p50": percentile([s / t if t > 0 else math.nan for s, t in zip(secs, ttft)
+                                                 if math.isfinite(t)], 50)}
+
+
+def pool_target(cost, *, roles: list[str], mode: str = "off", threshold_tokens: int = 256,
+                backlog_margin_tokens: int = 2048, prefill_token_budget: int = 0, depth: int = 1,
+                block_size: int = 16, num_blocks: int = 2048, max_model_len: int = 8192,
+                vocab_size: int = 32000, kv_bytes_per_token: int = 0, kv_link_gbs: float = 25.0,
+                sched_config: SchedulerConfig | None = None, description: dict | None = None,
+                noise_sigma: float = 0.0, keep_transfers: bool = True) -> Target:
+    """A Target whose runs go to a simulated PoolSet (make_sim_poolset): `roles` one pool each,
+    the Router in `mode`. keep_transfers=False leaves the per-request transfer list out of the
+    summary (its aggregate stays)."""
+    import dataclasses
+
+    base = sched_config or SchedulerConfig()
+
+    def run(policy: str, tau: int, workload: list[RequestSpec], drain_s: float, on_progress) -> tuple:
+        cfg = dataclasses.replace(base, policy=policy, token_budget=tau)
+        ps, clock = make_sim_poolset(
+            cost, cfg, roles, mode=mode, threshold_tokens=threshold_tokens,
+            backlog_margin_tokens=backlog_margin_tokens, prefill_token_budget=prefill_token_budget,
+            block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
+            vocab_size=vocab_size, depth=depth, kv_bytes_per_token=kv_bytes_per_token,
+            kv_link_gbs=kv_link_gbs, noise_sigma=noise_sigma)
+        rr, extra = run_pools(ps, clock, workload, drain_s=drain_s, on_progress=on_progress)
+        if not keep_transfers:
+            extra.pop("transfers")
+        return rr, extra
 
     return Target("sim", run=run, max_model_len=max_model_len, vocab_size=vocab_size,
                   description=description or {})
