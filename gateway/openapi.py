@@ -127,10 +127,19 @@ def errors(*statuses: int) -> dict[int | str, dict]:
     return out
 
 
+# One server-sent event of a stream (OpenAPI 3.0/3.1 put the per-event schema under `schema`, as
+# 3.2's itemSchema does, and schemathesis validates every parsed event against it): `data` is a
+# chunk's JSON, an error object's JSON, or the final "[DONE]".
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string", "description": "a chunk as JSON, or [DONE]"},
+                            "event": {"type": "string"}, "id": {"type": "string"},
+                            "retry": {"type": "integer"}}}
+
+
 def generation(model: type[BaseModel]) -> dict[int | str, dict]:
     """The responses of a generation endpoint: JSON or SSE, and its errors."""
     return {200: {"model": model, "description": "the answer (JSON), or the SSE stream when stream is true",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                  "content": {"text/event-stream": {"schema": SSE_EVENT}}},
             **errors(400, 401, 404, 413, 429, 500, 503)}
 
 
