@@ -380,8 +380,6 @@ def run_scheduler(config: SchedulerServiceConfig, *, queue: SchedulerQueue | Non
     passes the gateway's, so that one /metrics shows both). on_ready: called with the
     SchedulerService once the workers answered and before the loop.
     """
-    from scheduler_svc.remote_executor import RemoteExecutor
-    from shared.queue import QueueConfig, make_scheduler_queue
 
     c = config
     metrics = SchedulerMetrics(registry if registry is not None else _process_registry())
@@ -393,14 +391,20 @@ def run_scheduler(config: SchedulerServiceConfig, *, queue: SchedulerQueue | Non
                                lambda: bool(services) and services[0].running and services[0].worker_up,
                                lambda: services[0].stats_json() if services else {})
         log.info("scheduler metrics on http://%s:%d/metrics", c.metrics_host, server.server_port)
-    if c.disagg.enabled:
-        try:
-            _run_pools(c, queue, executor, metrics, services, server, stop, on_ready)
-        finally:
-            if server is not None:
-                server.shutdown()
-                server.server_close()
-        return
+    try:
+        run = _run_pools if c.disagg.enabled else _run_single
+        run(c, queue, executor, metrics, services, server, stop, on_ready)
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, server, stop,
+                on_ready) -> None:
+    """run_scheduler with one worker (or one TP x PP replica): one Scheduler, one EngineLoop."""
+    from scheduler_svc.remote_executor import RemoteExecutor
+
     owned = None   # the RemoteExecutor made here, closed at the end (a given executor is the caller's)
     try:
         if executor is None:
@@ -412,27 +416,36 @@ def run_scheduler(config: SchedulerServiceConfig, *, queue: SchedulerQueue | Non
         metrics.set_worker(info.name, info.backend)
         cfg = dataclasses.replace(c.scheduler, max_model_len=c.max_model_len or info.max_model_len)
         scheduler = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info)
-        queue = queue or make_scheduler_queue(c.redis_url, consumer=c.consumer,
-                                              config=QueueConfig(prefix=c.queue_prefix))
+        queue = _queue(c, queue)
         service = SchedulerService(scheduler, executor, queue, metrics,
                                    worker_restart_timeout_s=c.worker_restart_timeout_s)
-        service.http_port = server.server_port if server is not None else None
-        services.append(service)
         log.info("scheduler ready: policy=%s tau=%d model=%s max_model_len=%d kv=%dx%d worker=%s",
                  cfg.policy, cfg.token_budget, info.name, scheduler.max_model_len, info.num_blocks,
                  info.block_size, info.backend)
-        if on_ready is not None:
-            on_ready(service)
-        try:
-            service.run(stop or threading.Event())
-        finally:
-            queue.close()
+        _serve(service, queue, services, server, stop, on_ready)
     finally:
         if owned is not None:
             owned.close()
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+
+
+def _queue(c: SchedulerServiceConfig, queue: SchedulerQueue | None) -> SchedulerQueue:
+    """The queue handed in, else the Redis queue the config names."""
+    from shared.queue import QueueConfig, make_scheduler_queue
+
+    return queue or make_scheduler_queue(c.redis_url, consumer=c.consumer,
+                                         config=QueueConfig(prefix=c.queue_prefix))
+
+
+def _serve(service: SchedulerService, queue: SchedulerQueue, services: list, server, stop, on_ready) -> None:
+    """Publish the ready service (HTTP thread, on_ready), run it until `stop`, close its queue."""
+    service.http_port = server.server_port if server is not None else None
+    services.append(service)
+    if on_ready is not None:
+        on_ready(service)
+    try:
+        service.run(stop or threading.Event())
+    finally:
+        queue.close()
 
 
 def pool_addresses(c: SchedulerServiceConfig) -> list[tuple[str, list[str] | str]]:
@@ -450,7 +463,6 @@ def _run_pools(c: SchedulerServiceConfig, queue, executors, metrics, services, s
     """run_scheduler with worker pools (c.disagg.enabled). executors: None (connect to the
     configured addresses), or a list of (role, executor) handed in (tests)."""
     from scheduler_svc.remote_executor import RemoteExecutor
-    from shared.queue import QueueConfig, make_scheduler_queue
 
     owned = []
     try:
@@ -479,21 +491,13 @@ def _run_pools(c: SchedulerServiceConfig, queue, executors, metrics, services, s
                            kv_transfer_timeout_s=d.kv_transfer_timeout_s,
                            kv_transfer_failure=d.kv_transfer_failure,
                            restart_timeout_s=c.worker_restart_timeout_s)
-        queue = queue or make_scheduler_queue(c.redis_url, consumer=c.consumer,
-                                              config=QueueConfig(prefix=c.queue_prefix))
+        queue = _queue(c, queue)
         service = PoolService(pool_set, queue, metrics, worker_restart_timeout_s=c.worker_restart_timeout_s)
-        service.http_port = server.server_port if server is not None else None
-        services.append(service)
         log.info("scheduler ready: policy=%s tau=%d model=%s pools=%s disaggregation=%s threshold=%d",
                  c.scheduler.policy, c.scheduler.token_budget, info.name,
                  ", ".join(f"{p.name}({p.scheduler.block_manager.num_blocks} blocks)" for p in pools),
                  d.mode, d.threshold_tokens)
-        if on_ready is not None:
-            on_ready(service)
-        try:
-            service.run(stop or threading.Event())
-        finally:
-            queue.close()
+        _serve(service, queue, services, server, stop, on_ready)
     finally:
         for ex in owned:
             ex.close()
