@@ -6,22 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import urllib.request
 
 import msgpack
 import pytest
 import zmq
-from prometheus_client import CollectorRegistry
 
 from kvstore.link import KvLink, KvTransferError, make_kv_link
 from kvstore.transfer import export_frames
-from scheduler_svc.service import run_scheduler
 from shared.config import CacheConfig, DisaggConfig, SchedulerConfig, SchedulerServiceConfig, WorkerConfig
-from shared.queue import make_queues
 from tests.support.engine_helpers import make_tiny_checkpoint
-from tests.support.sim_worker import collect, eventually, request
+from tests.support.sim_worker import ThreadedStack, collect, eventually, request
 from worker_svc.executor import Executor
 from worker_svc.service import WorkerServer
 
@@ -38,34 +34,19 @@ def executor(model):
                                  weight_quant="none", cache=CacheConfig(BS, NUM_BLOCKS)))
 
 
-class PDStack:
+class PDStack(ThreadedStack):
     """Workers (threads, real executors) + the scheduler service over their pools + the queue."""
 
     def __init__(self, model, roles: list[str], mode: str, **disagg):
-        self.gq, self.sq = make_queues(None)
-        self.stop = threading.Event()
-        self.servers = [WorkerServer(ex, "tcp://127.0.0.1:0", role=role,
-                                     kv_link=make_kv_link(ex, "tcp://127.0.0.1:0" if role != "prefill" else None))
-                        for role in roles for ex in [executor(model)]]
-        addrs = {r: [s.address for s in self.servers if s.role == r] for r in ("mixed", "prefill", "decode")}
+        servers = [WorkerServer(ex, "tcp://127.0.0.1:0", role=role,
+                                kv_link=make_kv_link(ex, "tcp://127.0.0.1:0" if role != "prefill" else None))
+                   for role in roles for ex in [executor(model)]]
+        addrs = {r: [s.address for s in servers if s.role == r] for r in ("mixed", "prefill", "decode")}
         config = SchedulerServiceConfig(
             SchedulerConfig(max_num_seqs=16, token_budget=32, watermark=0.0),
             worker_addrs=addrs["mixed"], metrics_port=0, metrics_host="127.0.0.1",
             disagg=DisaggConfig(addrs["prefill"], addrs["decode"], separate_mixed=True, mode=mode, **disagg))
-        ready = threading.Event()
-        self.service = None
-
-        def on_ready(svc):
-            self.service = svc
-            ready.set()
-
-        self.threads = [threading.Thread(target=s.serve_forever, args=(self.stop,), daemon=True)
-                        for s in self.servers]
-        self.threads.append(threading.Thread(target=run_scheduler, args=(config,), daemon=True, kwargs=dict(
-            queue=self.sq, registry=CollectorRegistry(), stop=self.stop, on_ready=on_ready)))
-        for t in self.threads:
-            t.start()
-        assert ready.wait(60), "the scheduler did not get ready"
+        super().__init__(servers, config, ready_s=60)
 
     def run(self, reqs, timeout=120):
         events = asyncio.run(collect(self.gq, reqs, timeout=timeout))
@@ -78,13 +59,6 @@ class PDStack:
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.service.http_port}/metrics", timeout=5) as r:
             return r.read().decode()
-
-    def close(self):
-        self.stop.set()
-        for t in self.threads:
-            t.join(10)
-        for s in self.servers:
-            s.close()
 
 
 def reqs():

@@ -6,17 +6,15 @@ nothing else) when a rank fails a batch."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 from prometheus_client import CollectorRegistry
 
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.service import run_scheduler
 from shared.config import CacheConfig, SchedulerConfig, SchedulerServiceConfig, rank_address
 from shared.messages import BatchOutput
 from shared.queue import make_queues
-from tests.support.sim_worker import SimWorker, collect, request
+from tests.support.sim_worker import SimWorker, ThreadedStack, collect, request
 from worker_svc.service import WorkerServer
 
 
@@ -33,37 +31,12 @@ class Stage(SimWorker):
         return out if self.rank == 1 else BatchOutput(out.batch_id, {}, out.timings)
 
 
-class Replica:
+class Replica(ThreadedStack):
     def __init__(self, tmp_path, stages):
         self.address = f"ipc://{tmp_path}/pp.sock"
-        self.servers = [WorkerServer(s, rank_address(self.address, s.rank)) for s in stages]
-        self.stop = threading.Event()
-        self.gq, self.sq = make_queues(None)
-        self.service = None
-        ready = threading.Event()
-
-        def on_ready(svc):
-            self.service = svc
-            ready.set()
-
-        self.threads = [threading.Thread(target=s.serve_forever, args=(self.stop,), daemon=True)
-                        for s in self.servers]
         config = SchedulerServiceConfig(SchedulerConfig(max_num_seqs=8, token_budget=16),
                                         worker_addrs=[self.address], metrics_port=None)
-        self.threads.append(threading.Thread(target=run_scheduler, args=(config,), daemon=True, kwargs=dict(
-            queue=self.sq, registry=CollectorRegistry(), stop=self.stop, on_ready=on_ready)))
-        for t in self.threads:
-            t.start()
-        if not ready.wait(10):   # stop what started, so one failed start does not leak into later tests
-            self.close()
-            raise AssertionError("the scheduler service did not answer ready within 10 s")
-
-    def close(self):
-        self.stop.set()
-        for t in self.threads:
-            t.join(10)
-        for s in self.servers:
-            s.close()
+        super().__init__([WorkerServer(s, rank_address(self.address, s.rank)) for s in stages], config)
 
 
 def test_service_pipelines_two_micro_batches_and_gives_the_single_worker_tokens(tmp_path):
@@ -121,8 +94,6 @@ def test_a_lost_rank_during_collect_holds_and_replays_the_requests_of_every_micr
     flight is preempted with its tokens, nothing runs until a worker answers, then they finish
     with the tokens an uninterrupted run gives."""
     from collections import deque
-
-    from prometheus_client import CollectorRegistry
 
     from scheduler_svc.metrics import SchedulerMetrics
     from scheduler_svc.remote_executor import WorkerLostError

@@ -73,3 +73,45 @@ async def collect(gq, reqs, expect=(), timeout=20.0, on_event=None):
 
     await asyncio.wait_for(gather(), timeout)
     return events
+
+
+class ThreadedStack:
+    """Worker services serving on threads and one scheduler service (run_scheduler) over them,
+    on an in-process queue (`gq` for the gateway side, `sq` for the scheduler's). `service` is
+    the scheduler service once it answered ready; a stack that is not ready within ready_s stops
+    what it started (so a failed start does not leak into later tests) and fails."""
+
+    def __init__(self, servers: list, config, ready_s: float = 10.0):
+        import threading
+
+        from prometheus_client import CollectorRegistry
+
+        from scheduler_svc.service import run_scheduler
+        from shared.queue import make_queues
+
+        self.gq, self.sq = make_queues(None)
+        self.servers = servers
+        self.stop = threading.Event()
+        self.service = None
+        ready = threading.Event()
+
+        def on_ready(svc):
+            self.service = svc
+            ready.set()
+
+        self.threads = [threading.Thread(target=s.serve_forever, args=(self.stop,), daemon=True)
+                        for s in servers]
+        self.threads.append(threading.Thread(target=run_scheduler, args=(config,), daemon=True, kwargs=dict(
+            queue=self.sq, registry=CollectorRegistry(), stop=self.stop, on_ready=on_ready)))
+        for t in self.threads:
+            t.start()
+        if not ready.wait(ready_s):
+            self.close()
+            raise AssertionError(f"the scheduler service did not answer ready within {ready_s:g} s")
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(10)
+        for s in self.servers:
+            s.close()
