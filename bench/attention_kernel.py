@@ -83,8 +83,8 @@ def native_pass(layers, q, tables, lens, out, scale) -> None:
 
 
 def native_threads(threads: int, kv_bytes: int) -> int:
-    """The kernel's own cap (MIN_BYTES_PER_THREAD in paged_decode.c): one thread per 4 MiB of K/V."""
-    return min(threads, 1 + kv_bytes // (4 << 20))
+    """The kernel's own cap (MIN_BYTES_PER_THREAD in paged_decode.c): one thread per 256 KiB of K/V."""
+    return min(threads, 1 + kv_bytes // (256 << 10))
 
 
 READ_C = r"""
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                                                 "block_size": BS},
         "method": "median over rounds of ms per layer call; each round runs torch then native "
                   "back to back per thread count; speedup = torch median / native median; "
-                  "native_threads_used: the kernel runs 1 thread per 4 MiB of K/V, at most the "
+                  "native_threads_used: the kernel runs 1 thread per 256 KiB of K/V, at most the "
                   "torch thread count",
         "baseline": args.baseline and subprocess.run(["git", "rev-parse", args.baseline], capture_output=True,
                                                       text=True).stdout.strip(),

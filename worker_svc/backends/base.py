@@ -199,6 +199,13 @@ class DeviceBackend:
         scheduler's blocks) for batches of up to max_num_seqs sequences, or None (run eagerly)."""
         return None
 
+    def layer_stack(self, layers: torch.nn.ModuleList):
+        """A callable that runs a batch through all of `layers` (a single rank's DecoderLayers)
+        at once, or None: the model calls each layer. Called once per model; the callable takes
+        (x, cos_sin, cache, meta) and returns DecoderLayer.forward's (x, residual) of the last
+        layer, or None for a batch it does not run (the model then runs the layers itself)."""
+        return None
+
     def describe(self) -> str:
         """One line, e.g. "device cpu: attention native avx2, kv bfloat16, linear int8 for <= 16
         tokens"; also ModelInfo.backend, shown as a /metrics label by the scheduler."""

@@ -117,6 +117,8 @@ class LlamaForCausalLM(torch.nn.Module):
         self.head = ReplicatedLinear(self.lm_head, backend.linear) if last else None
         self.rope = RotaryEmbedding(cfg, cfg.max_position_embeddings)
         self.ops = backend.ops
+        # the backend's way to run all layers at once for the batches it can (None: layer by layer)
+        self.stack = backend.layer_stack(self.layers) if parallel is None and len(self.layers) else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
@@ -134,8 +136,12 @@ class LlamaForCausalLM(torch.nn.Module):
             x = par.embed(input_ids, self.embed, self.cfg.vocab_size)
         cos_sin = self.rope.tables(positions, self.dtype)    # once per batch, not per layer
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos_sin, cache, meta)
+        stacked = self.stack(x, cos_sin, cache, meta) if self.stack is not None else None
+        if stacked is not None:
+            x, residual = stacked
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, cos_sin, cache, meta)
         if self.norm is None:
             return x if residual is None else x + residual    # the stage's hidden states
         # the final norm is per row: only where logits are needed

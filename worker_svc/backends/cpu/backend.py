@@ -70,6 +70,12 @@ class CpuBackend(DeviceBackend):
         """DEFAULT_CPU_BLOCKS: host memory is not profiled."""
         return DEFAULT_CPU_BLOCKS
 
+    def layer_stack(self, layers):
+        """Decode-only steps through all layers in one native call, where the layers run on
+        the native kernels (cpu/stack.py); None otherwise."""
+        from worker_svc.backends.cpu.stack import decode_stack
+        return decode_stack(layers, self)
+
 
 @dataclass
 class NativeDecode:

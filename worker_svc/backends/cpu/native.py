@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "paged_decode.c"
 SOURCES = [SOURCE, CSRC / "int8_linear.c", CSRC / "cpu_ops.c",     # cpu_ops: see the fused-ops section
-           CSRC / "gguf_linear.c"]                                  # gguf: see the GGUF section
+           CSRC / "gguf_linear.c",                                  # gguf: see the GGUF section
+           CSRC / "decode_stack.c"]                                 # see the decode stack section
 MAX_D, MAX_G = 256, 64                      # MAX_D and MAX_ROWS of the kernel
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}                        # q and out
 _KV_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the KV cache
@@ -117,6 +118,7 @@ def _load() -> ctypes.CDLL:
     fn.restype = I
     _bind_cpu_ops(lib)
     _bind_gguf(lib)
+    _bind_stack(lib)
     return lib
 
 
@@ -561,3 +563,42 @@ def gguf_quantize_act(x: torch.Tensor, force_scalar: bool = False, parts: int = 
     _lib.gguf_quantize_act(x.data_ptr(), x.stride(0), T, K, q.data_ptr(), parts * K, K if parts == 2 else 0,
                            d.data_ptr(), s.data_ptr(), parts, int(force_scalar))
     return (q[:, 0], d, s) if parts == 1 else (q[:, 0], q[:, 1], d, s)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode stack (csrc/decode_stack.c): a decode-only step through all decoder layers in one
+# call, the same kernels as the per-layer path (used by worker_svc.backends.cpu.stack)
+# ---------------------------------------------------------------------------------------------
+def _bind_stack(lib: ctypes.CDLL) -> None:
+    P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.cpu_decode_stack_fields.restype = I
+    lib.cpu_decode_stack.argtypes = [P, I, I, I, I, I, I, I, F, P, P, P, P, P, I, L, I, P, I, P, P, F, I, I]
+    lib.cpu_decode_stack.restype = I
+
+
+def decode_stack_fields() -> int:
+    """int64 fields per layer of cpu_decode_stack's layer table (see csrc/decode_stack.c)."""
+    return _lib.cpu_decode_stack_fields()
+
+
+def decode_stack_unchecked(fields: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, kv_dtype: torch.dtype,
+                           num_slots: int, block_size: int, tables: torch.Tensor, lens: torch.Tensor,
+                           rows: torch.Tensor, heads: tuple[int, int, int], intermediate: int, eps: float,
+                           scale: float, parts: int, num_threads: int | None = None) -> None:
+    """cpu_decode_stack (csrc/decode_stack.c) without argument checks: fields int64 [L, fields]
+    (the layer table), x / residual fp32 [T, H] contiguous (x: input, then the last MLP output;
+    residual: written), cos / sin fp32 [T, D] contiguous, slots int64 [T], tables / lens / rows
+    int32 as paged_decode_attention takes them, heads = (Hq, Hkv, D). Raises ValueError on a
+    kernel's error code."""
+    T, H = x.shape
+    hq, hkv, d = heads
+    rc = _lib.cpu_decode_stack(fields.data_ptr(), fields.shape[0], T, H, hq, hkv, d, intermediate, eps,
+                               x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                               slots.data_ptr(), _KV_DTYPE_CODE[kv_dtype], num_slots, block_size,
+                               tables.data_ptr(), tables.shape[1], lens.data_ptr(), rows.data_ptr(),
+                               scale, parts, num_threads or torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("cpu_decode_stack: out of memory")
+    if rc != 0:
+        raise ValueError(f"cpu_decode_stack: a kernel rejected the step (rc={rc})")

@@ -53,7 +53,10 @@
 #define MAX_ROWS 64   /* query heads per work unit: stack arrays of MAX_ROWS * MAX_D floats */
 #define TILE 16   /* tokens per softmax update: one AVX-512 vector (two AVX2 vectors) of scores */
 #ifndef MIN_BYTES_PER_THREAD
-#define MIN_BYTES_PER_THREAD (4 << 20)   /* K+V bytes (~0.4 ms of one core's reading) per thread */
+/* K+V bytes per thread (~20 us of one core's reading). 4 MiB before: a single decode at 1k context
+ * (SmolLM2, bf16: 786 KB a layer) then ran on one thread; at 256 KiB it splits over 2, and 30
+ * layers took 1.49 instead of 2.37 ms (Zen 3, 2 threads, bench/results/kernels/README.md) */
+#define MIN_BYTES_PER_THREAD (256 << 10)
 #endif
 #define UNITS_PER_THREAD 4      /* fewer work units than this per thread: split contexts */
 #define MIN_SPLIT_TOKENS 256    /* shortest split: its merge costs ~1% of reading it */

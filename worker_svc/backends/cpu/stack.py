@@ -1,0 +1,125 @@
+"""The CPU backend's layer stack: a decode-only step through every decoder layer in one native
+call (csrc/decode_stack.c), instead of ten Python-driven native calls a layer.
+
+The per-layer path's Python side (module dispatch, argument marshalling, a new tensor per op)
+cost about 4 ms of a 15 ms SmolLM2 decode step at batch 1 on a 2-core Zen 3; the native loop
+calls the same kernels with the same arguments, so its output is bit-identical (tests/worker/
+test_decode_stack.py). It is the CPU's answer to DeviceBackend.layer_stack, as CUDA graphs are
+the GPU's answer to the same per-op cost.
+
+It runs a step when (checked per call, else the model runs its layers as before):
+* every query of the batch is a decode on the native attention kernel (no prefill chunk);
+* T <= the linear method's max_tokens (the block kernel's range);
+* x is fp32 and the cache's dtype is one the KV write and the attention kernel take.
+It is built (DeviceBackend.layer_stack returns one) only for a single-rank model whose every
+linear layer runs on GGUF blocks with the integer-dot kernel (GgufLinearMethod with dot int8 or
+int8x2, or GroupInt8LinearMethod), with the native ops and native attention, fp32 compute.
+SARATHI_NATIVE_STACK=0 turns it off (A/B measurements).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from worker_svc.backends.cpu import native
+
+
+class NativeDecodeStack:
+    """Callable (x, cos_sin, cache, meta) -> (mlp output, residual) or None (not this batch);
+    see the module docstring. Holds the layers' weight pointers (int64 table, rebuilt when the
+    cache's tensors change); the layers must outlive it."""
+
+    name = "native decode stack"
+
+    def __init__(self, layers, parts: int, max_tokens: int):
+        self.layers = list(layers)
+        first = self.layers[0]
+        self.parts = parts
+        self.max_tokens = max_tokens
+        self.heads = (first.num_heads, first.num_kv_heads, first.head_dim)
+        self.intermediate = first.gate_up.gguf_data.shape[0] // 2
+        self.eps = float(first.input_norm.eps)
+        self.scale = float(first.scale)
+        self._fields: torch.Tensor | None = None
+        self._key: tuple | None = None
+        self._ok: dict[torch.dtype, bool] = {}
+
+    @staticmethod
+    def eligible(layers) -> bool:
+        """Whether every layer has what cpu_decode_stack reads (see the module docstring)."""
+        if not layers:
+            return False
+        for layer in layers:
+            lins = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            if any(getattr(m, "gguf_data", None) is None for m in lins):
+                return False
+            if layer.o_proj.tp.world_size != 1 or layer.gate_up.gguf_data.shape[0] % 2:
+                return False
+            for norm in (layer.input_norm, layer.post_norm):
+                if norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous() \
+                        or norm.eps != layer.input_norm.eps:
+                    return False
+            if layer.head_dim > native.MAX_D or layer.num_heads % layer.num_kv_heads \
+                    or layer.num_heads // layer.num_kv_heads > native.MAX_G:
+                return False
+        return True
+
+    def _table(self, cache) -> torch.Tensor:
+        key = tuple(cache.k[layer.index].data_ptr() for layer in self.layers[:1]) + (len(cache.k),)
+        if self._key != key:
+            rows = []
+            for layer in self.layers:
+                lins = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+                qkv_bias = getattr(layer.qkv, "bias_f32", None)
+                o_bias = None if layer.o_proj.bias is None else layer.o_proj.bias.detach().float().contiguous()
+                layer._stack_o_bias = o_bias          # keeps the pointer's tensor alive
+                rows.append([m.gguf_data.data_ptr() for m in lins] + [m.gguf_data.shape[1] for m in lins]
+                            + [int(m.gguf_type) for m in lins]
+                            + [0 if qkv_bias is None else qkv_bias.data_ptr(),
+                               0 if o_bias is None else o_bias.data_ptr(),
+                               layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr(),
+                               cache.k[layer.index].data_ptr(), cache.v[layer.index].data_ptr()])
+            self._fields = torch.tensor(rows, dtype=torch.int64)
+            assert self._fields.shape[1] == native.decode_stack_fields()
+            self._key = key
+        return self._fields
+
+    def _cache_ok(self, cache) -> bool:
+        kc = cache.k[self.layers[0].index]
+        ok = self._ok.get(kc.dtype)
+        if ok is None:
+            ok = self._ok[kc.dtype] = native.write_kv_supports(torch.float32, kc.dtype) and kc.is_contiguous()
+        return ok
+
+    def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache, meta):
+        nd = getattr(meta, "native_decode", None)
+        T = x.shape[0]
+        if nd is None or meta.chunks or T > self.max_tokens or nd.rows.shape[0] != T \
+                or x.dtype != torch.float32 or not x.is_contiguous() or not self._cache_ok(cache):
+            return None
+        cos, sin = cos_sin
+        if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        fields = self._table(cache)
+        residual = torch.empty_like(x)
+        kc = cache.k[self.layers[0].index]
+        native.decode_stack_unchecked(fields, x, residual, cos, sin, meta.slot_mapping, kc.dtype,
+                                      kc.shape[0] * kc.shape[1], kc.shape[1], nd.tables, nd.lens, nd.rows,
+                                      self.heads, self.intermediate, self.eps, self.scale, self.parts)
+        return x, residual
+
+
+def decode_stack(layers, backend) -> NativeDecodeStack | None:
+    """The stack for these layers on this CPU backend, or None (see the module docstring)."""
+    from worker_svc.backends.cpu.backend import NativeCpuAttention, NativeCpuOps
+    from worker_svc.backends.cpu.gguf import _PARTS, GgufLinearMethod
+
+    lin = backend.linear
+    if (os.environ.get("SARATHI_NATIVE_STACK", "1") == "0" or not native.available()
+            or not isinstance(backend.ops, NativeCpuOps) or not isinstance(backend.attention, NativeCpuAttention)
+            or not backend.attention.fused_write or not isinstance(lin, GgufLinearMethod)
+            or lin.dot not in _PARTS or lin.max_tokens < 1 or backend.compute_dtype != torch.float32
+            or not NativeDecodeStack.eligible(layers)):
+        return None
+    return NativeDecodeStack(layers, _PARTS[lin.dot], lin.max_tokens)
