@@ -100,9 +100,11 @@ class Executor:
         self.graphs = None
         if config.cuda_graphs and self.parallel is None:
             self.graphs = self.backend.graph_runner(self.model, self.cache, config.max_num_seqs)
-        log.info("worker backend: %s; %d KV blocks of %d tokens; CUDA graphs %s",
+        stack = getattr(self.model, "stack", None)
+        log.info("worker backend: %s; %d KV blocks of %d tokens; CUDA graphs %s; layers %s",
                  self.backend.describe(), num_blocks, self.block_size,
-                 "on" if self.graphs is not None else "off")
+                 "on" if self.graphs is not None else "off",
+                 f"in one call per step where it applies ({stack.name})" if stack is not None else "one by one")
         if self.parallel is not None:
             p = self.parallel
             log.info("%s: layers %d..%d of %d", p.config.describe(), p.layers[0], p.layers[1] - 1,
