@@ -14,15 +14,16 @@ by token count T, each a full sweep over the weights (more than the L3, as in a 
 The threshold recorded in worker_svc/backends/cpu/gguf.py (GGUF_MAX_TOKENS) is the largest T up to
 which the default block kernel (gguf-int8x2) beats float32-cached at every T.
 
-Part "engine": SmolLM2's real GGUF on the Executor, one process per SARATHI_GGUF_DOT (fp32 = the
-default before this change, int8x2 = the default now, int8) stepped in turn (bench.common.EngineProcess),
-cases decode:1 and decode:32 at 1k context, prefill:512; llama.cpp's llama-bench between the rounds
-(same GGUF, same threads: `-p 0 -n 32 -d 1024` = decode at depth 1024, `-p 512 -n 0` = prefill 512);
-and the bytes-read bound of decode:32 (the file's weight bytes + the bf16 KV read, over the copy
-bandwidth measured in the same run).
+Part "engine": SmolLM2's real GGUF on the Executor, one process per arm (ARMS: --base-tree's code,
+e.g. main before a change; the default now, with the decode stack; the same with
+SARATHI_NATIVE_STACK=0, layer by layer; llama.cpp's 8-bit activations) stepped in turn
+(bench.common.EngineProcess), cases decode:1 and decode:32 at 1k context, prefill:512; llama.cpp's
+llama-bench between the rounds (same GGUF, same threads: `-p 0 -n 32 -d 1024` = decode at depth
+1024, `-p 512 -n 0` = prefill 512); and the bytes-read bound of decode:32 (the file's weight bytes
++ the bf16 KV read, over the copy bandwidth measured in the same run).
 
     python -m bench.gguf_kernels [--rounds 5] [--threads 2] [--engine-rounds 10] [--no-llama]
-                                 [--out bench/results/kernels/gguf_kernels_zen4]
+                                 [--base-tree DIR] [--out bench/results/kernels/gguf_kernels_zen4]
 """
 from __future__ import annotations
 
@@ -138,17 +139,21 @@ def llama_bench_once(threads: int) -> dict:
 LLAMA_CMDS: dict = {}
 STEPS = {"decode:1": 8, "decode:32": 3, "prefill:512": 1}     # timed consecutive steps per round
 LLAMA = "llama.cpp llama-bench (same GGUF)"
-DOTS = {"today (fp32 dot, main before this change)": "fp32",
-        "new default (int8x2 dot)": "int8x2",
-        "int8 dot (llama.cpp's activation quantization)": "int8"}
+NEW = "new default (int8x2 dot, decode stack)"
+# the engine's arms: (tree: None = this one, else --base-tree; environment)
+ARMS = {"base tree (--base-tree)": ("base", {}),
+        NEW: (None, {}),
+        "layer by layer (SARATHI_NATIVE_STACK=0)": (None, {"SARATHI_NATIVE_STACK": "0"}),
+        "int8 dot (llama.cpp's activation quantization), decode stack": (None, {"SARATHI_GGUF_DOT": "int8"})}
 
 
-def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool) -> dict:
-    """The engine on SmolLM2's GGUF (defaults; SARATHI_GGUF_DOT per process), stepped in turn, and
-    llama-bench between the engine's rounds (same hold, same GGUF, same threads)."""
+def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool, base: Path | None = None) -> dict:
+    """The engine on SmolLM2's GGUF (defaults; each arm of ARMS a process), stepped in turn, and
+    llama-bench between the engine's rounds (same hold, same GGUF, same threads). base: another
+    source tree (e.g. `git archive REV | tar -x -C DIR`) run as the first arm; None: no such arm."""
     tree = Path(__file__).resolve().parent.parent
-    procs = {name: EngineProcess(tree, threads, "float32:auto:auto", env={"SARATHI_GGUF_DOT": dot})
-             for name, dot in DOTS.items()}
+    procs = {name: EngineProcess(tree if t is None else base, threads, "float32:auto:auto", env=env)
+             for name, (t, env) in ARMS.items() if t is None or base is not None}
     cases = ["decode:1", "decode:32", "prefill:512"]
     times: dict = {name: {c: [] for c in cases} for name in [*procs, *([LLAMA] if llama else [])]}
     for c in cases:                                   # warm-up
@@ -172,7 +177,7 @@ def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool) -> di
     kv_bytes = 32 * (CONTEXT + 1) * 2 * LAYERS * KV_HEADS * HEAD_DIM * 2    # bf16 K and V
     bw = copy_bandwidth()
     bound_ms = 1e3 * (block_bytes + kv_bytes) / bw
-    new = "new default (int8x2 dot)"
+    new = NEW
     res = {"ms": med, "backends": info, "block_size": BLOCK_SIZE, "llama_bench_commands": LLAMA_CMDS,
            "decode32_bound": {"weight_bytes": block_bytes, "kv_bytes": kv_bytes, "copy_bw_GBps": round(bw / 1e9, 2),
                               "bound_ms": round(bound_ms, 2),
@@ -210,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--no-layers", action="store_true", help="the engine part only")
     ap.add_argument("--no-llama", action="store_true", help="no llama-bench rounds")
+    ap.add_argument("--base-tree", type=Path, help="a source tree to run as the engine's 'before' arm "
+                    "(git archive REV | tar -x -C DIR)")
     ap.add_argument("--out", default="bench/results/kernels/gguf_kernels_amd")
     args = ap.parse_args(argv)
     if not native.available():
@@ -226,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(res["layers"], indent=1), flush=True)
     if not args.no_engine:
         res["engine"] = bench_engine(args.engine_rounds, args.threads, res["layers"]["block_bytes"],
-                                     not args.no_llama)
+                                     not args.no_llama, args.base_tree)
         print(json.dumps(res["engine"], indent=1), flush=True)
     res["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
     res["cpu_pressure_end"] = pressure()
