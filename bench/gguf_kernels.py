@@ -19,7 +19,8 @@ e.g. main before a change; the default now, with the decode stack; the same with
 SARATHI_NATIVE_STACK=0, layer by layer; llama.cpp's 8-bit activations) stepped in turn
 (bench.common.EngineProcess), cases decode:1 and decode:32 at 1k context, prefill:512; llama.cpp's
 llama-bench between the rounds (same GGUF, same threads: `-p 0 -n 32 -d 1024` = decode at depth
-1024, `-p 512 -n 0` = prefill 512); and the bytes-read bound of decode:32 (the file's weight bytes
+1024, `-p 512 -n 0` = prefill 512) and llama-batched-bench (32 sequences decoding at depth 1024,
+the prompt shared); and the bytes-read bound of decode:32 (the file's weight bytes
 + the bf16 KV read, over the copy bandwidth measured in the same run).
 
     python -m bench.gguf_kernels [--rounds 5] [--threads 2] [--engine-rounds 10] [--no-llama]
@@ -115,8 +116,9 @@ def copy_bandwidth() -> float:
 
 
 def llama_bench_once(threads: int) -> dict:
-    """One llama-bench run on the default GGUF: decode 32 tokens at depth 1024 (ms a step) and
-    prefill 512 from an empty context (ms); the binary from bench/build_llama_server.sh."""
+    """One llama-bench run on the default GGUF: decode 32 tokens at depth 1024 (seconds a step)
+    and prefill 512 from an empty context, and (when built) one llama-batched-bench run of 32
+    sequences decoding at depth 1024; the binaries from bench/build_llama_server.sh."""
     import os
     import subprocess
 
@@ -133,6 +135,19 @@ def llama_bench_once(threads: int) -> dict:
         out[case] = (512 if case == "prefill:512" else 1) / r["avg_ts"]
         LLAMA_CMDS[case] = " ".join(["~/.cache/sarathi-peer/build-11434.0.0/bin/llama-bench", "-m",
                                      default_gguf_path().name, *cmd[3:]])
+    # 32 sequences decoding at depth 1024: llama-batched-bench with the prompt shared (-pps: one
+    # 1024-token prefill instead of 32, ~5 s vs ~150 s). llama.cpp then keeps one copy of the
+    # prompt's K/V and reads the cache once for all 32 queries (a masked attention over its
+    # cells), fewer bytes than our 32 separate contexts: in llama.cpp's favour
+    batched = binary.with_name("llama-batched-bench")
+    if batched.exists():
+        cmd = [str(batched), "-m", str(default_gguf_path()), "-c", "36000", "-b", "2048", "-ub", "512",
+               "-npp", "1024", "-ntg", "16", "-npl", "32", "-pps", "-t", str(threads), "--output-format", "jsonl"]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
+        r = json.loads([line for line in res.splitlines() if line.startswith("{")][-1])
+        out["decode:32"] = r["t_tg"] / r["tg"]          # seconds a step of 32 tokens
+        LLAMA_CMDS["decode:32"] = " ".join(["~/.cache/sarathi-peer/build-11434.0.0/bin/llama-batched-bench",
+                                            "-m", default_gguf_path().name, *cmd[3:]])
     return out
 
 
