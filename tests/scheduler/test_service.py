@@ -19,41 +19,18 @@ from shared.config import SchedulerConfig, SchedulerServiceConfig
 from shared.messages import RequestMsg
 from shared.queue import make_queues
 from shared.sampling import SamplingParams
-from tests.support.sim_worker import NUM_BLOCKS, SimWorker, collect, eventually, request
+from tests.support.sim_worker import NUM_BLOCKS, SimWorker, ThreadedStack, collect, eventually, request
 from worker_svc.service import WorkerServer
 
 
-class Stack:
+class Stack(ThreadedStack):
     """Worker service + scheduler service (thread each) + the gateway side of the queue."""
 
     def __init__(self, tmp_path, worker: SimWorker, queues=None, name="sim"):
-        self.gq, self.sq = queues or make_queues(None)
         self.server = WorkerServer(worker, f"ipc://{tmp_path}/{name}.sock")
-        self.stop = threading.Event()
-        self.service = None
-        ready = threading.Event()
-
-        def on_ready(svc):
-            self.service = svc
-            ready.set()
-
-        self.threads = [threading.Thread(target=self.server.serve_forever, args=(self.stop,), daemon=True),
-                        threading.Thread(target=run_scheduler, daemon=True, args=(SchedulerServiceConfig(
-                            SchedulerConfig(max_num_seqs=8, token_budget=16),
-                            worker_addrs=[self.server.address], metrics_port=0, metrics_host="127.0.0.1"),),
-                            kwargs=dict(queue=self.sq, registry=CollectorRegistry(), stop=self.stop,
-                                        on_ready=on_ready))]
-        for t in self.threads:
-            t.start()
-        if not ready.wait(10):   # stop what started, so one failed start does not leak into later tests
-            self.close()
-            raise AssertionError("the scheduler service did not answer ready within 10 s")
-
-    def close(self):
-        self.stop.set()
-        for t in self.threads:
-            t.join(10)
-        self.server.close()
+        super().__init__([self.server], SchedulerServiceConfig(
+            SchedulerConfig(max_num_seqs=8, token_budget=16), worker_addrs=[self.server.address],
+            metrics_port=0, metrics_host="127.0.0.1"), queues=queues)
 
 
 @pytest.fixture

@@ -77,11 +77,12 @@ async def collect(gq, reqs, expect=(), timeout=20.0, on_event=None):
 
 class ThreadedStack:
     """Worker services serving on threads and one scheduler service (run_scheduler) over them,
-    on an in-process queue (`gq` for the gateway side, `sq` for the scheduler's). `service` is
+    on an in-process queue (`gq` for the gateway side, `sq` for the scheduler's; or the given
+    queues' pair, e.g. one a previous stack used). `service` is
     the scheduler service once it answered ready; a stack that is not ready within ready_s stops
     what it started (so a failed start does not leak into later tests) and fails."""
 
-    def __init__(self, servers: list, config, ready_s: float = 10.0):
+    def __init__(self, servers: list, config, ready_s: float = 10.0, queues=None):
         import threading
 
         from prometheus_client import CollectorRegistry
@@ -89,7 +90,7 @@ class ThreadedStack:
         from scheduler_svc.service import run_scheduler
         from shared.queue import make_queues
 
-        self.gq, self.sq = make_queues(None)
+        self.gq, self.sq = queues or make_queues(None)
         self.servers = servers
         self.stop = threading.Event()
         self.service = None
