@@ -32,6 +32,7 @@ import argparse
 import datetime
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -115,12 +116,49 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() * 4 / statistics.median(ts)
 
 
+def read_bandwidth(threads: int) -> float:
+    """Bytes/s of a plain read (bench.attention_kernel's read_blocks: load, widen, add) of decode:32's
+    bf16 K/V layout (32 sequences x 65 blocks, 30 layers, randomly placed blocks), by `threads`
+    Python threads over the layers (ctypes drops the GIL): the rate at which the step's bytes can be
+    read at all on this machine, median of 3."""
+    import ctypes
+    import tempfile
+    import threading
+
+    from bench.attention_kernel import READ_C
+    tmp = Path(tempfile.mkdtemp(prefix="gguf_bench_"))
+    (tmp / "read.c").write_text(READ_C)
+    subprocess.run(["gcc", "-O3", "-mavx2", "-shared", "-fPIC", "-o", str(tmp / "read.so"), str(tmp / "read.c")],
+                   check=True)
+    rd = ctypes.CDLL(str(tmp / "read.so"))
+    rd.read_blocks.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64]
+    rd.read_blocks.restype = ctypes.c_float
+    nblk = 32 * (CONTEXT // BLOCK_SIZE + 1)
+    shape = (nblk, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    kv = [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)) for _ in range(LAYERS)]
+    table = torch.randperm(nblk, generator=torch.Generator().manual_seed(0)).int()
+    per_block = BLOCK_SIZE * KV_HEADS * HEAD_DIM
+
+    def part(ls):
+        for k, v in ls:
+            rd.read_blocks(k.data_ptr(), v.data_ptr(), table.data_ptr(), nblk, per_block)
+    rates = []
+    for _ in range(3):
+        ths = [threading.Thread(target=part, args=(kv[i::threads],)) for i in range(threads)]
+        t0 = time.perf_counter()
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        rates.append(LAYERS * 2 * kv[0][0].numel() * 2 / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
 def llama_bench_once(threads: int) -> dict:
     """One llama-bench run on the default GGUF: decode 32 tokens at depth 1024 (seconds a step)
     and prefill 512 from an empty context, and (when built) one llama-batched-bench run of 32
     sequences decoding at depth 1024; the binaries from bench/build_llama_server.sh."""
     import os
-    import subprocess
 
     from shared.model_source import default_gguf_path
 
@@ -190,13 +228,16 @@ def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool, base:
         p.close()
     med = {name: {c: round(1e3 * statistics.median(ts), 2) for c, ts in d.items() if ts} for name, d in times.items()}
     kv_bytes = 32 * (CONTEXT + 1) * 2 * LAYERS * KV_HEADS * HEAD_DIM * 2    # bf16 K and V
-    bw = copy_bandwidth()
-    bound_ms = 1e3 * (block_bytes + kv_bytes) / bw
+    bw, rbw = copy_bandwidth(), read_bandwidth(threads)
+    bound_ms, read_bound_ms = 1e3 * (block_bytes + kv_bytes) / bw, 1e3 * (block_bytes + kv_bytes) / rbw
     new = NEW
     res = {"ms": med, "backends": info, "block_size": BLOCK_SIZE, "llama_bench_commands": LLAMA_CMDS,
            "decode32_bound": {"weight_bytes": block_bytes, "kv_bytes": kv_bytes, "copy_bw_GBps": round(bw / 1e9, 2),
                               "bound_ms": round(bound_ms, 2),
-                              "ratio_new_default": round(med[new]["decode:32"] / bound_ms, 2)}}
+                              "ratio_new_default": round(med[new]["decode:32"] / bound_ms, 2),
+                              # the same bytes at the rate a plain read of the K/V blocks reaches here
+                              "read_bw_GBps": round(rbw / 1e9, 2), "read_bound_ms": round(read_bound_ms, 2),
+                              "ratio_new_default_read": round(med[new]["decode:32"] / read_bound_ms, 2)}}
     if llama:
         res["new_default_over_llama"] = {c: round(med[new][c] / med[LLAMA][c], 3) for c in med[LLAMA]}
     return res
@@ -289,7 +330,10 @@ def plot(res: dict, path: Path) -> None:
             for x, y in zip(xs, ys):
                 ax.text(x, y, f"{y:.0f}" if y >= 100 else f"{y:.1f}", ha="center", va="bottom", fontsize=6)
         ax.axhline(eng["decode32_bound"]["bound_ms"], color="k", ls=":", lw=1,
-                   label=f"decode:32 bytes-read bound {eng['decode32_bound']['bound_ms']} ms")
+                   label=f"decode:32 bytes-read bound at copy bandwidth {eng['decode32_bound']['bound_ms']} ms")
+        if "read_bound_ms" in eng["decode32_bound"]:
+            ax.axhline(eng["decode32_bound"]["read_bound_ms"], color="r", ls=":", lw=1,
+                       label=f"... at a plain read's rate of the blocks {eng['decode32_bound']['read_bound_ms']} ms")
         ax.set_xticks(range(len(cases)), ["decode 1 @1k", "decode 32 @1k", "prefill 512"])
         ax.set_yscale("log")
         ax.set_ylabel("ms per step (median)")
