@@ -151,7 +151,8 @@ def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype, parts_l
     for (n, k), parts in ((s, p) for s in shapes(qtype) for p in parts_list):
         raw = random_blocks(qtype, n, k, rng)
         w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).astype(np.float32)).double()
-        for T in (1, 3, 6):                           # tiles of 4 tokens: full, partial, both
+        # tiles of up to 8 tokens (1-4: the 8-bit kernel, 5-8: the 16-bit one): 13 = 8 + 5, 12 = 8 + 4
+        for T in (1, 3, 6, 12, 13):
             x = rng.standard_normal((T, k)).astype(np.float32)
             xq, d = dequantized_act(x, parts)
             bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
@@ -172,19 +173,20 @@ def test_q8_token_results_do_not_depend_on_the_batch_or_threads():
     """Activations are quantized per token, rows split over threads: a token's output is bit-identical
     alone, in any batch, at any position, with any thread count (the batch-independence rule)."""
     rng = np.random.default_rng(11)
-    for qtype in (Q.Q4_1, Q.Q8_0, Q.Q6_K):
+    for qtype in TYPES:
         k = 512
         raw = torch.from_numpy(random_blocks(qtype, 300, k, rng))
-        x = torch.from_numpy(rng.standard_normal((7, k)).astype(np.float32))
+        # 13 tokens: tiles of 8 + 5 (the 16-bit kernel at two widths); alone: the 8-bit kernel
+        x = torch.from_numpy(rng.standard_normal((13, k)).astype(np.float32))
         for scalar, parts in ((s, p) for s in paths() for p in (1, 2)):
             full = native.gguf_linear_q8(int(qtype), raw, x, num_threads=2, force_scalar=scalar, parts=parts)
-            for t in range(7):
+            for t in range(13):
                 alone = native.gguf_linear_q8(int(qtype), raw, x[t:t + 1], num_threads=1, force_scalar=scalar,
                                               parts=parts)
                 assert torch.equal(alone[0], full[t]), (qtype.name, t, scalar, parts)
-            perm = [6, 2, 0, 5]
-            assert torch.equal(native.gguf_linear_q8(int(qtype), raw, x[perm], force_scalar=scalar, parts=parts),
-                               full[perm])
+            for perm in ([6, 2, 0, 5], [12, 3, 7, 1, 9, 4], list(range(12, -1, -1))):   # 4, 6, 8 + 5 tokens
+                assert torch.equal(native.gguf_linear_q8(int(qtype), raw, x[perm], force_scalar=scalar, parts=parts),
+                                   full[perm]), (qtype.name, perm, scalar, parts)
 
 
 def test_q8_strided_rows_and_rejects_bad_shapes():

@@ -376,7 +376,8 @@ const char *gguf_linear_isa(void) {
  * This differs from F.linear on the exact dequantization by the activation rounding only (at
  * most da/2 per element); the weights are the file's, unchanged. Tokens run in tiles of up to 4
  * over each row's blocks (weights unpacked once per tile). */
-#define Q8_TILE 4
+#define Q8_TILE 8
+#define Q8_CHUNK_BYTES (64 << 10)
 
 /* one token: x [K] -> q [K] int8, d [K/32], s [K/32] (identical on every path: IEEE multiply,
  * round half to even, as numpy's float32 rint) */
@@ -465,9 +466,15 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(h);
 }
 
+/* Tiles of up to Q8_SMALL tokens (T = 1..4 and a call's last 1-4 tokens) take the 8-bit-activation
+ * kernel: where the weight unpacking is not shared by enough tokens, its maddubs dots on the int8
+ * parts cost less than act16's reordered unpacking (bench/gguf_kernels.py). Same integer lanes,
+ * same fp32 operations: bit-identical to the 16-bit kernel below for every token. */
+#define Q8_SMALL 4
+
 /* one run of 32 weights (u unsigned, or |v| with sgn = v for signed types) against NT tokens'
  * activation block b: acc[t] += dot * (scale * da[t][b]); corr[t] += cw * sa[t][b] */
-#define RUN32(u, sgn, SIGNED, scale, cw, b)                                                        \
+#define RUN32_I8(u, sgn, SIGNED, scale, cw, b)                                                        \
     for (int t = 0; t < NT; t++) {                                                                 \
         __m256i a = _mm256_load_si256((const __m256i *)(qa + t * qs + 32 * (b)));                  \
         if (SIGNED) a = _mm256_sign_epi8(a, sgn);                                                  \
@@ -484,10 +491,10 @@ static inline float hsum8(__m256 v) {
 
 /* NT tokens (activations qa + t * qs, da / sa + t * fs) against one row p of nb native blocks */
 static inline __attribute__((always_inline)) void
-q8_row_avx2(const int type, const int NT, const int TWO, const uint8_t *p, int nb, const int8_t *qa,
+q8_row8_avx2(const int type, const int NT, const int TWO, const uint8_t *p, int nb, const int8_t *qa,
             int64_t qs, int64_t loff, const float *da, const float *sa, int64_t fs, float *res) {
-    __m256 acc[Q8_TILE];
-    float corr[Q8_TILE];
+    __m256 acc[Q8_SMALL];
+    float corr[Q8_SMALL];
     for (int t = 0; t < NT; t++) { acc[t] = _mm256_setzero_ps(); corr[t] = 0.0f; }
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int i = 0; i < nb; i++) {
@@ -499,13 +506,13 @@ q8_row_avx2(const int type, const int NT, const int TWO, const uint8_t *p, int n
             const float d = h16(b);
             const float cw = type == T_Q4_0 ? -8.0f * d : h16(b + 2);
             const __m256 sc = _mm256_set1_ps(d);
-            RUN32(u, u, 0, sc, cw, i)
+            RUN32_I8(u, u, 0, sc, cw, i)
         } else if (type == T_Q8_0) {
             const uint8_t *b = p + (int64_t)i * 34;
             const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 2));
             const __m256i u = _mm256_sign_epi8(v, v);     /* |v|: -128 -> 128 as u8 */
             const __m256 sc = _mm256_set1_ps(h16(b));
-            RUN32(u, v, 1, sc, 0.0f, i)
+            RUN32_I8(u, v, 1, sc, 0.0f, i)
         } else if (type == T_Q4_K || type == T_Q5_K) {
             const int bb = type == T_Q4_K ? 144 : 176;
             const uint8_t *b = p + (int64_t)i * bb;
@@ -526,7 +533,7 @@ q8_row_avx2(const int type, const int NT, const int TWO, const uint8_t *p, int n
                     scale_min_k4(j, scp, &s, &mm);
                     const __m256 sc = _mm256_set1_ps(d * (float)s);
                     const float cw = -(dmin * (float)mm);
-                    RUN32(u, u, 0, sc, cw, 8 * i + j)
+                    RUN32_I8(u, u, 0, sc, cw, 8 * i + j)
                 }
             }
         } else if (type == T_Q6_K) {
@@ -547,30 +554,179 @@ q8_row_avx2(const int type, const int NT, const int TWO, const uint8_t *p, int n
                     /* dwords 0-3 hold elements 0-15 (scale sc[e/16]), 4-7 elements 16-31 */
                     const __m256 sc = _mm256_set_m128(_mm_set1_ps(d * (float)scp[e / 16 + 1]),
                                                       _mm_set1_ps(d * (float)scp[e / 16]));
-                    RUN32(u, v, 1, sc, 0.0f, 8 * i + h * 4 + j)
+                    RUN32_I8(u, v, 1, sc, 0.0f, 8 * i + h * 4 + j)
                 }
             }
         }
     }
     for (int t = 0; t < NT; t++) res[t] = hsum8(acc[t]) + corr[t];
 }
-#undef RUN32
+#undef RUN32_I8
 
-#define Q8_NT(TY, TW)                                                                              \
+#define Q8_NT8(TY, TW)                                                                              \
     switch (nt) {                                                                                  \
-    case 1: q8_row_avx2(TY, 1, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
-    case 2: q8_row_avx2(TY, 2, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
-    case 3: q8_row_avx2(TY, 3, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
-    default: q8_row_avx2(TY, 4, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                    \
+    case 1: q8_row8_avx2(TY, 1, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
+    case 2: q8_row8_avx2(TY, 2, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
+    case 3: q8_row8_avx2(TY, 3, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
+    default: q8_row8_avx2(TY, 4, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                    \
     }
-#define Q8_CASE(TY)                                                                                \
+#define Q8_CASE8(TY)                                                                                \
     case TY:                                                                                       \
-        if (lo) { Q8_NT(TY, 1) } else { Q8_NT(TY, 0) }                                             \
+        if (lo) { Q8_NT8(TY, 1) } else { Q8_NT8(TY, 0) }                                             \
         break;
 
 /* lo: offset of the low parts from the high ones (0: one part) */
-static void q8_row_avx2_any(int type, int nt, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
+static void q8_row8_avx2_any(int type, int nt, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
                             int64_t lo, const float *da, const float *sa, int64_t fs, float *res) {
+    switch (type) {
+    Q8_CASE8(T_Q4_0)
+    Q8_CASE8(T_Q4_1)
+    Q8_CASE8(T_Q8_0)
+    Q8_CASE8(T_Q4_K)
+    Q8_CASE8(T_Q5_K)
+    Q8_CASE8(T_Q6_K)
+    }
+}
+#undef Q8_NT8
+#undef Q8_CASE8
+
+/* The SIMD dots run on 16-bit activations: token t's K values a = q (parts 1) or 128 q + q_lo
+ * (parts 2, |a| <= 16320) as int16, each run of 32 stored as [elements 4i, 4i+1 (i < 8) |
+ * elements 4i+2, 4i+3] so that madd_epi16 of the run's two halves with the weights unpacked in the
+ * same order (16-bit, signed or not) gives dword i = the sum over elements 4i..4i+3: the integer
+ * sums and lanes of llama.cpp's maddubs + madd (and, for parts 2, of (dot_hi << 7) + dot_lo) in two
+ * multiply instructions per token and run instead of two (parts 1) or four (parts 2), no sign
+ * tricks. The fp32 work on those lanes is unchanged, so the results are bit-identical to the
+ * 8-bit-activation kernel this replaced (bench/gguf_kernels.py --baseline checks it). */
+static void act16(const int8_t *q, int64_t lo, int K, int16_t *a, int64_t stride) {
+    for (int b = 0; b < K / 32; b++)
+        for (int p = 0; p < 32; p++) {
+            const int e = 32 * b + 4 * ((p & 15) >> 1) + (p & 1) + (p >> 4 ? 2 : 0);
+            a[stride * b + p] = (int16_t)(lo ? 128 * q[e] + q[e + lo] : q[e]);
+        }
+}
+
+/* 32 weight bytes in element order (u8, or s8 when sgn) -> the two 16-bit halves of act16's order */
+static inline __attribute__((always_inline)) void w16(__m256i v, int sgn, __m256i *w0, __m256i *w1) {
+    const __m256i sh = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                        0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    /* lanes [e0-15 evens-pairs, odd-pairs | e16-31 ...] -> qwords (0, 2, 1, 3) */
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, sh), 0xd8);
+    const __m128i h0 = _mm256_castsi256_si128(p), h1 = _mm256_extracti128_si256(p, 1);
+    *w0 = sgn ? _mm256_cvtepi8_epi16(h0) : _mm256_cvtepu8_epi16(h0);
+    *w1 = sgn ? _mm256_cvtepi8_epi16(h1) : _mm256_cvtepu8_epi16(h1);
+}
+
+/* 8 dwords: dword i = sum of the run's elements 4i..4i+3, weight * activation */
+static inline __attribute__((always_inline)) __m256i dot16(__m256i w0, __m256i w1, const int16_t *a) {
+    const __m256i p0 = _mm256_madd_epi16(w0, _mm256_load_si256((const __m256i *)a));
+#if defined(GG_VNNI)
+    return _mm256_dpwssd_epi32(p0, w1, _mm256_load_si256((const __m256i *)(a + 16)));
+#else
+    return _mm256_add_epi32(p0, _mm256_madd_epi16(w1, _mm256_load_si256((const __m256i *)(a + 16))));
+#endif
+}
+
+/* one run of 32 weights (w0, w1 in act16's order) against NT tokens' activation block b (dT, sT:
+ * the tile's da / sa of block b, one float per token, 8 a block; sd: 32-byte aligned scratch):
+ * acc[t] += dot * (scale * da[t][b]) (scale one float, or 2 for Q6_K: dwords 0-3, 4-7);
+ * corr[t] += cw * sa[t][b] (8 tokens a vector, when cw is not 0) */
+#define RUN32(w0, w1, scale, scale_hi, Q6, cw, b)                                                  \
+    {                                                                                              \
+        const __m256 dv = _mm256_load_ps(dT + 8 * (b));                                            \
+        _mm256_store_ps(sd, _mm256_mul_ps(_mm256_set1_ps(scale), dv));                             \
+        if (Q6) _mm256_store_ps(sd + 8, _mm256_mul_ps(_mm256_set1_ps(scale_hi), dv));              \
+        for (int t = 0; t < NT; t++) {                                                             \
+            const __m256i dt = dot16(w0, w1, qa + ((int64_t)(b) * Q8_TILE + t) * 32);               \
+            const __m256 st = Q6 ? _mm256_set_m128(_mm_broadcast_ss(sd + 8 + t), _mm_broadcast_ss(sd + t)) \
+                                 : _mm256_broadcast_ss(sd + t);                                    \
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt), st, acc[t]);                          \
+        }                                                                                          \
+        if (cw != 0.0f)                                                                            \
+            corr = _mm256_add_ps(corr, _mm256_mul_ps(_mm256_set1_ps(cw), _mm256_load_ps(sT + 8 * (b)))); \
+    }
+
+/* NT tokens (activations qa + t * qs, da / sa + t * fs) against one row p of nb native blocks */
+static inline __attribute__((always_inline)) void
+q8_row_avx2(const int type, const int NT, const uint8_t *p, int nb, const int16_t *qa, const float *dT, const float *sT, float *res) {
+    __m256 acc[Q8_TILE], corr = _mm256_setzero_ps();
+    float sd[16] __attribute__((aligned(32))), cs[8] __attribute__((aligned(32)));
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256i w0, w1;
+    for (int i = 0; i < nb; i++) {
+        if (type == T_Q4_0 || type == T_Q4_1) {
+            const int bb = type == T_Q4_0 ? 18 : 20;
+            const uint8_t *b = p + (int64_t)i * bb;
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + bb - 16));
+            w16(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4), 0, &w0, &w1);
+            const float d = h16(b);
+            const float cw = type == T_Q4_0 ? -8.0f * d : h16(b + 2);
+            RUN32(w0, w1, d, 0.0f, 0, cw, i)
+        } else if (type == T_Q8_0) {
+            const uint8_t *b = p + (int64_t)i * 34;
+            w16(_mm256_loadu_si256((const __m256i *)(b + 2)), 1, &w0, &w1);
+            RUN32(w0, w1, h16(b), 0.0f, 0, 0.0f, i)
+        } else if (type == T_Q4_K || type == T_Q5_K) {
+            const int bb = type == T_Q4_K ? 144 : 176;
+            const uint8_t *b = p + (int64_t)i * bb;
+            const float d = h16(b), dmin = h16(b + 2);
+            const uint8_t *scp = b + 4, *q4 = type == T_Q4_K ? b + 16 : b + 48;
+            __m256i qh = _mm256_setzero_si256();
+            if (type == T_Q5_K) qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+            for (int j2 = 0; j2 < 4; j2++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(q4 + 32 * j2));
+                for (int half = 0; half < 2; half++) {
+                    const int j = 2 * j2 + half;
+                    __m256i u = _mm256_and_si256(half ? _mm256_srli_epi16(q, 4) : q, m4);
+                    if (type == T_Q5_K)
+                        u = _mm256_or_si256(u, _mm256_and_si256(
+                            j >= 4 ? _mm256_srli_epi16(qh, j - 4) : _mm256_slli_epi16(qh, 4 - j),
+                            _mm256_set1_epi8(16)));
+                    w16(u, 0, &w0, &w1);
+                    int s, mm;
+                    scale_min_k4(j, scp, &s, &mm);
+                    const float cw = -(dmin * (float)mm);
+                    RUN32(w0, w1, d * (float)s, 0.0f, 0, cw, 8 * i + j)
+                }
+            }
+        } else if (type == T_Q6_K) {
+            const uint8_t *b = p + (int64_t)i * 210;
+            const int8_t *scp = (const int8_t *)(b + 192);
+            const float d = h16(b + 208);
+            const __m256i m2 = _mm256_set1_epi8(3 << 4), off = _mm256_set1_epi8(32);
+            for (int h = 0; h < 2; h++) {
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                for (int j = 0; j < 4; j++) {
+                    const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (j & 1)));
+                    const __m256i lo = _mm256_and_si256(j >> 1 ? _mm256_srli_epi16(l, 4) : l, m4);
+                    const __m256i hi = _mm256_and_si256(
+                        2 * j >= 4 ? _mm256_srli_epi16(qh, 2 * j - 4) : _mm256_slli_epi16(qh, 4 - 2 * j), m2);
+                    w16(_mm256_sub_epi8(_mm256_or_si256(lo, hi), off), 1, &w0, &w1);
+                    const int e = 128 * h + 32 * j;
+                    /* dwords 0-3 hold elements 0-15 (scale sc[e/16]), 4-7 elements 16-31 */
+                    RUN32(w0, w1, d * (float)scp[e / 16], d * (float)scp[e / 16 + 1], 1, 0.0f, 8 * i + h * 4 + j)
+                }
+            }
+        }
+    }
+    _mm256_store_ps(cs, corr);
+    for (int t = 0; t < NT; t++) res[t] = hsum8(acc[t]) + cs[t];
+}
+#undef RUN32
+
+#define Q8_CASE(TY)                                                                                \
+    case TY:                                                                                       \
+        switch (nt) {                                                                              \
+        case 5: q8_row_avx2(TY, 5, p, nb, qa, dT, sT, res); break;                         \
+        case 6: q8_row_avx2(TY, 6, p, nb, qa, dT, sT, res); break;                         \
+        case 7: q8_row_avx2(TY, 7, p, nb, qa, dT, sT, res); break;                         \
+        default: q8_row_avx2(TY, Q8_TILE, p, nb, qa, dT, sT, res); break;                  \
+        }                                                                                          \
+        break;
+
+/* nt: Q8_SMALL + 1 .. Q8_TILE */
+static void q8_row_avx2_any(int type, int nt, const uint8_t *p, int nb, const int16_t *qa, const float *dT, const float *sT, float *res) {
     switch (type) {
     Q8_CASE(T_Q4_0)
     Q8_CASE(T_Q4_1)
@@ -580,7 +736,6 @@ static void q8_row_avx2_any(int type, int nt, const uint8_t *p, int nb, const in
     Q8_CASE(T_Q6_K)
     }
 }
-#undef Q8_NT
 #undef Q8_CASE
 #endif
 
@@ -690,29 +845,68 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     const int64_t kp = ((int64_t)K + 63) & ~(int64_t)63, qs = parts * kp, fs = nb32, lo = parts == 2 ? kp : 0;
     int8_t *qa = aligned_alloc(64, (size_t)(qs * T));
     float *da = malloc(sizeof(float) * (size_t)(2 * fs * T));
-    if (!qa || !da) { free(qa); free(da); return -2; }
+    int16_t *a16 = NULL;
+#if defined(GG_AVX2)
+    if (!force_scalar) a16 = aligned_alloc(64, sizeof(int16_t) * (size_t)(K * ((T + Q8_TILE - 1) / Q8_TILE * Q8_TILE)));
+    if (!force_scalar && !a16) { free(qa); free(da); return -2; }
+#endif
+    if (!qa || !da) { free(qa); free(da); free(a16); return -2; }
     float *sa = da + fs * T;
     num_threads = threads_for(num_threads, N, K);
     gguf_quantize_act(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar);
+#if defined(GG_AVX2)
+    /* per tile of Q8_TILE tokens, da and sa by block then token (0 past T) */
+    float *dT = NULL;
+    if (a16) {
+        const int ntiles = (T + Q8_TILE - 1) / Q8_TILE;
+        dT = aligned_alloc(64, sizeof(float) * (size_t)(2 * ntiles * fs * Q8_TILE));
+        if (!dT) { free(qa); free(da); free(a16); return -2; }
+        /* a tile's runs by block then token: token t0 + t's block b at a16 + ((t0 * nb32 + b * Q8_TILE + t) * 32 */
+        for (int t = 0; t < T; t++)
+            act16(qa + t * qs, lo, K, a16 + ((int64_t)(t - t % Q8_TILE) * nb32 + t % Q8_TILE) * 32, Q8_TILE * 32);
+        for (int k = 0; k < ntiles; k++)
+            for (int b = 0; b < fs; b++)
+                for (int t = 0; t < Q8_TILE; t++) {
+                    const int tt = k * Q8_TILE + t;
+                    dT[((int64_t)k * fs + b) * Q8_TILE + t] = tt < T ? da[(int64_t)tt * fs + b] : 0.0f;
+                    dT[((int64_t)(ntiles + k) * fs + b) * Q8_TILE + t] = tt < T ? sa[(int64_t)tt * fs + b] : 0.0f;
+                }
+    }
+    const float *sT = dT ? dT + (int64_t)((T + Q8_TILE - 1) / Q8_TILE) * fs * Q8_TILE : NULL;
+#endif
+    /* rows in chunks; per chunk, tiles of Q8_TILE tokens over the chunk's rows: the tile's
+     * activations stay in L1 and the chunk's blocks in L2 while the chunk is swept T / Q8_TILE times */
+    int64_t rc = Q8_CHUNK_BYTES / row_bytes;
+    if (rc > (N + num_threads - 1) / num_threads) rc = (N + num_threads - 1) / num_threads;
+    if (rc < 1) rc = 1;
+    const int nchunks = (int)((N + rc - 1) / rc);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *p = w + (int64_t)n * row_bytes;
-        const float b = bias ? bias[n] : 0.0f;
+    for (int c = 0; c < nchunks; c++) {
+        const int n0 = (int)(c * rc), n1 = (int)(n0 + rc < N ? n0 + rc : N);
         float res[Q8_TILE];
         for (int t0 = 0; t0 < T; t0 += Q8_TILE) {
             const int nt = T - t0 < Q8_TILE ? T - t0 : Q8_TILE;
-            const int8_t *qt = qa + t0 * qs;
             const float *dt = da + t0 * fs, *st = sa + t0 * fs;
+            for (int n = n0; n < n1; n++) {
+                const uint8_t *p = w + (int64_t)n * row_bytes;
 #if defined(GG_AVX2)
-            if (!force_scalar) q8_row_avx2_any(type, nt, p, nb, qt, qs, lo, dt, st, fs, res);
-            else
+                if (a16 && nt <= Q8_SMALL)
+                    q8_row8_avx2_any(type, nt, p, nb, qa + t0 * qs, qs, lo, dt, st, fs, res);
+                else if (a16) q8_row_avx2_any(type, nt, p, nb, a16 + (int64_t)t0 * K, dT + t0 * fs, sT + t0 * fs, res);
+                else
 #endif
-                q8_row_scalar(type, nt, p, nb, qt, qs, lo, dt, st, fs, res);
-            for (int t = 0; t < nt; t++) out[(int64_t)(t0 + t) * os + n] = res[t] + b;
+                    q8_row_scalar(type, nt, p, nb, qa + t0 * qs, qs, lo, dt, st, fs, res);
+                const float b = bias ? bias[n] : 0.0f;
+                for (int t = 0; t < nt; t++) out[(int64_t)(t0 + t) * os + n] = res[t] + b;
+            }
         }
     }
     free(qa);
     free(da);
+    free(a16);
+#if defined(GG_AVX2)
+    free(dT);
+#endif
     return 0;
 }
 
