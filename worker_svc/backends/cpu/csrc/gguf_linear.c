@@ -374,10 +374,10 @@ const char *gguf_linear_isa(void) {
  *   Q4_K, Q5_K: d sc_j q - dmin m_j   -> d sc_j da dot(q, a) - dmin m_j sa
  *   Q6_K: d sc_{e/16} (q - 32) (signed) -> per 16: d sc da dot(|v|, sign(a, v))
  * This differs from F.linear on the exact dequantization by the activation rounding only (at
- * most da/2 per element); the weights are the file's, unchanged. Tokens run in tiles of up to 4
- * over each row's blocks (weights unpacked once per tile). */
+ * most da/2 per element); the weights are the file's, unchanged. Tokens run in tiles of up to 8
+ * over each row's blocks (weights unpacked once per tile; see Q8_SMALL and act16 below). */
 #define Q8_TILE 8
-#define Q8_CHUNK_BYTES (64 << 10)
+#define Q8_CHUNK_BYTES (64 << 10)   /* rows a chunk (see gguf_linear_q8) */
 
 /* one token: x [K] -> q [K] int8, d [K/32], s [K/32] (identical on every path: IEEE multiply,
  * round half to even, as numpy's float32 rint) */
@@ -596,8 +596,10 @@ static void q8_row8_avx2_any(int type, int nt, const uint8_t *p, int nb, const i
  * same order (16-bit, signed or not) gives dword i = the sum over elements 4i..4i+3: the integer
  * sums and lanes of llama.cpp's maddubs + madd (and, for parts 2, of (dot_hi << 7) + dot_lo) in two
  * multiply instructions per token and run instead of two (parts 1) or four (parts 2), no sign
- * tricks. The fp32 work on those lanes is unchanged, so the results are bit-identical to the
- * 8-bit-activation kernel this replaced (bench/gguf_kernels.py --baseline checks it). */
+ * tricks. The fp32 work on those lanes is the 8-bit kernel's (the tile's scale products
+ * scale * da stored once per run for all its tokens, the sa terms 8 tokens a vector: the same
+ * IEEE operations per token), so the results are bit-identical to q8_row8_avx2 and to the kernel
+ * before this one (bench/gguf_kernels.py --baseline reports the difference: 0). */
 static void act16(const int8_t *q, int64_t lo, int K, int16_t *a, int64_t stride) {
     for (int b = 0; b < K / 32; b++)
         for (int p = 0; p < 32; p++) {
@@ -631,27 +633,32 @@ static inline __attribute__((always_inline)) __m256i dot16(__m256i w0, __m256i w
  * the tile's da / sa of block b, one float per token, 8 a block; sd: 32-byte aligned scratch):
  * acc[t] += dot * (scale * da[t][b]) (scale one float, or 2 for Q6_K: dwords 0-3, 4-7);
  * corr[t] += cw * sa[t][b] (8 tokens a vector, when cw is not 0) */
+#define TOK16(t, A, w0, w1, Q6, b)                                                                 \
+    if (NT > t) {                                                                                  \
+        const __m256i dt = dot16(w0, w1, qa + ((int64_t)(b) * Q8_TILE + t) * 32);                  \
+        const __m256 st = Q6 ? _mm256_set_m128(_mm_broadcast_ss(sd + 8 + t), _mm_broadcast_ss(sd + t)) \
+                             : _mm256_broadcast_ss(sd + t);                                        \
+        A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt), st, A);                                        \
+    }
 #define RUN32(w0, w1, scale, scale_hi, Q6, cw, b)                                                  \
     {                                                                                              \
         const __m256 dv = _mm256_load_ps(dT + 8 * (b));                                            \
         _mm256_store_ps(sd, _mm256_mul_ps(_mm256_set1_ps(scale), dv));                             \
         if (Q6) _mm256_store_ps(sd + 8, _mm256_mul_ps(_mm256_set1_ps(scale_hi), dv));              \
-        for (int t = 0; t < NT; t++) {                                                             \
-            const __m256i dt = dot16(w0, w1, qa + ((int64_t)(b) * Q8_TILE + t) * 32);               \
-            const __m256 st = Q6 ? _mm256_set_m128(_mm_broadcast_ss(sd + 8 + t), _mm_broadcast_ss(sd + t)) \
-                                 : _mm256_broadcast_ss(sd + t);                                    \
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt), st, acc[t]);                          \
-        }                                                                                          \
+        TOK16(0, a0, w0, w1, Q6, b) TOK16(1, a1, w0, w1, Q6, b) TOK16(2, a2, w0, w1, Q6, b)        \
+        TOK16(3, a3, w0, w1, Q6, b) TOK16(4, a4, w0, w1, Q6, b) TOK16(5, a5, w0, w1, Q6, b)        \
+        TOK16(6, a6, w0, w1, Q6, b) TOK16(7, a7, w0, w1, Q6, b)                                    \
         if (cw != 0.0f)                                                                            \
             corr = _mm256_add_ps(corr, _mm256_mul_ps(_mm256_set1_ps(cw), _mm256_load_ps(sT + 8 * (b)))); \
     }
 
-/* NT tokens (activations qa + t * qs, da / sa + t * fs) against one row p of nb native blocks */
+/* NT tokens of a tile (act16 activations by block then token at qa, dT / sT by block then token)
+ * against one row p of nb native blocks */
 static inline __attribute__((always_inline)) void
 q8_row_avx2(const int type, const int NT, const uint8_t *p, int nb, const int16_t *qa, const float *dT, const float *sT, float *res) {
-    __m256 acc[Q8_TILE], corr = _mm256_setzero_ps();
+    /* one accumulator per token, named (GCC kept an array's elements in memory) */
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, corr = a0;
     float sd[16] __attribute__((aligned(32))), cs[8] __attribute__((aligned(32)));
-    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
     __m256i w0, w1;
     for (int i = 0; i < nb; i++) {
@@ -711,9 +718,11 @@ q8_row_avx2(const int type, const int NT, const uint8_t *p, int nb, const int16_
         }
     }
     _mm256_store_ps(cs, corr);
+    const __m256 acc[Q8_TILE] = {a0, a1, a2, a3, a4, a5, a6, a7};
     for (int t = 0; t < NT; t++) res[t] = hsum8(acc[t]) + cs[t];
 }
 #undef RUN32
+#undef TOK16
 
 #define Q8_CASE(TY)                                                                                \
     case TY:                                                                                       \
@@ -845,34 +854,33 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     const int64_t kp = ((int64_t)K + 63) & ~(int64_t)63, qs = parts * kp, fs = nb32, lo = parts == 2 ? kp : 0;
     int8_t *qa = aligned_alloc(64, (size_t)(qs * T));
     float *da = malloc(sizeof(float) * (size_t)(2 * fs * T));
-    int16_t *a16 = NULL;
-#if defined(GG_AVX2)
-    if (!force_scalar) a16 = aligned_alloc(64, sizeof(int16_t) * (size_t)(K * ((T + Q8_TILE - 1) / Q8_TILE * Q8_TILE)));
-    if (!force_scalar && !a16) { free(qa); free(da); return -2; }
-#endif
-    if (!qa || !da) { free(qa); free(da); free(a16); return -2; }
+    if (!qa || !da) { free(qa); free(da); return -2; }
     float *sa = da + fs * T;
     num_threads = threads_for(num_threads, N, K);
     gguf_quantize_act(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar);
 #if defined(GG_AVX2)
-    /* per tile of Q8_TILE tokens, da and sa by block then token (0 past T) */
-    float *dT = NULL;
-    if (a16) {
+    const int simd = !force_scalar;
+    /* tiles of more than Q8_SMALL tokens: act16 activations, a tile's runs by block then token
+     * (token t0 + t's block b at a16 + (t0 * K + (b * Q8_TILE + t) * 32)), and its da and sa by
+     * block then token (0 past T) */
+    int16_t *a16 = NULL;
+    float *dT = NULL, *sT = NULL;
+    if (simd && T > Q8_SMALL) {
         const int ntiles = (T + Q8_TILE - 1) / Q8_TILE;
+        a16 = aligned_alloc(64, sizeof(int16_t) * (size_t)K * (size_t)(ntiles * Q8_TILE));
         dT = aligned_alloc(64, sizeof(float) * (size_t)(2 * ntiles * fs * Q8_TILE));
-        if (!dT) { free(qa); free(da); free(a16); return -2; }
-        /* a tile's runs by block then token: token t0 + t's block b at a16 + ((t0 * nb32 + b * Q8_TILE + t) * 32 */
+        if (!a16 || !dT) { free(qa); free(da); free(a16); free(dT); return -2; }
+        sT = dT + (int64_t)ntiles * fs * Q8_TILE;
         for (int t = 0; t < T; t++)
-            act16(qa + t * qs, lo, K, a16 + ((int64_t)(t - t % Q8_TILE) * nb32 + t % Q8_TILE) * 32, Q8_TILE * 32);
+            act16(qa + t * qs, lo, K, a16 + (int64_t)(t - t % Q8_TILE) * K + (t % Q8_TILE) * 32, Q8_TILE * 32);
         for (int k = 0; k < ntiles; k++)
             for (int b = 0; b < fs; b++)
                 for (int t = 0; t < Q8_TILE; t++) {
                     const int tt = k * Q8_TILE + t;
                     dT[((int64_t)k * fs + b) * Q8_TILE + t] = tt < T ? da[(int64_t)tt * fs + b] : 0.0f;
-                    dT[((int64_t)(ntiles + k) * fs + b) * Q8_TILE + t] = tt < T ? sa[(int64_t)tt * fs + b] : 0.0f;
+                    sT[((int64_t)k * fs + b) * Q8_TILE + t] = tt < T ? sa[(int64_t)tt * fs + b] : 0.0f;
                 }
     }
-    const float *sT = dT ? dT + (int64_t)((T + Q8_TILE - 1) / Q8_TILE) * fs * Q8_TILE : NULL;
 #endif
     /* rows in chunks; per chunk, tiles of Q8_TILE tokens over the chunk's rows: the tile's
      * activations stay in L1 and the chunk's blocks in L2 while the chunk is swept T / Q8_TILE times */
@@ -890,9 +898,9 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
             for (int n = n0; n < n1; n++) {
                 const uint8_t *p = w + (int64_t)n * row_bytes;
 #if defined(GG_AVX2)
-                if (a16 && nt <= Q8_SMALL)
+                if (simd && nt <= Q8_SMALL)
                     q8_row8_avx2_any(type, nt, p, nb, qa + t0 * qs, qs, lo, dt, st, fs, res);
-                else if (a16) q8_row_avx2_any(type, nt, p, nb, a16 + (int64_t)t0 * K, dT + t0 * fs, sT + t0 * fs, res);
+                else if (simd) q8_row_avx2_any(type, nt, p, nb, a16 + (int64_t)t0 * K, dT + t0 * fs, sT + t0 * fs, res);
                 else
 #endif
                     q8_row_scalar(type, nt, p, nb, qa + t0 * qs, qs, lo, dt, st, fs, res);
@@ -903,14 +911,15 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     }
     free(qa);
     free(da);
-    free(a16);
 #if defined(GG_AVX2)
+    free(a16);
     free(dT);
 #endif
     return 0;
 }
 
-/* The integer-dot path's instructions: "avx512vnni" (vpdpbusd), "avx2" (maddubs) or "scalar". */
+/* The integer-dot path's instructions: "avx512vnni" (vpdpbusd, vpdpwssd), "avx2" (maddubs, madd)
+ * or "scalar". */
 const char *gguf_q8_isa(void) {
 #if defined(GG_VNNI)
     return "avx512vnni";
