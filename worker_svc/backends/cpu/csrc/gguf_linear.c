@@ -629,33 +629,46 @@ static inline __attribute__((always_inline)) __m256i dot16(__m256i w0, __m256i w
 #endif
 }
 
-/* one run of 32 weights (w0, w1 in act16's order) against NT tokens' activation block b (dT, sT:
- * the tile's da / sa of block b, one float per token, 8 a block; sd: 32-byte aligned scratch):
+/* one run of 32 weights against NT tokens' activation block b (dT, sT: the tile's da / sa of
+ * block b, one float per token, 8 a block; sd: 32-byte aligned scratch):
  * acc[t] += dot * (scale * da[t][b]) (scale one float, or 2 for Q6_K: dwords 0-3, 4-7);
- * corr[t] += cw * sa[t][b] (8 tokens a vector, when cw is not 0) */
-#define TOK16(t, A, w0, w1, Q6, b)                                                                 \
+ * corr[t] += cw * sa[t][b] (8 tokens a vector, when cw is not 0). The weights: w0, w1 in act16's
+ * order (16-bit activations), or (I8, 8-bit activations of parts 1 in element order) w0 = the
+ * unsigned values or magnitudes, w1 = the signed values (SGN) for the sign trick. */
+#define TOK16(t, A, w0, w1, SGN, Q6, b)                                                            \
     if (NT > t) {                                                                                  \
-        const __m256i dt = dot16(w0, w1, qa + ((int64_t)(b) * Q8_TILE + t) * 32);                  \
+        __m256i dt;                                                                                \
+        if (I8) {                                                                                  \
+            __m256i a = _mm256_load_si256((const __m256i *)((const int8_t *)qa + ((int64_t)(b) * Q8_TILE + t) * 32)); \
+            if (SGN) a = _mm256_sign_epi8(a, w1);                                                  \
+            dt = dot_us(w0, a);                                                                    \
+        } else dt = dot16(w0, w1, (const int16_t *)qa + ((int64_t)(b) * Q8_TILE + t) * 32);        \
         const __m256 st = Q6 ? _mm256_set_m128(_mm_broadcast_ss(sd + 8 + t), _mm_broadcast_ss(sd + t)) \
                              : _mm256_broadcast_ss(sd + t);                                        \
         A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt), st, A);                                        \
     }
-#define RUN32(w0, w1, scale, scale_hi, Q6, cw, b)                                                  \
+#define RUN32(w0, w1, SGN, scale, scale_hi, Q6, cw, b)                                             \
     {                                                                                              \
         const __m256 dv = _mm256_load_ps(dT + 8 * (b));                                            \
         _mm256_store_ps(sd, _mm256_mul_ps(_mm256_set1_ps(scale), dv));                             \
         if (Q6) _mm256_store_ps(sd + 8, _mm256_mul_ps(_mm256_set1_ps(scale_hi), dv));              \
-        TOK16(0, a0, w0, w1, Q6, b) TOK16(1, a1, w0, w1, Q6, b) TOK16(2, a2, w0, w1, Q6, b)        \
-        TOK16(3, a3, w0, w1, Q6, b) TOK16(4, a4, w0, w1, Q6, b) TOK16(5, a5, w0, w1, Q6, b)        \
-        TOK16(6, a6, w0, w1, Q6, b) TOK16(7, a7, w0, w1, Q6, b)                                    \
+        TOK16(0, a0, w0, w1, SGN, Q6, b) TOK16(1, a1, w0, w1, SGN, Q6, b)                          \
+        TOK16(2, a2, w0, w1, SGN, Q6, b) TOK16(3, a3, w0, w1, SGN, Q6, b)                          \
+        TOK16(4, a4, w0, w1, SGN, Q6, b) TOK16(5, a5, w0, w1, SGN, Q6, b)                          \
+        TOK16(6, a6, w0, w1, SGN, Q6, b) TOK16(7, a7, w0, w1, SGN, Q6, b)                          \
         if (cw != 0.0f)                                                                            \
             corr = _mm256_add_ps(corr, _mm256_mul_ps(_mm256_set1_ps(cw), _mm256_load_ps(sT + 8 * (b)))); \
     }
+/* 32 weight bytes in element order (signed when SGN) -> w0, w1 as TOK16 takes them */
+#define UNPACK(v, SGN)                                                                             \
+    if (I8) { w0 = SGN ? _mm256_sign_epi8(v, v) : v; w1 = v; }                                     \
+    else w16(v, SGN, &w0, &w1);
 
-/* NT tokens of a tile (act16 activations by block then token at qa, dT / sT by block then token)
- * against one row p of nb native blocks */
+/* NT tokens of a tile (activations by block then token at qa: act16's int16, or I8: int8 parts 1,
+ * dT / sT by block then token) against one row p of nb native blocks */
 static inline __attribute__((always_inline)) void
-q8_row_avx2(const int type, const int NT, const uint8_t *p, int nb, const int16_t *qa, const float *dT, const float *sT, float *res) {
+q8_row_avx2(const int type, const int NT, const int I8, const uint8_t *p, int nb, const void *qa, const float *dT,
+            const float *sT, float *res) {
     /* one accumulator per token, named (GCC kept an array's elements in memory) */
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, corr = a0;
     float sd[16] __attribute__((aligned(32))), cs[8] __attribute__((aligned(32)));
@@ -666,14 +679,16 @@ q8_row_avx2(const int type, const int NT, const uint8_t *p, int nb, const int16_
             const int bb = type == T_Q4_0 ? 18 : 20;
             const uint8_t *b = p + (int64_t)i * bb;
             const __m128i q = _mm_loadu_si128((const __m128i *)(b + bb - 16));
-            w16(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4), 0, &w0, &w1);
+            const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+            UNPACK(u, 0)
             const float d = h16(b);
             const float cw = type == T_Q4_0 ? -8.0f * d : h16(b + 2);
-            RUN32(w0, w1, d, 0.0f, 0, cw, i)
+            RUN32(w0, w1, 0, d, 0.0f, 0, cw, i)
         } else if (type == T_Q8_0) {
             const uint8_t *b = p + (int64_t)i * 34;
-            w16(_mm256_loadu_si256((const __m256i *)(b + 2)), 1, &w0, &w1);
-            RUN32(w0, w1, h16(b), 0.0f, 0, 0.0f, i)
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 2));
+            UNPACK(v, 1)
+            RUN32(w0, w1, 1, h16(b), 0.0f, 0, 0.0f, i)
         } else if (type == T_Q4_K || type == T_Q5_K) {
             const int bb = type == T_Q4_K ? 144 : 176;
             const uint8_t *b = p + (int64_t)i * bb;
@@ -690,11 +705,11 @@ q8_row_avx2(const int type, const int NT, const uint8_t *p, int nb, const int16_
                         u = _mm256_or_si256(u, _mm256_and_si256(
                             j >= 4 ? _mm256_srli_epi16(qh, j - 4) : _mm256_slli_epi16(qh, 4 - j),
                             _mm256_set1_epi8(16)));
-                    w16(u, 0, &w0, &w1);
+                    UNPACK(u, 0)
                     int s, mm;
                     scale_min_k4(j, scp, &s, &mm);
                     const float cw = -(dmin * (float)mm);
-                    RUN32(w0, w1, d * (float)s, 0.0f, 0, cw, 8 * i + j)
+                    RUN32(w0, w1, 0, d * (float)s, 0.0f, 0, cw, 8 * i + j)
                 }
             }
         } else if (type == T_Q6_K) {
@@ -709,10 +724,11 @@ q8_row_avx2(const int type, const int NT, const uint8_t *p, int nb, const int16_
                     const __m256i lo = _mm256_and_si256(j >> 1 ? _mm256_srli_epi16(l, 4) : l, m4);
                     const __m256i hi = _mm256_and_si256(
                         2 * j >= 4 ? _mm256_srli_epi16(qh, 2 * j - 4) : _mm256_slli_epi16(qh, 4 - 2 * j), m2);
-                    w16(_mm256_sub_epi8(_mm256_or_si256(lo, hi), off), 1, &w0, &w1);
+                    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, hi), off);
+                    UNPACK(v, 1)
                     const int e = 128 * h + 32 * j;
                     /* dwords 0-3 hold elements 0-15 (scale sc[e/16]), 4-7 elements 16-31 */
-                    RUN32(w0, w1, d * (float)scp[e / 16], d * (float)scp[e / 16 + 1], 1, 0.0f, 8 * i + h * 4 + j)
+                    RUN32(w0, w1, 1, d * (float)scp[e / 16], d * (float)scp[e / 16 + 1], 1, 0.0f, 8 * i + h * 4 + j)
                 }
             }
         }
@@ -723,19 +739,23 @@ q8_row_avx2(const int type, const int NT, const uint8_t *p, int nb, const int16_
 }
 #undef RUN32
 #undef TOK16
+#undef UNPACK
 
+#define Q8_NT(TY, I8)                                                                              \
+    switch (nt) {                                                                                  \
+    case 5: q8_row_avx2(TY, 5, I8, p, nb, qa, dT, sT, res); break;                                 \
+    case 6: q8_row_avx2(TY, 6, I8, p, nb, qa, dT, sT, res); break;                                 \
+    case 7: q8_row_avx2(TY, 7, I8, p, nb, qa, dT, sT, res); break;                                 \
+    default: q8_row_avx2(TY, Q8_TILE, I8, p, nb, qa, dT, sT, res); break;                          \
+    }
 #define Q8_CASE(TY)                                                                                \
     case TY:                                                                                       \
-        switch (nt) {                                                                              \
-        case 5: q8_row_avx2(TY, 5, p, nb, qa, dT, sT, res); break;                         \
-        case 6: q8_row_avx2(TY, 6, p, nb, qa, dT, sT, res); break;                         \
-        case 7: q8_row_avx2(TY, 7, p, nb, qa, dT, sT, res); break;                         \
-        default: q8_row_avx2(TY, Q8_TILE, p, nb, qa, dT, sT, res); break;                  \
-        }                                                                                          \
+        if (i8) { Q8_NT(TY, 1) } else { Q8_NT(TY, 0) }                                             \
         break;
 
-/* nt: Q8_SMALL + 1 .. Q8_TILE */
-static void q8_row_avx2_any(int type, int nt, const uint8_t *p, int nb, const int16_t *qa, const float *dT, const float *sT, float *res) {
+/* nt: Q8_SMALL + 1 .. Q8_TILE; i8: 8-bit activations (parts 1) */
+static void q8_row_avx2_any(int type, int nt, int i8, const uint8_t *p, int nb, const void *qa, const float *dT,
+                            const float *sT, float *res) {
     switch (type) {
     Q8_CASE(T_Q4_0)
     Q8_CASE(T_Q4_1)
@@ -745,6 +765,7 @@ static void q8_row_avx2_any(int type, int nt, const uint8_t *p, int nb, const in
     Q8_CASE(T_Q6_K)
     }
 }
+#undef Q8_NT
 #undef Q8_CASE
 #endif
 
@@ -871,8 +892,13 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
         dT = aligned_alloc(64, sizeof(float) * (size_t)(2 * ntiles * fs * Q8_TILE));
         if (!a16 || !dT) { free(qa); free(da); free(a16); free(dT); return -2; }
         sT = dT + (int64_t)ntiles * fs * Q8_TILE;
-        for (int t = 0; t < T; t++)
-            act16(qa + t * qs, lo, K, a16 + (int64_t)(t - t % Q8_TILE) * K + (t % Q8_TILE) * 32, Q8_TILE * 32);
+        for (int t = 0; t < T; t++) {
+            const int64_t at = (int64_t)(t - t % Q8_TILE) * K + (t % Q8_TILE) * 32;
+            if (parts == 2) act16(qa + t * qs, lo, K, a16 + at, Q8_TILE * 32);
+            else    /* parts 1: the int8 values in element order (the 8-bit dots' layout) */
+                for (int b = 0; b < nb32; b++)
+                    memcpy((int8_t *)a16 + at + (int64_t)b * Q8_TILE * 32, qa + t * qs + 32 * b, 32);
+        }
         for (int k = 0; k < ntiles; k++)
             for (int b = 0; b < fs; b++)
                 for (int t = 0; t < Q8_TILE; t++) {
@@ -882,30 +908,41 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
                 }
     }
 #endif
-    /* rows in chunks; per chunk, tiles of Q8_TILE tokens over the chunk's rows: the tile's
+    /* each thread's rows (an even split, as schedule(static) over rows) in chunks of about
+     * Q8_CHUNK_BYTES; per chunk, tiles of Q8_TILE tokens over the chunk's rows: the tile's
      * activations stay in L1 and the chunk's blocks in L2 while the chunk is swept T / Q8_TILE times */
     int64_t rc = Q8_CHUNK_BYTES / row_bytes;
-    if (rc > (N + num_threads - 1) / num_threads) rc = (N + num_threads - 1) / num_threads;
     if (rc < 1) rc = 1;
-    const int nchunks = (int)((N + rc - 1) / rc);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int c = 0; c < nchunks; c++) {
-        const int n0 = (int)(c * rc), n1 = (int)(n0 + rc < N ? n0 + rc : N);
-        float res[Q8_TILE];
-        for (int t0 = 0; t0 < T; t0 += Q8_TILE) {
-            const int nt = T - t0 < Q8_TILE ? T - t0 : Q8_TILE;
-            const float *dt = da + t0 * fs, *st = sa + t0 * fs;
-            for (int n = n0; n < n1; n++) {
-                const uint8_t *p = w + (int64_t)n * row_bytes;
-#if defined(GG_AVX2)
-                if (simd && nt <= Q8_SMALL)
-                    q8_row8_avx2_any(type, nt, p, nb, qa + t0 * qs, qs, lo, dt, st, fs, res);
-                else if (simd) q8_row_avx2_any(type, nt, p, nb, a16 + (int64_t)t0 * K, dT + t0 * fs, sT + t0 * fs, res);
-                else
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+#ifdef _OPENMP
+        const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+#else
+        const int nth = 1, tid = 0;
 #endif
-                    q8_row_scalar(type, nt, p, nb, qa + t0 * qs, qs, lo, dt, st, fs, res);
-                const float b = bias ? bias[n] : 0.0f;
-                for (int t = 0; t < nt; t++) out[(int64_t)(t0 + t) * os + n] = res[t] + b;
+        const int r0 = (int)((int64_t)N * tid / nth), r1 = (int)((int64_t)N * (tid + 1) / nth);
+        float res[Q8_TILE];
+        for (int n0 = r0; n0 < r1; n0 += (int)rc) {
+            const int n1 = n0 + rc < r1 ? n0 + (int)rc : r1;
+            for (int t0 = 0; t0 < T; t0 += Q8_TILE) {
+                const int nt = T - t0 < Q8_TILE ? T - t0 : Q8_TILE;
+                const float *dt = da + t0 * fs, *st = sa + t0 * fs;
+                for (int n = n0; n < n1; n++) {
+                    const uint8_t *p = w + (int64_t)n * row_bytes;
+#if defined(GG_AVX2)
+                    if (simd && nt <= Q8_SMALL)
+                        q8_row8_avx2_any(type, nt, p, nb, qa + t0 * qs, qs, lo, dt, st, fs, res);
+                    else if (simd)
+                        q8_row_avx2_any(type, nt, parts == 1, p, nb,
+                                        parts == 1 ? (const void *)((int8_t *)a16 + (int64_t)t0 * K)
+                                                   : (const void *)(a16 + (int64_t)t0 * K),
+                                        dT + t0 * fs, sT + t0 * fs, res);
+                    else
+#endif
+                        q8_row_scalar(type, nt, p, nb, qa + t0 * qs, qs, lo, dt, st, fs, res);
+                    const float b = bias ? bias[n] : 0.0f;
+                    for (int t = 0; t < nt; t++) out[(int64_t)(t0 + t) * os + n] = res[t] + b;
+                }
             }
         }
     }
