@@ -459,6 +459,16 @@ static inline __attribute__((always_inline)) __m256i dot_us(__m256i u, __m256i a
 #endif
 }
 
+/* 8 dword sums of 4 adjacent u8 * (128 a + al) products (|a| <= 127, |al| <= 64) */
+static inline __attribute__((always_inline)) __m256i dot_us2(__m256i u, __m256i a, __m256i al) {
+#if defined(GG_VNNI)
+    return _mm256_add_epi32(_mm256_slli_epi32(dot_us(u, a), 7), dot_us(u, al));
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(128)),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(u, al), _mm256_set1_epi16(1)));
+#endif
+}
+
 static inline float hsum8(__m256 v) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -466,11 +476,11 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(h);
 }
 
-/* Tiles of up to Q8_SMALL tokens (T = 1..4 and a call's last 1-4 tokens) take the 8-bit-activation
- * kernel: where the weight unpacking is not shared by enough tokens, its maddubs dots on the int8
- * parts cost less than act16's reordered unpacking (bench/gguf_kernels.py). Same integer lanes,
- * same fp32 operations: bit-identical to the 16-bit kernel below for every token. */
-#define Q8_SMALL 4
+/* Tiles of Q8_SMALL token (T = 1, and a call's last token when T % 8 == 1) take the older
+ * kernel below (per-token da / sa, scalar sa terms): the tile kernel's per-run scale store and
+ * vector sa terms do not pay off for one token (bench/gguf_kernels.py). Same integer lanes, same
+ * IEEE operations per token: bit-identical to the tile kernel for every token. */
+#define Q8_SMALL 1
 
 /* one run of 32 weights (u unsigned, or |v| with sgn = v for signed types) against NT tokens'
  * activation block b: acc[t] += dot * (scale * da[t][b]); corr[t] += cw * sa[t][b] */
@@ -564,19 +574,14 @@ q8_row8_avx2(const int type, const int NT, const int TWO, const uint8_t *p, int 
 #undef RUN32_I8
 
 #define Q8_NT8(TY, TW)                                                                              \
-    switch (nt) {                                                                                  \
-    case 1: q8_row8_avx2(TY, 1, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
-    case 2: q8_row8_avx2(TY, 2, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
-    case 3: q8_row8_avx2(TY, 3, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                     \
-    default: q8_row8_avx2(TY, 4, TW, p, nb, qa, qs, lo, da, sa, fs, res); break;                    \
-    }
+    q8_row8_avx2(TY, Q8_SMALL, TW, p, nb, qa, qs, lo, da, sa, fs, res);
 #define Q8_CASE8(TY)                                                                                \
     case TY:                                                                                       \
         if (lo) { Q8_NT8(TY, 1) } else { Q8_NT8(TY, 0) }                                             \
         break;
 
 /* lo: offset of the low parts from the high ones (0: one part) */
-static void q8_row8_avx2_any(int type, int nt, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
+static void q8_row8_avx2_any(int type, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
                             int64_t lo, const float *da, const float *sa, int64_t fs, float *res) {
     switch (type) {
     Q8_CASE8(T_Q4_0)
@@ -639,9 +644,14 @@ static inline __attribute__((always_inline)) __m256i dot16(__m256i w0, __m256i w
     if (NT > t) {                                                                                  \
         __m256i dt;                                                                                \
         if (I8) {                                                                                  \
-            __m256i a = _mm256_load_si256((const __m256i *)((const int8_t *)qa + ((int64_t)(b) * Q8_TILE + t) * 32)); \
+            const int8_t *ap = (const int8_t *)qa + ((int64_t)(b) * Q8_TILE + t) * 32 * I8;           \
+            __m256i a = _mm256_load_si256((const __m256i *)ap);                                    \
             if (SGN) a = _mm256_sign_epi8(a, w1);                                                  \
-            dt = dot_us(w0, a);                                                                    \
+            if (I8 == 2) {                                                                         \
+                __m256i al = _mm256_load_si256((const __m256i *)(ap + 32));                        \
+                if (SGN) al = _mm256_sign_epi8(al, w1);                                            \
+                dt = dot_us2(w0, a, al);                                                           \
+            } else dt = dot_us(w0, a);                                                             \
         } else dt = dot16(w0, w1, (const int16_t *)qa + ((int64_t)(b) * Q8_TILE + t) * 32);        \
         const __m256 st = Q6 ? _mm256_set_m128(_mm_broadcast_ss(sd + 8 + t), _mm_broadcast_ss(sd + t)) \
                              : _mm256_broadcast_ss(sd + t);                                        \
@@ -743,6 +753,9 @@ q8_row_avx2(const int type, const int NT, const int I8, const uint8_t *p, int nb
 
 #define Q8_NT(TY, I8)                                                                              \
     switch (nt) {                                                                                  \
+    case 2: q8_row_avx2(TY, 2, I8, p, nb, qa, dT, sT, res); break;                                 \
+    case 3: q8_row_avx2(TY, 3, I8, p, nb, qa, dT, sT, res); break;                                 \
+    case 4: q8_row_avx2(TY, 4, I8, p, nb, qa, dT, sT, res); break;                                 \
     case 5: q8_row_avx2(TY, 5, I8, p, nb, qa, dT, sT, res); break;                                 \
     case 6: q8_row_avx2(TY, 6, I8, p, nb, qa, dT, sT, res); break;                                 \
     case 7: q8_row_avx2(TY, 7, I8, p, nb, qa, dT, sT, res); break;                                 \
@@ -750,10 +763,10 @@ q8_row_avx2(const int type, const int NT, const int I8, const uint8_t *p, int nb
     }
 #define Q8_CASE(TY)                                                                                \
     case TY:                                                                                       \
-        if (i8) { Q8_NT(TY, 1) } else { Q8_NT(TY, 0) }                                             \
+        if (i8 == 1) { Q8_NT(TY, 1) } else if (i8 == 2) { Q8_NT(TY, 2) } else { Q8_NT(TY, 0) }     \
         break;
 
-/* nt: Q8_SMALL + 1 .. Q8_TILE; i8: 8-bit activations (parts 1) */
+/* nt: Q8_SMALL + 1 .. Q8_TILE; i8: the dots (gguf_linear_q8's mode) */
 static void q8_row_avx2_any(int type, int nt, int i8, const uint8_t *p, int nb, const void *qa, const float *dT,
                             const float *sT, float *res) {
     switch (type) {
@@ -881,6 +894,10 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     gguf_quantize_act(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar);
 #if defined(GG_AVX2)
     const int simd = !force_scalar;
+    /* the 8-token tiles' dots: 8-bit maddubs on the int8 parts (1: parts 1; 2: parts 2 of the
+     * unsigned formats, two maddubs and two madd a token and run), or (0) 16-bit madd on act16's
+     * values for parts 2 of the signed ones (Q8_0, Q6_K: no sign trick on two parts) */
+    const int mode = parts == 1 ? 1 : type == T_Q8_0 || type == T_Q6_K ? 0 : 2;
     /* tiles of more than Q8_SMALL tokens: act16 activations, a tile's runs by block then token
      * (token t0 + t's block b at a16 + (t0 * K + (b * Q8_TILE + t) * 32)), and its da and sa by
      * block then token (0 past T) */
@@ -894,10 +911,13 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
         sT = dT + (int64_t)ntiles * fs * Q8_TILE;
         for (int t = 0; t < T; t++) {
             const int64_t at = (int64_t)(t - t % Q8_TILE) * K + (t % Q8_TILE) * 32;
-            if (parts == 2) act16(qa + t * qs, lo, K, a16 + at, Q8_TILE * 32);
-            else    /* parts 1: the int8 values in element order (the 8-bit dots' layout) */
-                for (int b = 0; b < nb32; b++)
-                    memcpy((int8_t *)a16 + at + (int64_t)b * Q8_TILE * 32, qa + t * qs + 32 * b, 32);
+            if (mode == 0) act16(qa + t * qs, lo, K, a16 + at, Q8_TILE * 32);
+            else    /* the int8 values in element order (the 8-bit dots' layout), high then low part */
+                for (int b = 0; b < nb32; b++) {
+                    int8_t *dst = (int8_t *)a16 + (at + (int64_t)b * Q8_TILE * 32) * parts;
+                    memcpy(dst, qa + t * qs + 32 * b, 32);
+                    if (parts == 2) memcpy(dst + 32, qa + t * qs + lo + 32 * b, 32);
+                }
         }
         for (int k = 0; k < ntiles; k++)
             for (int b = 0; b < fs; b++)
@@ -931,9 +951,9 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
                     const uint8_t *p = w + (int64_t)n * row_bytes;
 #if defined(GG_AVX2)
                     if (simd && nt <= Q8_SMALL)
-                        q8_row8_avx2_any(type, nt, p, nb, qa + t0 * qs, qs, lo, dt, st, fs, res);
+                        q8_row8_avx2_any(type, p, nb, qa + t0 * qs, qs, lo, dt, st, fs, res);
                     else if (simd)
-                        q8_row_avx2_any(type, nt, parts == 1, p, nb,
+                        q8_row_avx2_any(type, nt, mode, p, nb,
                                         parts == 1 ? (const void *)((int8_t *)a16 + (int64_t)t0 * K)
                                                    : (const void *)(a16 + (int64_t)t0 * K),
                                         dT + t0 * fs, sT + t0 * fs, res);
