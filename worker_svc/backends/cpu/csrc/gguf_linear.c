@@ -476,11 +476,11 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(h);
 }
 
-/* Tiles of Q8_SMALL token (T = 1, and a call's last token when T % 8 == 1) take the older
- * kernel below (per-token da / sa, scalar sa terms): the tile kernel's per-run scale store and
- * vector sa terms do not pay off for one token (bench/gguf_kernels.py). Same integer lanes, same
- * IEEE operations per token: bit-identical to the tile kernel for every token. */
-#define Q8_SMALL 1
+/* Tiles of up to Q8_SMALL tokens (T = 1, 2, and a call's last 1-2 tokens) take the older kernel
+ * below (per-token da / sa, scalar sa terms): the tile kernel's per-run scale store and vector sa
+ * terms do not pay off for 1-2 tokens (bench/gguf_kernels.py). Same integer lanes, same IEEE
+ * operations per token: bit-identical to the tile kernel for every token. */
+#define Q8_SMALL 2
 
 /* one run of 32 weights (u unsigned, or |v| with sgn = v for signed types) against NT tokens'
  * activation block b: acc[t] += dot * (scale * da[t][b]); corr[t] += cw * sa[t][b] */
@@ -574,14 +574,15 @@ q8_row8_avx2(const int type, const int NT, const int TWO, const uint8_t *p, int 
 #undef RUN32_I8
 
 #define Q8_NT8(TY, TW)                                                                              \
-    q8_row8_avx2(TY, Q8_SMALL, TW, p, nb, qa, qs, lo, da, sa, fs, res);
+    if (nt == 1) q8_row8_avx2(TY, 1, TW, p, nb, qa, qs, lo, da, sa, fs, res);                      \
+    else q8_row8_avx2(TY, 2, TW, p, nb, qa, qs, lo, da, sa, fs, res);
 #define Q8_CASE8(TY)                                                                                \
     case TY:                                                                                       \
         if (lo) { Q8_NT8(TY, 1) } else { Q8_NT8(TY, 0) }                                             \
         break;
 
 /* lo: offset of the low parts from the high ones (0: one part) */
-static void q8_row8_avx2_any(int type, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
+static void q8_row8_avx2_any(int type, int nt, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
                             int64_t lo, const float *da, const float *sa, int64_t fs, float *res) {
     switch (type) {
     Q8_CASE8(T_Q4_0)
@@ -753,7 +754,6 @@ q8_row_avx2(const int type, const int NT, const int I8, const uint8_t *p, int nb
 
 #define Q8_NT(TY, I8)                                                                              \
     switch (nt) {                                                                                  \
-    case 2: q8_row_avx2(TY, 2, I8, p, nb, qa, dT, sT, res); break;                                 \
     case 3: q8_row_avx2(TY, 3, I8, p, nb, qa, dT, sT, res); break;                                 \
     case 4: q8_row_avx2(TY, 4, I8, p, nb, qa, dT, sT, res); break;                                 \
     case 5: q8_row_avx2(TY, 5, I8, p, nb, qa, dT, sT, res); break;                                 \
@@ -951,7 +951,7 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
                     const uint8_t *p = w + (int64_t)n * row_bytes;
 #if defined(GG_AVX2)
                     if (simd && nt <= Q8_SMALL)
-                        q8_row8_avx2_any(type, p, nb, qa + t0 * qs, qs, lo, dt, st, fs, res);
+                        q8_row8_avx2_any(type, nt, p, nb, qa + t0 * qs, qs, lo, dt, st, fs, res);
                     else if (simd)
                         q8_row_avx2_any(type, nt, mode, p, nb,
                                         parts == 1 ? (const void *)((int8_t *)a16 + (int64_t)t0 * K)
