@@ -636,7 +636,8 @@ static inline __attribute__((always_inline)) __m256i dot16(__m256i w0, __m256i w
 }
 
 /* one run of 32 weights against NT tokens' activation block b (dT, sT: the tile's da / sa of
- * block b, one float per token, 8 a block; sd: 32-byte aligned scratch):
+ * block b, one float per token, 8 a block; sd: 32-byte aligned scratch for the 8 products
+ * scale * da, one multiply a run; Q6_K: the two scales' vector times da per token as before):
  * acc[t] += dot * (scale * da[t][b]) (scale one float, or 2 for Q6_K: dwords 0-3, 4-7);
  * corr[t] += cw * sa[t][b] (8 tokens a vector, when cw is not 0). The weights: w0, w1 in act16's
  * order (16-bit activations), or (I8, 8-bit activations of parts 1 in element order) w0 = the
@@ -654,15 +655,15 @@ static inline __attribute__((always_inline)) __m256i dot16(__m256i w0, __m256i w
                 dt = dot_us2(w0, a, al);                                                           \
             } else dt = dot_us(w0, a);                                                             \
         } else dt = dot16(w0, w1, (const int16_t *)qa + ((int64_t)(b) * Q8_TILE + t) * 32);        \
-        const __m256 st = Q6 ? _mm256_set_m128(_mm_broadcast_ss(sd + 8 + t), _mm_broadcast_ss(sd + t)) \
+        const __m256 st = Q6 ? _mm256_mul_ps(sv, _mm256_broadcast_ss(dT + 8 * (b) + t))            \
                              : _mm256_broadcast_ss(sd + t);                                        \
         A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dt), st, A);                                        \
     }
 #define RUN32(w0, w1, SGN, scale, scale_hi, Q6, cw, b)                                             \
     {                                                                                              \
-        const __m256 dv = _mm256_load_ps(dT + 8 * (b));                                            \
-        _mm256_store_ps(sd, _mm256_mul_ps(_mm256_set1_ps(scale), dv));                             \
-        if (Q6) _mm256_store_ps(sd + 8, _mm256_mul_ps(_mm256_set1_ps(scale_hi), dv));              \
+        __m256 sv = _mm256_set1_ps(scale);                                                         \
+        if (Q6) sv = _mm256_set_m128(_mm_set1_ps(scale_hi), _mm_set1_ps(scale));                   \
+        else _mm256_store_ps(sd, _mm256_mul_ps(sv, _mm256_load_ps(dT + 8 * (b))));                 \
         TOK16(0, a0, w0, w1, SGN, Q6, b) TOK16(1, a1, w0, w1, SGN, Q6, b)                          \
         TOK16(2, a2, w0, w1, SGN, Q6, b) TOK16(3, a3, w0, w1, SGN, Q6, b)                          \
         TOK16(4, a4, w0, w1, SGN, Q6, b) TOK16(5, a5, w0, w1, SGN, Q6, b)                          \
@@ -682,7 +683,7 @@ q8_row_avx2(const int type, const int NT, const int I8, const uint8_t *p, int nb
             const float *sT, float *res) {
     /* one accumulator per token, named (GCC kept an array's elements in memory) */
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, corr = a0;
-    float sd[16] __attribute__((aligned(32))), cs[8] __attribute__((aligned(32)));
+    float sd[8] __attribute__((aligned(32))), cs[8] __attribute__((aligned(32)));
     const __m256i m4 = _mm256_set1_epi8(15);
     __m256i w0, w1;
     for (int i = 0; i < nb; i++) {
