@@ -24,10 +24,12 @@ bandwidth measured in the same run).
 --baseline REV adds "base-int8x2" / "base-int8": gguf_linear_q8 of git revision REV (its
 gguf_linear.c built beside this one with native.py's flags), timed in the same rounds, and the
 largest difference of its outputs from this tree's ("max_abs_diff_vs_base", 0 = bit-identical);
---variants picks the layer variants to time (comma-separated; default all).
+--variants picks the layer variants to time (comma-separated; default all). --formats (with
+--baseline) adds part "formats": gguf_linear_q8 against the baseline's on one [8192, 1536] weight of
+each of the six formats, parts 2 and 1, by T.
 
     python -m bench.gguf_kernels [--rounds 5] [--threads 2] [--engine-rounds 10] [--no-llama]
-                                 [--sizes 1,8,32] [--variants gguf-int8x2,gguf-int8] [--baseline HEAD~1]
+                                 [--sizes 1,8,32] [--variants gguf-int8x2,gguf-int8] [--baseline HEAD~1] [--formats]
                                  [--out bench/results/kernels/gguf_kernels_zen4]
 """
 from __future__ import annotations
@@ -50,7 +52,7 @@ import torch.nn.functional as F
 from bench.common import BLOCK_SIZE, CONTEXT, HEAD_DIM, KV_HEADS, LAYERS, EngineProcess, layer_shapes, machine_line
 from worker_svc.backends.cpu import native
 from worker_svc.backends.cpu.quant import quantize_int8
-from worker_svc.model.gguf_blocks import BLOCK_FORMATS
+from worker_svc.model.gguf_blocks import BLOCK_FORMATS, FORMAT_NAMES
 
 SIZES = [1, 2, 4, 8, 12, 16, 32, 64]
 Q4_1, Q8_0 = 3, 8
@@ -58,12 +60,55 @@ OLD, NEW = "before (base tree's default: per-row int8)", "new default (auto: the
 INT8 = "new --weight-quant int8 (Q8_0 groups)"
 
 
+# byte offsets of each format's fp16 scales in a block (random bytes elsewhere)
+HALVES = {2: [0], 3: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
+
+
 def random_blocks(qtype: int, n: int, k: int, g: np.random.Generator) -> torch.Tensor:
     elems, nbytes = BLOCK_FORMATS[qtype]
     raw = g.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
-    scales = (np.abs(g.standard_normal((n, k // elems, 2))) * 0.01).astype(np.float16)   # d (and m)
-    raw[:, :, :4 if qtype == Q4_1 else 2] = scales.view(np.uint8)[:, :, :4 if qtype == Q4_1 else 2]
+    for off in HALVES[qtype]:
+        h = (np.abs(g.standard_normal((n, k // elems))) * 0.01).astype(np.float16)
+        raw[:, :, off:off + 2] = h.view(np.uint8).reshape(n, k // elems, 2)
     return torch.from_numpy(raw.reshape(n, -1))
+
+
+def bench_formats(rounds: int, sizes: list[int], baseline: str, n: int = 8192, k: int = 1536) -> dict:
+    """gguf_linear_q8 (parts 2 and 1) against the baseline revision's, per format, on one random
+    [n, k] weight of each of the six formats, by T (ms a call, medians of rounds alternating the
+    variants' order; outputs compared too)."""
+    g = np.random.default_rng(1)
+    base = build_baseline(baseline)
+    out: dict = {"shape": [n, k], "ms": {}, "speedup_vs_base": {}, "max_abs_diff_vs_base": {}}
+    for qtype, name in FORMAT_NAMES.items():
+        blocks = random_blocks(qtype, n, k, g)
+        xs = {T: torch.randn(T, k) for T in sizes}
+        fns = {"gguf-int8x2": lambda x: native.gguf_linear_q8_unchecked(qtype, blocks, x, parts=2),
+               "base-int8x2": lambda x: base_q8(base, qtype, blocks, x, 2),
+               "gguf-int8": lambda x: native.gguf_linear_q8_unchecked(qtype, blocks, x, parts=1),
+               "base-int8": lambda x: base_q8(base, qtype, blocks, x, 1)}
+        times: dict = {v: {T: [] for T in sizes} for v in fns}
+        for T in sizes:                               # warm-up: first calls, buffers
+            for fn in fns.values():
+                fn(xs[T])
+        for r in range(rounds):
+            for T in sizes:
+                reps = max(1, 16 // T)                # a sample: reps calls (>= ~10 ms at T=1)
+                for v, fn in (list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]):   # ABBA
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        fn(xs[T])
+                    times[v][T].append((time.perf_counter() - t0) / reps)
+        med = {v: {T: statistics.median(ts) for T, ts in d.items()} for v, d in times.items()}
+        out["ms"][name] = {v: {str(T): round(1e3 * t, 3) for T, t in d.items()} for v, d in med.items()}
+        out["speedup_vs_base"][name] = {
+            new: {str(T): round(med[old][T] / med[new][T], 3) for T in sizes}
+            for new, old in (("gguf-int8x2", "base-int8x2"), ("gguf-int8", "base-int8"))}
+        out["max_abs_diff_vs_base"][name] = max(
+            (fns[new](xs[T]) - fns[old](xs[T])).abs().max().item()
+            for T in sizes for new, old in (("gguf-int8x2", "base-int8x2"), ("gguf-int8", "base-int8")))
+        print(name, json.dumps(out["speedup_vs_base"][name]), flush=True)
+    return out
 
 
 def build_baseline(rev: str) -> ctypes.CDLL:
@@ -262,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--variants", default=None, help="layer variants to time (comma-separated; default all)")
     ap.add_argument("--baseline", default=None, help="git revision whose gguf_linear_q8 to time beside this one")
+    ap.add_argument("--formats", action="store_true",
+                    help="with --baseline: also gguf_linear_q8 per format (all six) against the baseline's")
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--no-layers", action="store_true", help="the engine part only")
     ap.add_argument("--no-llama", action="store_true", help="no llama-bench rounds")
@@ -280,6 +327,10 @@ def main(argv: list[str] | None = None) -> None:
            if args.no_layers else bench_layers(args.rounds, [int(t) for t in args.sizes.split(",")],
                                                args.variants.split(",") if args.variants else None, args.baseline)}
     print(json.dumps(res["layers"], indent=1), flush=True)
+    if args.formats:
+        if not args.baseline:
+            sys.exit("--formats needs --baseline")
+        res["formats"] = bench_formats(args.rounds, [int(t) for t in args.sizes.split(",")], args.baseline)
     if not args.no_engine:
         res["engine"] = bench_engine(args.engine_rounds, args.threads, res["layers"]["block_bytes"],
                                      not args.no_llama)
