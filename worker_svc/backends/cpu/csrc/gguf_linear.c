@@ -377,7 +377,7 @@ const char *gguf_linear_isa(void) {
  * most da/2 per element); the weights are the file's, unchanged. Tokens run in tiles of up to 8
  * over each row's blocks (weights unpacked once per tile; see Q8_SMALL and act16 below). */
 #define Q8_TILE 8
-#define Q8_CHUNK_BYTES (64 << 10)   /* rows a chunk (see gguf_linear_q8) */
+#define Q8_CHUNK_BYTES (64 << 10)   /* the weight bytes of a chunk of rows (see gguf_linear_q8) */
 
 /* one token: x [K] -> q [K] int8, d [K/32], s [K/32] (identical on every path: IEEE multiply,
  * round half to even, as numpy's float32 rint) */
@@ -596,16 +596,21 @@ static void q8_row8_avx2_any(int type, int nt, const uint8_t *p, int nb, const i
 #undef Q8_NT8
 #undef Q8_CASE8
 
-/* The SIMD dots run on 16-bit activations: token t's K values a = q (parts 1) or 128 q + q_lo
- * (parts 2, |a| <= 16320) as int16, each run of 32 stored as [elements 4i, 4i+1 (i < 8) |
- * elements 4i+2, 4i+3] so that madd_epi16 of the run's two halves with the weights unpacked in the
- * same order (16-bit, signed or not) gives dword i = the sum over elements 4i..4i+3: the integer
- * sums and lanes of llama.cpp's maddubs + madd (and, for parts 2, of (dot_hi << 7) + dot_lo) in two
- * multiply instructions per token and run instead of two (parts 1) or four (parts 2), no sign
- * tricks. The fp32 work on those lanes is the 8-bit kernel's (the tile's scale products
- * scale * da stored once per run for all its tokens, the sa terms 8 tokens a vector: the same
- * IEEE operations per token), so the results are bit-identical to q8_row8_avx2 and to the kernel
- * before this one (bench/gguf_kernels.py --baseline reports the difference: 0). */
+/* The tile kernel (tiles of Q8_SMALL + 1 .. Q8_TILE tokens; the small-tile kernel above is its
+ * per-token reference): a tile's activations by block then token (one pointer, constant offsets),
+ * per run the tile's 8 products scale * da computed once and broadcast per token, the sa terms 8
+ * tokens a vector, one named accumulator per token. The dots, by gguf_linear_q8's mode:
+ *   1 (parts 1): maddubs + madd on the int8 values, as the small-tile kernel;
+ *   2 (parts 2, unsigned formats): two maddubs (high and low parts) and madd by 128 / by 1;
+ *   0 (parts 2, Q8_0 / Q6_K): 16-bit activations a = 128 q + q_lo (|a| <= 16320), each run of 32
+ *     stored as [elements 4i, 4i+1 (i < 8) | elements 4i+2, 4i+3] (act16) so that madd_epi16 of
+ *     the run's two halves with the weights unpacked in that order (w16) gives dword i = the sum
+ *     over elements 4i..4i+3: two multiplies a token and run and no sign trick, instead of four
+ *     and two (faster for the signed formats, slower for the unsigned ones: bench/gguf_kernels.py).
+ * Every mode yields the small-tile kernel's integer lanes (dword i: elements 4i..4i+3, the exact
+ * integer 128 dot_hi + dot_lo for parts 2) and the same IEEE operations per token on them, so the
+ * results are bit-identical to it and to the kernel before this one (bench/gguf_kernels.py
+ * --baseline reports the difference: 0). */
 static void act16(const int8_t *q, int64_t lo, int K, int16_t *a, int64_t stride) {
     for (int b = 0; b < K / 32; b++)
         for (int p = 0; p < 32; p++) {
@@ -640,8 +645,8 @@ static inline __attribute__((always_inline)) __m256i dot16(__m256i w0, __m256i w
  * scale * da, one multiply a run; Q6_K: the two scales' vector times da per token as before):
  * acc[t] += dot * (scale * da[t][b]) (scale one float, or 2 for Q6_K: dwords 0-3, 4-7);
  * corr[t] += cw * sa[t][b] (8 tokens a vector, when cw is not 0). The weights: w0, w1 in act16's
- * order (16-bit activations), or (I8, 8-bit activations of parts 1 in element order) w0 = the
- * unsigned values or magnitudes, w1 = the signed values (SGN) for the sign trick. */
+ * order (mode 0), or (I8 = mode 1 or 2: 8-bit activations in element order, high then low part)
+ * w0 = the unsigned values or magnitudes, w1 = the signed values (SGN) for the sign trick. */
 #define TOK16(t, A, w0, w1, SGN, Q6, b)                                                            \
     if (NT > t) {                                                                                  \
         __m256i dt;                                                                                \
@@ -676,7 +681,7 @@ static inline __attribute__((always_inline)) __m256i dot16(__m256i w0, __m256i w
     if (I8) { w0 = SGN ? _mm256_sign_epi8(v, v) : v; w1 = v; }                                     \
     else w16(v, SGN, &w0, &w1);
 
-/* NT tokens of a tile (activations by block then token at qa: act16's int16, or I8: int8 parts 1,
+/* NT tokens of a tile (activations by block then token at qa: act16's int16, or I8: int8 parts,
  * dT / sT by block then token) against one row p of nb native blocks */
 static inline __attribute__((always_inline)) void
 q8_row_avx2(const int type, const int NT, const int I8, const uint8_t *p, int nb, const void *qa, const float *dT,
