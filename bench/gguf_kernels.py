@@ -23,17 +23,27 @@ llama-bench between the rounds (same GGUF, same threads: `-p 0 -n 32 -d 1024` = 
 the prompt shared); and the bytes-read bound of decode:32 (the file's weight bytes
 + the bf16 KV read, over the copy bandwidth measured in the same run).
 
+--baseline REV adds "base-int8x2" / "base-int8": gguf_linear_q8 of git revision REV (its
+gguf_linear.c built beside this one with native.py's flags), timed in the same rounds, and the
+largest difference of its outputs from this tree's ("max_abs_diff_vs_base", 0 = bit-identical);
+--variants picks the layer variants to time (comma-separated; default all). --formats (with
+--baseline) adds part "formats": gguf_linear_q8 against the baseline's on one [8192, 1536] weight of
+each of the six formats, parts 2 and 1, by T.
+
     python -m bench.gguf_kernels [--rounds 5] [--threads 2] [--engine-rounds 10] [--no-llama]
+                                 [--sizes 1,8,32] [--variants gguf-int8x2,gguf-int8] [--baseline HEAD~1] [--formats]
                                  [--base-tree DIR] [--out bench/results/kernels/gguf_kernels_zen4]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,7 +54,7 @@ import torch.nn.functional as F
 from bench.common import BLOCK_SIZE, CONTEXT, HEAD_DIM, KV_HEADS, LAYERS, EngineProcess, layer_shapes, machine_line
 from worker_svc.backends.cpu import native
 from worker_svc.backends.cpu.quant import quantize_int8
-from worker_svc.model.gguf_blocks import BLOCK_FORMATS
+from worker_svc.model.gguf_blocks import BLOCK_FORMATS, FORMAT_NAMES
 
 SIZES = [1, 2, 4, 8, 12, 16, 32, 64]
 Q4_1, Q8_0 = 3, 8
@@ -52,15 +62,83 @@ OLD, NEW = "before (base tree's default: per-row int8)", "new default (auto: the
 INT8 = "new --weight-quant int8 (Q8_0 groups)"
 
 
+# byte offsets of each format's fp16 scales in a block (random bytes elsewhere)
+HALVES = {2: [0], 3: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
+
+
 def random_blocks(qtype: int, n: int, k: int, g: np.random.Generator) -> torch.Tensor:
     elems, nbytes = BLOCK_FORMATS[qtype]
     raw = g.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
-    scales = (np.abs(g.standard_normal((n, k // elems, 2))) * 0.01).astype(np.float16)   # d (and m)
-    raw[:, :, :4 if qtype == Q4_1 else 2] = scales.view(np.uint8)[:, :, :4 if qtype == Q4_1 else 2]
+    for off in HALVES[qtype]:
+        h = (np.abs(g.standard_normal((n, k // elems))) * 0.01).astype(np.float16)
+        raw[:, :, off:off + 2] = h.view(np.uint8).reshape(n, k // elems, 2)
     return torch.from_numpy(raw.reshape(n, -1))
 
 
-def bench_layers(rounds: int, sizes: list[int]) -> dict:
+def bench_formats(rounds: int, sizes: list[int], baseline: str, n: int = 8192, k: int = 1536) -> dict:
+    """gguf_linear_q8 (parts 2 and 1) against the baseline revision's, per format, on one random
+    [n, k] weight of each of the six formats, by T (ms a call, medians of rounds alternating the
+    variants' order; outputs compared too)."""
+    g = np.random.default_rng(1)
+    base = build_baseline(baseline)
+    out: dict = {"shape": [n, k], "ms": {}, "speedup_vs_base": {}, "max_abs_diff_vs_base": {}}
+    for qtype, name in FORMAT_NAMES.items():
+        blocks = random_blocks(qtype, n, k, g)
+        xs = {T: torch.randn(T, k) for T in sizes}
+        fns = {"gguf-int8x2": lambda x: native.gguf_linear_q8_unchecked(qtype, blocks, x, parts=2),
+               "base-int8x2": lambda x: base_q8(base, qtype, blocks, x, 2),
+               "gguf-int8": lambda x: native.gguf_linear_q8_unchecked(qtype, blocks, x, parts=1),
+               "base-int8": lambda x: base_q8(base, qtype, blocks, x, 1)}
+        times: dict = {v: {T: [] for T in sizes} for v in fns}
+        for T in sizes:                               # warm-up: first calls, buffers
+            for fn in fns.values():
+                fn(xs[T])
+        for r in range(rounds):
+            for T in sizes:
+                reps = max(1, 16 // T)                # a sample: reps calls (>= ~10 ms at T=1)
+                for v, fn in (list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]):   # ABBA
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        fn(xs[T])
+                    times[v][T].append((time.perf_counter() - t0) / reps)
+        med = {v: {T: statistics.median(ts) for T, ts in d.items()} for v, d in times.items()}
+        out["ms"][name] = {v: {str(T): round(1e3 * t, 3) for T, t in d.items()} for v, d in med.items()}
+        out["speedup_vs_base"][name] = {
+            new: {str(T): round(med[old][T] / med[new][T], 3) for T in sizes}
+            for new, old in (("gguf-int8x2", "base-int8x2"), ("gguf-int8", "base-int8"))}
+        out["max_abs_diff_vs_base"][name] = max(
+            (fns[new](xs[T]) - fns[old](xs[T])).abs().max().item()
+            for T in sizes for new, old in (("gguf-int8x2", "base-int8x2"), ("gguf-int8", "base-int8")))
+        print(name, json.dumps(out["speedup_vs_base"][name]), flush=True)
+    return out
+
+
+def build_baseline(rev: str) -> ctypes.CDLL:
+    """gguf_linear.c of git revision rev, built with native.py's compiler and flags into a temp dir."""
+    tmp = Path(tempfile.mkdtemp(prefix="gguf_bench_"))
+    shown = subprocess.run(["git", "show", f"{rev}:worker_svc/backends/cpu/csrc/gguf_linear.c"],
+                           capture_output=True, text=True, check=True)
+    (tmp / "base.c").write_text(shown.stdout)
+    subprocess.run([native._compiler(), *native._flags(), "-o", str(tmp / "base.so"), str(tmp / "base.c"), "-lm"],
+                   check=True)
+    lib = ctypes.CDLL(str(tmp / "base.so"))
+    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.gguf_linear_q8.argtypes = [I, P, L, P, L, P, P, L, I, I, I, I, I, I]
+    lib.gguf_linear_q8.restype = I
+    return lib
+
+
+def base_q8(lib: ctypes.CDLL, qtype: int, blocks: torch.Tensor, x: torch.Tensor, parts: int) -> torch.Tensor:
+    """The baseline library's gguf_linear_q8 (same call as native.gguf_linear_q8_unchecked)."""
+    T, K = x.shape
+    out = torch.empty(T, blocks.shape[0])
+    rc = lib.gguf_linear_q8(qtype, blocks.data_ptr(), blocks.shape[1], x.data_ptr(), x.stride(0), None,
+                            out.data_ptr(), out.stride(0), T, blocks.shape[0], K, torch.get_num_threads(), parts, 0)
+    assert rc == 0, rc
+    return out
+
+
+def bench_layers(rounds: int, sizes: list[int], names: list[str] | None = None, baseline: str | None = None) -> dict:
     g = np.random.default_rng(0)
     layers = []
     shapes = layer_shapes()
@@ -80,6 +158,12 @@ def bench_layers(rounds: int, sizes: list[int]) -> dict:
             L[0], L[1], L[2].shape[1], out=scratch[:L[2].numel()].view(L[2].shape))),
         "int8-native": lambda L, x: native.int8_linear_unchecked(x, L[3], L[4], None),
     }
+    base = build_baseline(baseline) if baseline else None
+    if base:
+        variants["base-int8x2"] = lambda L, x: base_q8(base, L[0], L[1], x, 2)
+        variants["base-int8"] = lambda L, x: base_q8(base, L[0], L[1], x, 1)
+    if names:
+        variants = {n: variants[n] for n in names}
     xs = {T: {k: torch.randn(T, k) for k in {k for _, k in shapes}} for T in sizes}
     times: dict = {v: {T: [] for T in sizes} for v in variants}
     for _ in range(rounds):
@@ -90,8 +174,21 @@ def bench_layers(rounds: int, sizes: list[int]) -> dict:
                     fn(L, xs[T][L[2].shape[1]])
                 times[name][T].append(time.perf_counter() - t0)
     med = {v: {T: statistics.median(ts) for T, ts in d.items()} for v, d in times.items()}
+    extra = {}
+    if base:       # this tree's outputs against the baseline's, every layer and T
+        extra["max_abs_diff_vs_base"] = {
+            f"int8x{parts}" if parts == 2 else "int8": max(
+                (native.gguf_linear_q8_unchecked(L[0], L[1], xs[T][L[2].shape[1]], parts=parts)
+                 - base_q8(base, L[0], L[1], xs[T][L[2].shape[1]], parts)).abs().max().item()
+                for T in sizes for L in layers) for parts in (2, 1)}
+        extra["speedup_vs_base"] = {
+            new: {str(T): round(med[old][T] / med[new][T], 3) for T in sizes}
+            for new, old in (("gguf-int8x2", "base-int8x2"), ("gguf-int8", "base-int8"))
+            if new in med and old in med}
     threshold = {}
     for kernel in ("gguf-int8x2", "gguf-block"):
+        if kernel not in med or "float32-cached" not in med:
+            continue
         threshold[kernel] = 0
         for T in sizes:
             if med[kernel][T] < med["float32-cached"][T]:
@@ -101,7 +198,7 @@ def bench_layers(rounds: int, sizes: list[int]) -> dict:
     return {"ms": {v: {str(T): round(1e3 * s, 3) for T, s in d.items()} for v, d in med.items()},
             "block_bytes": sum(b.numel() for _, b, _, _, _ in layers),
             "fp32_bytes": sum(4 * w.numel() for _, _, w, _, _ in layers),
-            "gguf_beats_float_up_to_T": threshold}
+            "gguf_beats_float_up_to_T": threshold, **extra}
 
 
 def copy_bandwidth() -> float:
@@ -268,6 +365,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine-rounds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--variants", default=None, help="layer variants to time (comma-separated; default all)")
+    ap.add_argument("--baseline", default=None, help="git revision whose gguf_linear_q8 to time beside this one")
+    ap.add_argument("--formats", action="store_true",
+                    help="with --baseline: also gguf_linear_q8 per format (all six) against the baseline's")
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--no-layers", action="store_true", help="the engine part only")
     ap.add_argument("--no-llama", action="store_true", help="no llama-bench rounds")
@@ -285,8 +386,13 @@ def main(argv: list[str] | None = None) -> None:
            "loadavg_start": Path("/proc/loadavg").read_text().split()[:3], "cpu_pressure_start": pressure(),
            "layers": {"block_bytes": sum(BLOCK_FORMATS[Q8_0 if i == len(layer_shapes()) - 1 else Q4_1][1] * n * k
                                          // BLOCK_FORMATS[Q4_1][0] for i, (n, k) in enumerate(layer_shapes()))}
-           if args.no_layers else bench_layers(args.rounds, [int(t) for t in args.sizes.split(",")])}
+           if args.no_layers else bench_layers(args.rounds, [int(t) for t in args.sizes.split(",")],
+                                               args.variants.split(",") if args.variants else None, args.baseline)}
     print(json.dumps(res["layers"], indent=1), flush=True)
+    if args.formats:
+        if not args.baseline:
+            sys.exit("--formats needs --baseline")
+        res["formats"] = bench_formats(args.rounds, [int(t) for t in args.sizes.split(",")], args.baseline)
     if not args.no_engine:
         res["engine"] = bench_engine(args.engine_rounds, args.threads, res["layers"]["block_bytes"],
                                      not args.no_llama, args.base_tree)

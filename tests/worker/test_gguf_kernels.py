@@ -151,7 +151,8 @@ def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype, parts_l
     for (n, k), parts in ((s, p) for s in shapes(qtype) for p in parts_list):
         raw = random_blocks(qtype, n, k, rng)
         w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).astype(np.float32)).double()
-        for T in (1, 3, 6):                           # tiles of 4 tokens: full, partial, both
+        # tiles of up to 8 tokens (1-2: the small-tile kernel, 3-8: the tile kernel): 13 = 8 + 5, 9 = 8 + 1
+        for T in (1, 3, 6, 9, 13):
             x = rng.standard_normal((T, k)).astype(np.float32)
             xq, d = dequantized_act(x, parts)
             bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
@@ -168,23 +169,56 @@ def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype, parts_l
                 assert ((got - exact).abs() <= half @ w.abs().T + tol).all(), (qtype.name, n, k, T, parts, scalar)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_q8_extreme_quants_do_not_saturate(qtype):
+    """The largest products the 16-bit intermediate sums see: every quant byte 0xff (Q4 nibbles 15,
+    Q5_K 31, K scales and mins 63) or 0x80 / 0x00 (Q8_0 -128; Q6_K -32), against activations all
+    at +-127 (parts 1) or 128 * 127 + remainder (parts 2), in tiles of every kernel (T = 1, 2, 8)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n, k = 16, 2 * 256
+    for fill in (0xFF, 0x80, 0x00):
+        raw = np.full((n, k // block, size), fill, dtype=np.uint8)
+        halves = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}[qtype]
+        for off in halves:
+            raw[:, :, off:off + 2] = np.array([0.01], np.float16).view(np.uint8)
+        if qtype in (Q.Q4_K, Q.Q5_K):
+            raw[:, :, 4:16] = 0xFF                     # sub-block scales and mins 63 (not 0 with the quants)
+        elif qtype == Q.Q6_K:
+            raw[:, :, 192:208] = 1                     # int8 sub-block scales 1
+        raw = raw.reshape(n, -1)
+        w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).astype(np.float32)).double()
+        for T in (1, 2, 8):
+            x = np.full((T, k), 1.0, np.float32)
+            x[1::2] = np.where(np.arange(k) % 2 == 0, 1.0, 0.3).astype(np.float32)   # remainders in parts 2
+            x[::3] *= -1
+            for parts in (1, 2):
+                xq, _ = dequantized_act(x, parts)
+                want = F.linear(xq, w)
+                tol = 8 * k * 6e-8 * (xq.abs() @ w.abs().T) + 1e-30
+                for scalar in paths():
+                    got = native.gguf_linear_q8(int(qtype), torch.from_numpy(raw), torch.from_numpy(x),
+                                                force_scalar=scalar, parts=parts).double()
+                    assert ((got - want).abs() <= tol).all(), (qtype.name, fill, T, parts, scalar)
+
+
 def test_q8_token_results_do_not_depend_on_the_batch_or_threads():
     """Activations are quantized per token, rows split over threads: a token's output is bit-identical
     alone, in any batch, at any position, with any thread count (the batch-independence rule)."""
     rng = np.random.default_rng(11)
-    for qtype in (Q.Q4_1, Q.Q8_0, Q.Q6_K):
+    for qtype in TYPES:
         k = 512
         raw = torch.from_numpy(random_blocks(qtype, 300, k, rng))
-        x = torch.from_numpy(rng.standard_normal((7, k)).astype(np.float32))
+        # 13 tokens: tiles of 8 + 5 (the tile kernel at two widths); alone: the small-tile kernel
+        x = torch.from_numpy(rng.standard_normal((13, k)).astype(np.float32))
         for scalar, parts in ((s, p) for s in paths() for p in (1, 2)):
             full = native.gguf_linear_q8(int(qtype), raw, x, num_threads=2, force_scalar=scalar, parts=parts)
-            for t in range(7):
+            for t in range(13):
                 alone = native.gguf_linear_q8(int(qtype), raw, x[t:t + 1], num_threads=1, force_scalar=scalar,
                                               parts=parts)
                 assert torch.equal(alone[0], full[t]), (qtype.name, t, scalar, parts)
-            perm = [6, 2, 0, 5]
-            assert torch.equal(native.gguf_linear_q8(int(qtype), raw, x[perm], force_scalar=scalar, parts=parts),
-                               full[perm])
+            for perm in ([6, 2], [6, 2, 0, 5], [12, 3, 7, 1, 9, 4], list(range(12, 2, -1))):   # 2, 4, 6, 8 + 2
+                assert torch.equal(native.gguf_linear_q8(int(qtype), raw, x[perm], force_scalar=scalar, parts=parts),
+                                   full[perm]), (qtype.name, perm, scalar, parts)
 
 
 def test_q8_strided_rows_and_rejects_bad_shapes():
