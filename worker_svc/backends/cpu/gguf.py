@@ -40,11 +40,11 @@ from worker_svc.backends.base import LinearMethod
 from worker_svc.backends.cpu import native
 
 # largest T at which the block kernel beats F.linear on the float weight at every T over a SmolLM2
-# (Q4_1) step: bench/results/kernels/gguf_kernels_amd.json (AMD EPYC family 23, Zen 3, 2 threads,
-# the fp32-dot kernel: 285 vs 397 ms at T=32, 565 vs 455 at 64); the int8x2 default on Zen 4
-# (family 25 model 17, bench/results/kernels/gguf_kernels_zen4.json) keeps 32: it beats the float
-# GEMM up to T=32 and loses at 64. "scalar": never.
-GGUF_MAX_TOKENS = {"avx2": 32}
+# (Q4_1) step. The int8x2 kernel with 8-token tiles (bench/results/kernels/gguf_tile_zen3.json,
+# AMD EPYC family 25 model 1, Zen 3, 2 threads): 81.5 vs 127 ms at T=32 (the 4-token-tile kernel
+# before: 127 ms, a tie), 122 vs 127 at T=48, 164 vs 153 at 64: 48. (Before: 32, from
+# gguf_kernels_amd.json and gguf_kernels_zen4.json with the older kernels.) "scalar": never.
+GGUF_MAX_TOKENS = {"avx2": 48}
 
 
 # The small-batch kernel's arithmetic (SARATHI_GGUF_DOT overrides the default):
