@@ -81,7 +81,7 @@ def write_tiny_gguf(path, qtype, seed: int = 0) -> None:
 def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qtype):
     path = tmp_path / f"tiny-{qtype.name}.gguf"
     write_tiny_gguf(path, qtype)
-    prompt = torch.randint(2, VOCAB, (40,), generator=torch.Generator().manual_seed(int(qtype))).tolist()
+    prompt = torch.randint(2, VOCAB, (64,), generator=torch.Generator().manual_seed(int(qtype))).tolist()
     hf = hf_model_from_gguf(str(path))
     with torch.no_grad():
         ids = torch.tensor([prompt])
@@ -99,7 +99,7 @@ def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qty
     monkeypatch.setattr(native, kernel, lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
     got = greedy_generate(ex, prompt, 16, list(range(blocks_for(len(prompt) + 16, 16))))
     assert got == ref
-    # decodes (1 row) ran the block kernel, the 40-token prefill the float GEMM
+    # decodes (1 row) ran the block kernel, the 64-token prefill the float GEMM
     assert calls and set(calls) == {1}
 
 
