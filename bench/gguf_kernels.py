@@ -288,7 +288,7 @@ def llama_bench_once(threads: int) -> dict:
 
 LLAMA_CMDS: dict = {}
 STEPS = {"decode:1": 8, "decode:32": 3, "prefill:512": 1}     # timed consecutive steps per round
-LLAMA = "llama.cpp llama-bench (same GGUF)"
+LLAMA = "llama.cpp, same GGUF (llama-bench; decode 32: llama-batched-bench, prompt shared)"
 NEW = "new default (int8x2 dot, decode stack)"
 # the engine's arms: (tree: None = this one, else --base-tree; environment)
 ARMS = {"base tree (--base-tree)": ("base", {}),
