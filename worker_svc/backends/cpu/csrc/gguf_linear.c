@@ -482,6 +482,75 @@ static inline float hsum8(__m256 v) {
  * operations per token: bit-identical to the tile kernel for every token. */
 #define Q8_SMALL 2
 
+/* Every run of 32 weights of row p (nb native blocks of `type`), in order: BODY(v, SGN, s0, s1, Q6,
+ * cw, b) with v the run's 32 weight values in element order (u8 when SGN is 0: Q4_0 / Q4_1 / Q4_K /
+ * Q5_K quants; s8 when 1: Q8_0, Q6_K's q - 32), s0 the run's scale (Q6 = 1, Q6_K: s0 for elements
+ * 0-15, s1 for 16-31), cw the weight of the activation block's sum (Q4_0: -8 d, Q4_1: m, K-quants:
+ * -dmin m; 0: none) and b the run's activation block (32 values) in the row. The one place that
+ * knows the formats' layouts for both integer-dot kernels below. BODY's arguments are plain names
+ * and constants (never expressions): the kernels' macros paste them unparenthesized. */
+#define FOR_EACH_RUN(type, p, nb, BODY)                                                            \
+    {                                                                                              \
+        const __m256i m4_ = _mm256_set1_epi8(15);                                                  \
+        for (int i_ = 0; i_ < (nb); i_++) {                                                        \
+            if (type == T_Q4_0 || type == T_Q4_1) {                                                \
+                const int bb_ = type == T_Q4_0 ? 18 : 20;                                          \
+                const uint8_t *b_ = (p) + (int64_t)i_ * bb_;                                       \
+                const __m128i q_ = _mm_loadu_si128((const __m128i *)(b_ + bb_ - 16));              \
+                const __m256i u_ = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q_, 4), q_), m4_); \
+                const float d_ = h16(b_), cw_ = type == T_Q4_0 ? -8.0f * d_ : h16(b_ + 2);         \
+                BODY(u_, 0, d_, 0.0f, 0, cw_, i_)                                                  \
+            } else if (type == T_Q8_0) {                                                           \
+                const uint8_t *b_ = (p) + (int64_t)i_ * 34;                                        \
+                const __m256i v_ = _mm256_loadu_si256((const __m256i *)(b_ + 2));                  \
+                const float d_ = h16(b_);                                                          \
+                BODY(v_, 1, d_, 0.0f, 0, 0.0f, i_)                                                 \
+            } else if (type == T_Q4_K || type == T_Q5_K) {                                         \
+                const int bb_ = type == T_Q4_K ? 144 : 176;                                        \
+                const uint8_t *b_ = (p) + (int64_t)i_ * bb_;                                       \
+                const float d_ = h16(b_), dmin_ = h16(b_ + 2);                                     \
+                const uint8_t *scp_ = b_ + 4, *q4_ = type == T_Q4_K ? b_ + 16 : b_ + 48;           \
+                __m256i qh_ = _mm256_setzero_si256();                                              \
+                if (type == T_Q5_K) qh_ = _mm256_loadu_si256((const __m256i *)(b_ + 16));          \
+                for (int j2_ = 0; j2_ < 4; j2_++) {                                                \
+                    const __m256i q_ = _mm256_loadu_si256((const __m256i *)(q4_ + 32 * j2_));      \
+                    for (int half_ = 0; half_ < 2; half_++) {                                      \
+                        const int j_ = 2 * j2_ + half_;                                            \
+                        __m256i u_ = _mm256_and_si256(half_ ? _mm256_srli_epi16(q_, 4) : q_, m4_); \
+                        if (type == T_Q5_K)                                                        \
+                            u_ = _mm256_or_si256(u_, _mm256_and_si256(                             \
+                                j_ >= 4 ? _mm256_srli_epi16(qh_, j_ - 4) : _mm256_slli_epi16(qh_, 4 - j_), \
+                                _mm256_set1_epi8(16)));                                            \
+                        int s_, mm_;                                                               \
+                        scale_min_k4(j_, scp_, &s_, &mm_);                                         \
+                        const float sc_ = d_ * (float)s_, cw_ = -(dmin_ * (float)mm_);             \
+                        const int blk_ = 8 * i_ + j_;                                              \
+                        BODY(u_, 0, sc_, 0.0f, 0, cw_, blk_)                                       \
+                    }                                                                              \
+                }                                                                                  \
+            } else if (type == T_Q6_K) {                                                           \
+                const uint8_t *b_ = (p) + (int64_t)i_ * 210;                                       \
+                const int8_t *scp_ = (const int8_t *)(b_ + 192);                                   \
+                const float d_ = h16(b_ + 208);                                                    \
+                const __m256i m2_ = _mm256_set1_epi8(3 << 4), off_ = _mm256_set1_epi8(32);         \
+                for (int h_ = 0; h_ < 2; h_++) {                                                   \
+                    const __m256i qh_ = _mm256_loadu_si256((const __m256i *)(b_ + 128 + 32 * h_)); \
+                    for (int j_ = 0; j_ < 4; j_++) {                                               \
+                        const __m256i l_ = _mm256_loadu_si256((const __m256i *)(b_ + 64 * h_ + 32 * (j_ & 1))); \
+                        const __m256i lo_ = _mm256_and_si256(j_ >> 1 ? _mm256_srli_epi16(l_, 4) : l_, m4_); \
+                        const __m256i hi_ = _mm256_and_si256(                                      \
+                            2 * j_ >= 4 ? _mm256_srli_epi16(qh_, 2 * j_ - 4) : _mm256_slli_epi16(qh_, 4 - 2 * j_), m2_); \
+                        const __m256i v_ = _mm256_sub_epi8(_mm256_or_si256(lo_, hi_), off_);       \
+                        const int e_ = 128 * h_ + 32 * j_;                                         \
+                        const float s0_ = d_ * (float)scp_[e_ / 16], s1_ = d_ * (float)scp_[e_ / 16 + 1]; \
+                        const int blk_ = 8 * i_ + h_ * 4 + j_;                                     \
+                        BODY(v_, 1, s0_, s1_, 1, 0.0f, blk_)                                       \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
 /* one run of 32 weights (u unsigned, or |v| with sgn = v for signed types) against NT tokens'
  * activation block b: acc[t] += dot * (scale * da[t][b]); corr[t] += cw * sa[t][b] */
 #define RUN32_I8(u, sgn, SIGNED, scale, cw, b)                                                        \
@@ -506,69 +575,16 @@ q8_row8_avx2(const int type, const int NT, const int TWO, const uint8_t *p, int 
     __m256 acc[Q8_SMALL];
     float corr[Q8_SMALL];
     for (int t = 0; t < NT; t++) { acc[t] = _mm256_setzero_ps(); corr[t] = 0.0f; }
-    const __m256i m4 = _mm256_set1_epi8(15);
-    for (int i = 0; i < nb; i++) {
-        if (type == T_Q4_0 || type == T_Q4_1) {
-            const int bb = type == T_Q4_0 ? 18 : 20;
-            const uint8_t *b = p + (int64_t)i * bb;
-            const __m128i q = _mm_loadu_si128((const __m128i *)(b + bb - 16));
-            const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
-            const float d = h16(b);
-            const float cw = type == T_Q4_0 ? -8.0f * d : h16(b + 2);
-            const __m256 sc = _mm256_set1_ps(d);
-            RUN32_I8(u, u, 0, sc, cw, i)
-        } else if (type == T_Q8_0) {
-            const uint8_t *b = p + (int64_t)i * 34;
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 2));
-            const __m256i u = _mm256_sign_epi8(v, v);     /* |v|: -128 -> 128 as u8 */
-            const __m256 sc = _mm256_set1_ps(h16(b));
-            RUN32_I8(u, v, 1, sc, 0.0f, i)
-        } else if (type == T_Q4_K || type == T_Q5_K) {
-            const int bb = type == T_Q4_K ? 144 : 176;
-            const uint8_t *b = p + (int64_t)i * bb;
-            const float d = h16(b), dmin = h16(b + 2);
-            const uint8_t *scp = b + 4, *q4 = type == T_Q4_K ? b + 16 : b + 48;
-            __m256i qh = _mm256_setzero_si256();
-            if (type == T_Q5_K) qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-            for (int j2 = 0; j2 < 4; j2++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(q4 + 32 * j2));
-                for (int half = 0; half < 2; half++) {
-                    const int j = 2 * j2 + half;
-                    __m256i u = _mm256_and_si256(half ? _mm256_srli_epi16(q, 4) : q, m4);
-                    if (type == T_Q5_K)
-                        u = _mm256_or_si256(u, _mm256_and_si256(
-                            j >= 4 ? _mm256_srli_epi16(qh, j - 4) : _mm256_slli_epi16(qh, 4 - j),
-                            _mm256_set1_epi8(16)));
-                    int s, mm;
-                    scale_min_k4(j, scp, &s, &mm);
-                    const __m256 sc = _mm256_set1_ps(d * (float)s);
-                    const float cw = -(dmin * (float)mm);
-                    RUN32_I8(u, u, 0, sc, cw, 8 * i + j)
-                }
-            }
-        } else if (type == T_Q6_K) {
-            const uint8_t *b = p + (int64_t)i * 210;
-            const int8_t *scp = (const int8_t *)(b + 192);
-            const float d = h16(b + 208);
-            const __m256i m2 = _mm256_set1_epi8(3 << 4), off = _mm256_set1_epi8(32);
-            for (int h = 0; h < 2; h++) {
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-                for (int j = 0; j < 4; j++) {
-                    const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (j & 1)));
-                    const __m256i lo = _mm256_and_si256(j >> 1 ? _mm256_srli_epi16(l, 4) : l, m4);
-                    const __m256i hi = _mm256_and_si256(
-                        2 * j >= 4 ? _mm256_srli_epi16(qh, 2 * j - 4) : _mm256_slli_epi16(qh, 4 - 2 * j), m2);
-                    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, hi), off);
-                    const __m256i u = _mm256_sign_epi8(v, v);
-                    const int e = 128 * h + 32 * j;
-                    /* dwords 0-3 hold elements 0-15 (scale sc[e/16]), 4-7 elements 16-31 */
-                    const __m256 sc = _mm256_set_m128(_mm_set1_ps(d * (float)scp[e / 16 + 1]),
-                                                      _mm_set1_ps(d * (float)scp[e / 16]));
-                    RUN32_I8(u, v, 1, sc, 0.0f, 8 * i + h * 4 + j)
-                }
-            }
-        }
+    /* the run's magnitudes |v| with the sign trick for signed formats (maddubs is u8 x s8); the
+     * scale vector: one scale, or Q6_K's two (dwords 0-3 hold elements 0-15, 4-7 elements 16-31) */
+#define SMALL_RUN(v, SGN, s0, s1, Q6, cw, b)                                                       \
+    {                                                                                              \
+        const __m256i u = SGN ? _mm256_sign_epi8(v, v) : v;     /* |v|: -128 -> 128 as u8 */      \
+        const __m256 sc = Q6 ? _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)) : _mm256_set1_ps(s0); \
+        RUN32_I8(u, v, SGN, sc, cw, b)                                                             \
     }
+    FOR_EACH_RUN(type, p, nb, SMALL_RUN)
+#undef SMALL_RUN
     for (int t = 0; t < NT; t++) res[t] = hsum8(acc[t]) + corr[t];
 }
 #undef RUN32_I8
@@ -689,67 +705,10 @@ q8_row_avx2(const int type, const int NT, const int I8, const uint8_t *p, int nb
     /* one accumulator per token, named (GCC kept an array's elements in memory) */
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, corr = a0;
     float sd[8] __attribute__((aligned(32))), cs[8] __attribute__((aligned(32)));
-    const __m256i m4 = _mm256_set1_epi8(15);
     __m256i w0, w1;
-    for (int i = 0; i < nb; i++) {
-        if (type == T_Q4_0 || type == T_Q4_1) {
-            const int bb = type == T_Q4_0 ? 18 : 20;
-            const uint8_t *b = p + (int64_t)i * bb;
-            const __m128i q = _mm_loadu_si128((const __m128i *)(b + bb - 16));
-            const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
-            UNPACK(u, 0)
-            const float d = h16(b);
-            const float cw = type == T_Q4_0 ? -8.0f * d : h16(b + 2);
-            RUN32(w0, w1, 0, d, 0.0f, 0, cw, i)
-        } else if (type == T_Q8_0) {
-            const uint8_t *b = p + (int64_t)i * 34;
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 2));
-            UNPACK(v, 1)
-            RUN32(w0, w1, 1, h16(b), 0.0f, 0, 0.0f, i)
-        } else if (type == T_Q4_K || type == T_Q5_K) {
-            const int bb = type == T_Q4_K ? 144 : 176;
-            const uint8_t *b = p + (int64_t)i * bb;
-            const float d = h16(b), dmin = h16(b + 2);
-            const uint8_t *scp = b + 4, *q4 = type == T_Q4_K ? b + 16 : b + 48;
-            __m256i qh = _mm256_setzero_si256();
-            if (type == T_Q5_K) qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-            for (int j2 = 0; j2 < 4; j2++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(q4 + 32 * j2));
-                for (int half = 0; half < 2; half++) {
-                    const int j = 2 * j2 + half;
-                    __m256i u = _mm256_and_si256(half ? _mm256_srli_epi16(q, 4) : q, m4);
-                    if (type == T_Q5_K)
-                        u = _mm256_or_si256(u, _mm256_and_si256(
-                            j >= 4 ? _mm256_srli_epi16(qh, j - 4) : _mm256_slli_epi16(qh, 4 - j),
-                            _mm256_set1_epi8(16)));
-                    UNPACK(u, 0)
-                    int s, mm;
-                    scale_min_k4(j, scp, &s, &mm);
-                    const float cw = -(dmin * (float)mm);
-                    RUN32(w0, w1, 0, d * (float)s, 0.0f, 0, cw, 8 * i + j)
-                }
-            }
-        } else if (type == T_Q6_K) {
-            const uint8_t *b = p + (int64_t)i * 210;
-            const int8_t *scp = (const int8_t *)(b + 192);
-            const float d = h16(b + 208);
-            const __m256i m2 = _mm256_set1_epi8(3 << 4), off = _mm256_set1_epi8(32);
-            for (int h = 0; h < 2; h++) {
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-                for (int j = 0; j < 4; j++) {
-                    const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (j & 1)));
-                    const __m256i lo = _mm256_and_si256(j >> 1 ? _mm256_srli_epi16(l, 4) : l, m4);
-                    const __m256i hi = _mm256_and_si256(
-                        2 * j >= 4 ? _mm256_srli_epi16(qh, 2 * j - 4) : _mm256_slli_epi16(qh, 4 - 2 * j), m2);
-                    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, hi), off);
-                    UNPACK(v, 1)
-                    const int e = 128 * h + 32 * j;
-                    /* dwords 0-3 hold elements 0-15 (scale sc[e/16]), 4-7 elements 16-31 */
-                    RUN32(w0, w1, 1, d * (float)scp[e / 16], d * (float)scp[e / 16 + 1], 1, 0.0f, 8 * i + h * 4 + j)
-                }
-            }
-        }
-    }
+#define TILE_RUN(v, SGN, s0, s1, Q6, cw, b) { UNPACK(v, SGN) RUN32(w0, w1, SGN, s0, s1, Q6, cw, b) }
+    FOR_EACH_RUN(type, p, nb, TILE_RUN)
+#undef TILE_RUN
     _mm256_store_ps(cs, corr);
     const __m256 acc[Q8_TILE] = {a0, a1, a2, a3, a4, a5, a6, a7};
     for (int t = 0; t < NT; t++) res[t] = hsum8(acc[t]) + cs[t];
@@ -757,6 +716,7 @@ q8_row_avx2(const int type, const int NT, const int I8, const uint8_t *p, int nb
 #undef RUN32
 #undef TOK16
 #undef UNPACK
+#undef FOR_EACH_RUN
 
 #define Q8_NT(TY, I8)                                                                              \
     switch (nt) {                                                                                  \
