@@ -131,3 +131,18 @@ def test_built_only_where_every_layer_runs_the_native_kernels(tmp_path, monkeypa
     monkeypatch.setenv("SARATHI_GGUF_DOT", "int8x2")
     monkeypatch.setenv("SARATHI_NATIVE_STACK", "0")
     assert make_executor(path, num_blocks=8, weight_quant="auto").model.stack is None
+
+
+def test_a_kernel_error_names_the_layer_and_the_kernel(tmp_path):
+    """A slot outside the cache (the executor refuses such batches before; called here directly):
+    the KV write refuses it before anything is written, and the error says where."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, gguf.GGMLQuantizationType.Q8_0)
+    ex = make_executor(path, num_blocks=8, weight_quant="auto", kv_cache_dtype="bfloat16")
+    meta = ex.backend.attention.build_metadata([(5, 1, [ex.model_info.num_blocks + 3])], ex.model_info.block_size)
+    x = torch.nn.functional.embedding(torch.tensor([7]), ex.model.embed)
+    cos_sin = ex.model.rope.tables(torch.tensor([5]), torch.float32)
+    before = [k.clone() for k in ex.cache.k]
+    with pytest.raises(ValueError, match=r"layer 0: the KV write kernel rejected the step \(a slot is outside"):
+        ex.model.stack(x, cos_sin, ex.cache, meta)
+    assert all(torch.equal(a, b) for a, b in zip(before, ex.cache.k))

@@ -572,8 +572,13 @@ def gguf_quantize_act(x: torch.Tensor, force_scalar: bool = False, parts: int = 
 def _bind_stack(lib: ctypes.CDLL) -> None:
     P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     lib.cpu_decode_stack_fields.restype = I
-    lib.cpu_decode_stack.argtypes = [P, I, I, I, I, I, I, I, F, P, P, P, P, P, I, L, I, P, I, P, P, F, I, I]
+    lib.cpu_decode_stack.argtypes = [P, I, I, I, I, I, I, I, F, P, P, P, P, P, I, L, I, P, I, P, P, F, I, I, P]
     lib.cpu_decode_stack.restype = I
+
+
+# cpu_decode_stack's calls a layer, by the index its error code carries (csrc/decode_stack.c)
+_STACK_STEPS = {1: "input RMSNorm", 2: "QKV linear", 3: "rotary", 4: "KV write", 5: "decode attention",
+                6: "O linear", 7: "post-attention RMSNorm", 8: "gate/up linear", 9: "silu * up", 10: "down linear"}
 
 
 def decode_stack_fields() -> int:
@@ -589,16 +594,22 @@ def decode_stack_unchecked(fields: torch.Tensor, x: torch.Tensor, residual: torc
     """cpu_decode_stack (csrc/decode_stack.c) without argument checks: fields int64 [L, fields]
     (the layer table), x / residual fp32 [T, H] contiguous (x: input, then the last MLP output;
     residual: written), cos / sin fp32 [T, D] contiguous, slots int64 [T], tables / lens / rows
-    int32 as paged_decode_attention takes them, heads = (Hq, Hkv, D). Raises ValueError on a
-    kernel's error code."""
+    int32 as paged_decode_attention takes them, heads = (Hq, Hkv, D). Raises MemoryError when its
+    buffer cannot be allocated, ValueError naming the layer and kernel that rejected the step."""
     T, H = x.shape
     hq, hkv, d = heads
+    failed = ctypes.c_int(-1)
     rc = _lib.cpu_decode_stack(fields.data_ptr(), fields.shape[0], T, H, hq, hkv, d, intermediate, eps,
                                x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                slots.data_ptr(), _KV_DTYPE_CODE[kv_dtype], num_slots, block_size,
                                tables.data_ptr(), tables.shape[1], lens.data_ptr(), rows.data_ptr(),
-                               scale, parts, num_threads or torch.get_num_threads())
-    if rc == -2:
+                               scale, parts, num_threads or torch.get_num_threads(), ctypes.byref(failed))
+    if rc == 0:
+        return
+    if rc == -1000:
         raise MemoryError("cpu_decode_stack: out of memory")
-    if rc != 0:
-        raise ValueError(f"cpu_decode_stack: a kernel rejected the step (rc={rc})")
+    step = -rc // 10000
+    code = rc + 10000 * step
+    what = "a slot is outside the KV cache" if step == 4 and code == -2 else f"rc={code}"
+    raise ValueError(f"cpu_decode_stack: layer {failed.value}: the {_STACK_STEPS.get(step, step)} "
+                     f"kernel rejected the step ({what})")

@@ -21,13 +21,17 @@
  * Activations are fp32. x [T, H] holds the stack's input hidden state on entry and the last
  * layer's MLP output on return; residual [T, H] receives the residual stream (the layer
  * output hidden state is x + residual, as DecoderLayer.forward returns it).
- * Returns 0, -2 when out of memory, else the first nonzero code a kernel returned.
+ * Returns 0; STACK_NOMEM when its buffer cannot be allocated; else the first nonzero code a kernel
+ * returned (plus STACK_STEP * the call's index in the layer, and the layer in *failed_layer), so
+ * the caller can name the failing kernel.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define STACK_FIELDS 18
+#define STACK_NOMEM -1000
+#define STACK_STEP 10000   /* rc = kernel code - STACK_STEP * (index of the failing call, 1..10) */
 
 int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t xs,
                    const float *bias, float *out, int64_t os, int T, int N, int K, int num_threads,
@@ -48,18 +52,22 @@ int paged_decode_attention_split(const void *q, int q_dt, int64_t q_row_stride, 
 int cpu_decode_stack_fields(void) { return STACK_FIELDS; }
 
 #define P(i) ((void *)(intptr_t)f[i])
-#define CHECK(call) do { const int rc_ = (call); if (rc_) { rc = rc_; goto done; } } while (0)
+#define CHECK(step, call)                                                                          \
+    do {                                                                                           \
+        const int rc_ = (call);                                                                    \
+        if (rc_) { rc = rc_ - STACK_STEP * (step); *failed_layer = l; goto done; }                 \
+    } while (0)
 
 int cpu_decode_stack(const int64_t *fields, int L, int T, int H, int Hq, int Hkv, int D, int I, float eps,
                      float *x, float *residual, const float *cos, const float *sin,
                      const int64_t *slots, int kv_dt, int64_t num_slots, int bs,
                      const int32_t *tables, int max_blocks, const int32_t *lens, const int32_t *rows,
-                     float scale, int parts, int nthreads) {
+                     float scale, int parts, int nthreads, int *failed_layer) {
     if (T <= 0 || L <= 0) return 0;
     const int64_t NQKV = (int64_t)(Hq + 2 * Hkv) * D, NA = (int64_t)Hq * D;
     /* h [T, H], qkv [T, NQKV], attn [T, NA], gate_up [T, 2I], act [T, I] */
     float *buf = malloc(sizeof(float) * (size_t)T * (size_t)(H + NQKV + NA + 3 * (int64_t)I));
-    if (!buf) return -2;
+    if (!buf) return STACK_NOMEM;
     float *h = buf, *qkv = h + (int64_t)T * H, *attn = qkv + T * NQKV, *gu = attn + T * NA,
           *act = gu + (int64_t)T * 2 * I;
     int rc = 0;
@@ -67,19 +75,19 @@ int cpu_decode_stack(const int64_t *fields, int L, int T, int H, int Hq, int Hkv
     for (int l = 0; l < L; l++) {
         const int64_t *f = fields + (int64_t)l * STACK_FIELDS;
         /* the first layer: residual = x, h = norm(x); later: residual += x, h = norm(residual) */
-        if (l == 0) CHECK(cpu_rms_norm(x, H, NULL, 0, NULL, 0, h, H, P(14), T, H, eps, 0, nthreads));
-        else CHECK(cpu_rms_norm(x, H, residual, H, residual, H, h, H, P(14), T, H, eps, 0, nthreads));
-        CHECK(gguf_linear_q8((int)f[8], P(0), f[4], h, H, P(12), qkv, NQKV, T, (int)NQKV, H, nthreads, parts, 0));
+        if (l == 0) CHECK(1, cpu_rms_norm(x, H, NULL, 0, NULL, 0, h, H, P(14), T, H, eps, 0, nthreads));
+        else CHECK(1, cpu_rms_norm(x, H, residual, H, residual, H, h, H, P(14), T, H, eps, 0, nthreads));
+        CHECK(2, gguf_linear_q8((int)f[8], P(0), f[4], h, H, P(12), qkv, NQKV, T, (int)NQKV, H, nthreads, parts, 0));
         float *k = qkv + NA, *v = k + (int64_t)Hkv * D;
-        CHECK(cpu_rotary(qkv, NQKV, k, NQKV, cos, sin, T, Hq, Hkv, D, 0, nthreads));
-        CHECK(cpu_write_kv(k, NQKV, v, NQKV, 0, P(16), P(17), kv_dt, slots, num_slots, T, Hkv, D));
-        CHECK(paged_decode_attention_split(qkv, 0, NQKV, P(16), P(17), kv_dt, tables, max_blocks, lens, rows,
+        CHECK(3, cpu_rotary(qkv, NQKV, k, NQKV, cos, sin, T, Hq, Hkv, D, 0, nthreads));
+        CHECK(4, cpu_write_kv(k, NQKV, v, NQKV, 0, P(16), P(17), kv_dt, slots, num_slots, T, Hkv, D));
+        CHECK(5, paged_decode_attention_split(qkv, 0, NQKV, P(16), P(17), kv_dt, tables, max_blocks, lens, rows,
                                            T, Hq, Hkv, D, bs, scale, attn, 0, NA, nthreads, 0));
-        CHECK(gguf_linear_q8((int)f[9], P(1), f[5], attn, NA, P(13), x, H, T, H, (int)NA, nthreads, parts, 0));
-        CHECK(cpu_rms_norm(x, H, residual, H, residual, H, h, H, P(15), T, H, eps, 0, nthreads));
-        CHECK(gguf_linear_q8((int)f[10], P(2), f[6], h, H, NULL, gu, 2 * (int64_t)I, T, 2 * I, H, nthreads, parts, 0));
-        CHECK(cpu_silu_mul(gu, 2 * (int64_t)I, act, I, T, I, 0, nthreads));
-        CHECK(gguf_linear_q8((int)f[11], P(3), f[7], act, I, NULL, x, H, T, H, I, nthreads, parts, 0));
+        CHECK(6, gguf_linear_q8((int)f[9], P(1), f[5], attn, NA, P(13), x, H, T, H, (int)NA, nthreads, parts, 0));
+        CHECK(7, cpu_rms_norm(x, H, residual, H, residual, H, h, H, P(15), T, H, eps, 0, nthreads));
+        CHECK(8, gguf_linear_q8((int)f[10], P(2), f[6], h, H, NULL, gu, 2 * (int64_t)I, T, 2 * I, H, nthreads, parts, 0));
+        CHECK(9, cpu_silu_mul(gu, 2 * (int64_t)I, act, I, T, I, 0, nthreads));
+        CHECK(10, gguf_linear_q8((int)f[11], P(3), f[7], act, I, NULL, x, H, T, H, I, nthreads, parts, 0));
     }
 done:
     free(buf);
