@@ -70,13 +70,16 @@ def assert_stack_equals_layers(ex, seqs, steps: int = 3):
     ex.model.stack = stack
 
 
-@pytest.mark.parametrize("qtype,kv", [(gguf.GGMLQuantizationType.Q4_1, "bfloat16"),
-                                      (gguf.GGMLQuantizationType.Q6_K, "float32")],
-                         ids=["Q4_1-bf16kv", "Q6_K-fp32kv"])
-def test_stack_logits_equal_the_layer_path(tmp_path, qtype, kv):
+@pytest.mark.parametrize("qtype,kv,dot", [(gguf.GGMLQuantizationType.Q4_1, "bfloat16", "int8x2"),
+                                          (gguf.GGMLQuantizationType.Q6_K, "float32", "int8x2"),
+                                          (gguf.GGMLQuantizationType.Q4_K, "bfloat16", "int8")],
+                         ids=["Q4_1-bf16kv", "Q6_K-fp32kv", "Q4_K-int8dot"])
+def test_stack_logits_equal_the_layer_path(tmp_path, monkeypatch, qtype, kv, dot):
+    monkeypatch.setenv("SARATHI_GGUF_DOT", dot)
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, qtype)
     ex = make_executor(path, num_blocks=64, weight_quant="auto", kv_cache_dtype=kv)
+    assert ex.backend.linear.dot == dot
     # contexts inside one block, across blocks, and long enough for the attention's thread split
     assert_stack_equals_layers(ex, prefilled(ex, [3, 40, 200, 17]))
 
