@@ -380,7 +380,6 @@ def run_scheduler(config: SchedulerServiceConfig, *, queue: SchedulerQueue | Non
     passes the gateway's, so that one /metrics shows both). on_ready: called with the
     SchedulerService once the workers answered and before the loop.
     """
-
     c = config
     metrics = SchedulerMetrics(registry if registry is not None else _process_registry())
     metrics.set_config(c.scheduler.policy, c.scheduler.token_budget)

@@ -58,7 +58,7 @@ GGUF_MAX_TOKENS = {"avx2": 48}
 # All three read the file's own blocks; they differ in the activations' precision only.
 DOTS = ("int8x2", "int8", "fp32")
 DEFAULT_DOT = "int8x2"
-_PARTS = {"int8": 1, "int8x2": 2}
+DOT_PARTS = {"int8": 1, "int8x2": 2}   # integer-dot arithmetics: 8-bit parts per activation
 
 
 def default_max_tokens() -> int:
@@ -86,7 +86,7 @@ class GgufLinearMethod(LinearMethod):
             raise ValueError(f"dot must be one of {DOTS}, got {self.dot!r}")
         self.max_tokens = default_max_tokens() if max_tokens is None else max_tokens
         self.large = large
-        isa = f"{native.gguf_q8_isa()} {self.dot} dot" if self.dot in _PARTS else native.gguf_isa() + " fp32 dot"
+        isa = f"{native.gguf_q8_isa()} {self.dot} dot" if self.dot in DOT_PARTS else native.gguf_isa() + " fp32 dot"
         self.name = f"gguf blocks ({isa}) for <= {self.max_tokens} tokens, float GEMM above" + (
             " (dequantized per call)" if large == "dequant" else "")
 
@@ -122,7 +122,7 @@ class GgufLinearMethod(LinearMethod):
         if self.dot == "fp32":
             y = native.gguf_linear_unchecked(layer.gguf_type, data, xf, b)
         else:
-            y = native.gguf_linear_q8_unchecked(layer.gguf_type, data, xf, b, parts=_PARTS[self.dot])
+            y = native.gguf_linear_q8_unchecked(layer.gguf_type, data, xf, b, parts=DOT_PARTS[self.dot])
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -470,16 +470,22 @@ def _check_blocks(ggml_type: int, w: torch.Tensor, K: int) -> None:
         raise ValueError(f"w must be contiguous uint8 [N, row_bytes] on the CPU, got {tuple(w.shape)} {w.dtype}")
 
 
-def gguf_linear(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
-                num_threads: int | None = None, force_scalar: bool = False) -> torch.Tensor:
-    """x [T, K] fp32 (contiguous elements) @ W.T (+ bias [N] fp32) -> [T, N] fp32, W the GGUF
-    blocks w [N, row_bytes] uint8 of ggml type `ggml_type` (see csrc/gguf_linear.c): F.linear on
-    gguf.quants.dequantize(w) up to fp32 summation order. force_scalar runs the scalar path."""
+def _check_linear(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """What both GGUF linear kernels take: x a CPU fp32 [T, K] with contiguous rows, the blocks,
+    bias None or contiguous fp32 [N]."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or x.device.type != "cpu":
         raise ValueError(f"x must be a CPU fp32 [T, K] tensor with contiguous rows, got {tuple(x.shape)} {x.dtype}")
     _check_blocks(ggml_type, w, x.shape[1])
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.shape[0],) or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous fp32 [{w.shape[0]}]")
+
+
+def gguf_linear(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
+                num_threads: int | None = None, force_scalar: bool = False) -> torch.Tensor:
+    """x [T, K] fp32 (contiguous elements) @ W.T (+ bias [N] fp32) -> [T, N] fp32, W the GGUF
+    blocks w [N, row_bytes] uint8 of ggml type `ggml_type` (see csrc/gguf_linear.c): F.linear on
+    gguf.quants.dequantize(w) up to fp32 summation order. force_scalar runs the scalar path."""
+    _check_linear(ggml_type, w, x, bias)
     return gguf_linear_unchecked(ggml_type, w, x, bias, num_threads, force_scalar)
 
 
@@ -520,11 +526,7 @@ def gguf_linear_q8(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch
     quantized to 8-bit blocks of 32 (gguf_quantize_act; parts=2: a second 7-bit part of the
     rounding remainder, two integer dots per run), integer dots with the file's blocks, fp32
     scales. F.linear on the exact dequantization up to the activation rounding."""
-    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or x.device.type != "cpu":
-        raise ValueError(f"x must be a CPU fp32 [T, K] tensor with contiguous rows, got {tuple(x.shape)} {x.dtype}")
-    _check_blocks(ggml_type, w, x.shape[1])
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.shape[0],) or not bias.is_contiguous()):
-        raise ValueError(f"bias must be contiguous fp32 [{w.shape[0]}]")
+    _check_linear(ggml_type, w, x, bias)
     if parts not in (1, 2):
         raise ValueError(f"parts must be 1 or 2, got {parts}")
     return gguf_linear_q8_unchecked(ggml_type, w, x, bias, num_threads, force_scalar, parts=parts)
@@ -576,7 +578,9 @@ def _bind_stack(lib: ctypes.CDLL) -> None:
     lib.cpu_decode_stack.restype = I
 
 
-# cpu_decode_stack's calls a layer, by the index its error code carries (csrc/decode_stack.c)
+# cpu_decode_stack's error codes (STACK_NOMEM, STACK_STEP in csrc/decode_stack.c) and its calls a
+# layer, by the index an error code carries
+_STACK_NOMEM, _STACK_STEP = -1000, 10000
 _STACK_STEPS = {1: "input RMSNorm", 2: "QKV linear", 3: "rotary", 4: "KV write", 5: "decode attention",
                 6: "O linear", 7: "post-attention RMSNorm", 8: "gate/up linear", 9: "silu * up", 10: "down linear"}
 
@@ -606,10 +610,10 @@ def decode_stack_unchecked(fields: torch.Tensor, x: torch.Tensor, residual: torc
                                scale, parts, num_threads or torch.get_num_threads(), ctypes.byref(failed))
     if rc == 0:
         return
-    if rc == -1000:
+    if rc == _STACK_NOMEM:
         raise MemoryError("cpu_decode_stack: out of memory")
-    step = -rc // 10000
-    code = rc + 10000 * step
+    step = -rc // _STACK_STEP
+    code = rc + _STACK_STEP * step
     what = "a slot is outside the KV cache" if step == 4 and code == -2 else f"rc={code}"
     raise ValueError(f"cpu_decode_stack: layer {failed.value}: the {_STACK_STEPS.get(step, step)} "
                      f"kernel rejected the step ({what})")

@@ -42,6 +42,9 @@ class NativeDecodeStack:
         self.intermediate = first.gate_up.gguf_data.shape[0] // 2
         self.eps = float(first.input_norm.eps)
         self.scale = float(first.scale)
+        # the O projections' biases as the kernel reads them (fp32, contiguous; None: no bias)
+        self._o_bias = [None if layer.o_proj.bias is None else layer.o_proj.bias.detach().float().contiguous()
+                        for layer in self.layers]
         self._fields: torch.Tensor | None = None
         self._key: tuple | None = None
         self._ok: dict[torch.dtype, bool] = {}
@@ -67,14 +70,12 @@ class NativeDecodeStack:
         return True
 
     def _table(self, cache) -> torch.Tensor:
-        key = tuple(cache.k[layer.index].data_ptr() for layer in self.layers[:1]) + (len(cache.k),)
+        key = (cache.k[self.layers[0].index].data_ptr(), len(cache.k))
         if self._key != key:
             rows = []
-            for layer in self.layers:
+            for layer, o_bias in zip(self.layers, self._o_bias):
                 lins = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
                 qkv_bias = getattr(layer.qkv, "bias_f32", None)
-                o_bias = None if layer.o_proj.bias is None else layer.o_proj.bias.detach().float().contiguous()
-                layer._stack_o_bias = o_bias          # keeps the pointer's tensor alive
                 rows.append([m.gguf_data.data_ptr() for m in lins] + [m.gguf_data.shape[1] for m in lins]
                             + [int(m.gguf_type) for m in lins]
                             + [0 if qkv_bias is None else qkv_bias.data_ptr(),
@@ -104,9 +105,9 @@ class NativeDecodeStack:
             return None
         fields = self._table(cache)
         residual = torch.empty_like(x)
-        kc = cache.k[self.layers[0].index]
-        native.decode_stack_unchecked(fields, x, residual, cos, sin, meta.slot_mapping, kc.dtype,
-                                      kc.shape[0] * kc.shape[1], kc.shape[1], nd.tables, nd.lens, nd.rows,
+        native.decode_stack_unchecked(fields, x, residual, cos, sin, meta.slot_mapping,
+                                      cache.k[self.layers[0].index].dtype, cache.num_slots, cache.block_size,
+                                      nd.tables, nd.lens, nd.rows,
                                       self.heads, self.intermediate, self.eps, self.scale, self.parts)
         return x, residual
 
@@ -114,13 +115,13 @@ class NativeDecodeStack:
 def decode_stack(layers, backend) -> NativeDecodeStack | None:
     """The stack for these layers on this CPU backend, or None (see the module docstring)."""
     from worker_svc.backends.cpu.backend import NativeCpuAttention, NativeCpuOps
-    from worker_svc.backends.cpu.gguf import _PARTS, GgufLinearMethod
+    from worker_svc.backends.cpu.gguf import DOT_PARTS, GgufLinearMethod
 
     lin = backend.linear
     if (os.environ.get("SARATHI_NATIVE_STACK", "1") == "0" or not native.available()
             or not isinstance(backend.ops, NativeCpuOps) or not isinstance(backend.attention, NativeCpuAttention)
             or not backend.attention.fused_write or not isinstance(lin, GgufLinearMethod)
-            or lin.dot not in _PARTS or lin.max_tokens < 1 or backend.compute_dtype != torch.float32
+            or lin.dot not in DOT_PARTS or lin.max_tokens < 1 or backend.compute_dtype != torch.float32
             or not NativeDecodeStack.eligible(layers)):
         return None
-    return NativeDecodeStack(layers, _PARTS[lin.dot], lin.max_tokens)
+    return NativeDecodeStack(layers, DOT_PARTS[lin.dot], lin.max_tokens)

@@ -570,7 +570,7 @@ static inline float hsum8(__m256 v) {
 
 /* NT tokens (activations qa + t * qs, da / sa + t * fs) against one row p of nb native blocks */
 static inline __attribute__((always_inline)) void
-q8_row8_avx2(const int type, const int NT, const int TWO, const uint8_t *p, int nb, const int8_t *qa,
+q8_small_avx2(const int type, const int NT, const int TWO, const uint8_t *p, int nb, const int8_t *qa,
             int64_t qs, int64_t loff, const float *da, const float *sa, int64_t fs, float *res) {
     __m256 acc[Q8_SMALL];
     float corr[Q8_SMALL];
@@ -589,28 +589,28 @@ q8_row8_avx2(const int type, const int NT, const int TWO, const uint8_t *p, int 
 }
 #undef RUN32_I8
 
-#define Q8_NT8(TY, TW)                                                                              \
-    if (nt == 1) q8_row8_avx2(TY, 1, TW, p, nb, qa, qs, lo, da, sa, fs, res);                      \
-    else q8_row8_avx2(TY, 2, TW, p, nb, qa, qs, lo, da, sa, fs, res);
-#define Q8_CASE8(TY)                                                                                \
+#define Q8_NT_SMALL(TY, TW)                                                                              \
+    if (nt == 1) q8_small_avx2(TY, 1, TW, p, nb, qa, qs, lo, da, sa, fs, res);                      \
+    else q8_small_avx2(TY, 2, TW, p, nb, qa, qs, lo, da, sa, fs, res);
+#define Q8_CASE_SMALL(TY)                                                                                \
     case TY:                                                                                       \
-        if (lo) { Q8_NT8(TY, 1) } else { Q8_NT8(TY, 0) }                                             \
+        if (lo) { Q8_NT_SMALL(TY, 1) } else { Q8_NT_SMALL(TY, 0) }                                             \
         break;
 
 /* lo: offset of the low parts from the high ones (0: one part) */
-static void q8_row8_avx2_any(int type, int nt, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
+static void q8_small_avx2_any(int type, int nt, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
                             int64_t lo, const float *da, const float *sa, int64_t fs, float *res) {
     switch (type) {
-    Q8_CASE8(T_Q4_0)
-    Q8_CASE8(T_Q4_1)
-    Q8_CASE8(T_Q8_0)
-    Q8_CASE8(T_Q4_K)
-    Q8_CASE8(T_Q5_K)
-    Q8_CASE8(T_Q6_K)
+    Q8_CASE_SMALL(T_Q4_0)
+    Q8_CASE_SMALL(T_Q4_1)
+    Q8_CASE_SMALL(T_Q8_0)
+    Q8_CASE_SMALL(T_Q4_K)
+    Q8_CASE_SMALL(T_Q5_K)
+    Q8_CASE_SMALL(T_Q6_K)
     }
 }
-#undef Q8_NT8
-#undef Q8_CASE8
+#undef Q8_NT_SMALL
+#undef Q8_CASE_SMALL
 
 /* The tile kernel (tiles of Q8_SMALL + 1 .. Q8_TILE tokens; the small-tile kernel above is its
  * per-token reference): a tile's activations by block then token (one pointer, constant offsets),
@@ -917,7 +917,7 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
                     const uint8_t *p = w + (int64_t)n * row_bytes;
 #if defined(GG_AVX2)
                     if (simd && nt <= Q8_SMALL)
-                        q8_row8_avx2_any(type, nt, p, nb, qa + t0 * qs, qs, lo, dt, st, fs, res);
+                        q8_small_avx2_any(type, nt, p, nb, qa + t0 * qs, qs, lo, dt, st, fs, res);
                     else if (simd)
                         q8_row_avx2_any(type, nt, mode, p, nb,
                                         parts == 1 ? (const void *)((int8_t *)a16 + (int64_t)t0 * K)
