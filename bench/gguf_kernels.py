@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import BLOCK_SIZE, CONTEXT, HEAD_DIM, KV_HEADS, LAYERS, EngineProcess, layer_shapes, machine_line
+from bench.membw import copy_gb_per_s
 from worker_svc.backends.cpu import native
 from worker_svc.backends.cpu.quant import quantize_int8
 from worker_svc.model.gguf_blocks import BLOCK_FORMATS, FORMAT_NAMES
@@ -201,35 +202,16 @@ def bench_layers(rounds: int, sizes: list[int], names: list[str] | None = None, 
             "gguf_beats_float_up_to_T": threshold, **extra}
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of a large fp32 copy (read + write counted), median of 5."""
-    a = torch.empty(64 << 20)
-    b = torch.empty_like(a)
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        ts.append(time.perf_counter() - t0)
-    return 2 * a.numel() * 4 / statistics.median(ts)
-
-
 def read_bandwidth(threads: int) -> float:
     """Bytes/s of a plain read (bench.attention_kernel's read_blocks: load, widen, add) of decode:32's
     bf16 K/V layout (32 sequences x 65 blocks, 30 layers, randomly placed blocks), by `threads`
     Python threads over the layers (ctypes drops the GIL): the rate at which the step's bytes can be
     read at all on this machine, median of 3."""
-    import ctypes
-    import tempfile
     import threading
 
-    from bench.attention_kernel import READ_C
-    tmp = Path(tempfile.mkdtemp(prefix="gguf_bench_"))
-    (tmp / "read.c").write_text(READ_C)
-    subprocess.run(["gcc", "-O3", "-mavx2", "-shared", "-fPIC", "-o", str(tmp / "read.so"), str(tmp / "read.c")],
-                   check=True)
-    rd = ctypes.CDLL(str(tmp / "read.so"))
-    rd.read_blocks.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64]
-    rd.read_blocks.restype = ctypes.c_float
+    from bench.attention_kernel import build_extra
+
+    _, rd = build_extra(None)
     nblk = 32 * (CONTEXT // BLOCK_SIZE + 1)
     shape = (nblk, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     kv = [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)) for _ in range(LAYERS)]
@@ -325,7 +307,7 @@ def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool, base:
         p.close()
     med = {name: {c: round(1e3 * statistics.median(ts), 2) for c, ts in d.items() if ts} for name, d in times.items()}
     kv_bytes = 32 * (CONTEXT + 1) * 2 * LAYERS * KV_HEADS * HEAD_DIM * 2    # bf16 K and V
-    bw, rbw = copy_bandwidth(), read_bandwidth(threads)
+    bw, rbw = 1e9 * copy_gb_per_s(256, 5, threads), read_bandwidth(threads)
     bound_ms, read_bound_ms = 1e3 * (block_bytes + kv_bytes) / bw, 1e3 * (block_bytes + kv_bytes) / rbw
     new = NEW
     res = {"ms": med, "backends": info, "block_size": BLOCK_SIZE, "llama_bench_commands": LLAMA_CMDS,
