@@ -2,8 +2,8 @@
 call (csrc/decode_stack.c), instead of ten Python-driven native calls a layer.
 
 The per-layer path's Python side (module dispatch, argument marshalling, a new tensor per op)
-cost about 5 ms of a 13.8 ms SmolLM2 decode step at batch 1 and 1k context on a 2-core Zen 3
-(8.48 ms with the stack, same run: bench/results/kernels/gguf_kernels_zen3.json); the native loop
+cost about 5.5 ms of a 14.3 ms SmolLM2 decode step at batch 1 and 1k context on a 2-core Zen 3
+(8.71 ms with the stack, same run: bench/results/kernels/gguf_kernels_zen3.json); the native loop
 calls the same kernels with the same arguments, so its output is bit-identical (tests/worker/
 test_decode_stack.py). It is the CPU's answer to DeviceBackend.layer_stack, as CUDA graphs are
 the GPU's answer to the same per-op cost.

@@ -54,8 +54,8 @@
 #define TILE 16   /* tokens per softmax update: one AVX-512 vector (two AVX2 vectors) of scores */
 #ifndef MIN_BYTES_PER_THREAD
 /* K+V bytes per thread (~20 us of one core's reading). 4 MiB before: a single decode at 1k context
- * (SmolLM2, bf16: 786 KB a layer) then ran on one thread; at 256 KiB it splits over 2, and 30
- * layers took 1.49 instead of 2.37 ms (Zen 3, 2 threads, bench/results/kernels/README.md) */
+ * (SmolLM2, bf16: 786 KB a layer) then ran on one thread; at 256 KiB it splits over 2, and a
+ * layer takes 0.081 instead of 0.117 ms (Zen 3: bench/results/kernels/attention_kernel_zen3.json) */
 #define MIN_BYTES_PER_THREAD (256 << 10)
 #endif
 #define UNITS_PER_THREAD 4      /* fewer work units than this per thread: split contexts */
