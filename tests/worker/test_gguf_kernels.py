@@ -151,8 +151,9 @@ def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype, parts_l
     for (n, k), parts in ((s, p) for s in shapes(qtype) for p in parts_list):
         raw = random_blocks(qtype, n, k, rng)
         w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).astype(np.float32)).double()
-        # tiles of up to 8 tokens (1-2: the small-tile kernel, 3-8: the tile kernel): 13 = 8 + 5, 9 = 8 + 1
-        for T in (1, 3, 6, 9, 13):
+        # 1-2 tokens: the small-tile kernel; tiles of up to 8 (AVX2): 13 = 8 + 5, 9 = 8 + 1; token-lane
+        # tiles (AVX-512 VNNI) of 16 and at most 8 (zmm, ymm): 21 = 16 + 5
+        for T in (1, 3, 6, 9, 13, 21):
             x = rng.standard_normal((T, k)).astype(np.float32)
             xq, d = dequantized_act(x, parts)
             bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
@@ -173,7 +174,7 @@ def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype, parts_l
 def test_q8_extreme_quants_do_not_saturate(qtype):
     """The largest products the 16-bit intermediate sums see: every quant byte 0xff (Q4 nibbles 15,
     Q5_K 31, K scales and mins 63) or 0x80 / 0x00 (Q8_0 -128; Q6_K -32), against activations all
-    at +-127 (parts 1) or 128 * 127 + remainder (parts 2), in tiles of every kernel (T = 1, 2, 8)."""
+    at +-127 (parts 1) or 128 * 127 + remainder (parts 2), in tiles of every kernel (T = 1, 2, 8, 16)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     n, k = 16, 2 * 256
     for fill in (0xFF, 0x80, 0x00):
@@ -187,7 +188,7 @@ def test_q8_extreme_quants_do_not_saturate(qtype):
             raw[:, :, 192:208] = 1                     # int8 sub-block scales 1
         raw = raw.reshape(n, -1)
         w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).astype(np.float32)).double()
-        for T in (1, 2, 8):
+        for T in (1, 2, 8, 16):
             x = np.full((T, k), 1.0, np.float32)
             x[1::2] = np.where(np.arange(k) % 2 == 0, 1.0, 0.3).astype(np.float32)   # remainders in parts 2
             x[::3] *= -1
@@ -208,15 +209,16 @@ def test_q8_token_results_do_not_depend_on_the_batch_or_threads():
     for qtype in TYPES:
         k = 512
         raw = torch.from_numpy(random_blocks(qtype, 300, k, rng))
-        # 13 tokens: tiles of 8 + 5 (the tile kernel at two widths); alone: the small-tile kernel
-        x = torch.from_numpy(rng.standard_normal((13, k)).astype(np.float32))
+        # 21 tokens: tiles of 8 + 8 + 5 (AVX2), or 16 + 5 (token-lane: zmm, ymm); alone: the small-tile kernel
+        x = torch.from_numpy(rng.standard_normal((21, k)).astype(np.float32))
         for scalar, parts in ((s, p) for s in paths() for p in (1, 2)):
             full = native.gguf_linear_q8(int(qtype), raw, x, num_threads=2, force_scalar=scalar, parts=parts)
-            for t in range(13):
+            for t in range(21):
                 alone = native.gguf_linear_q8(int(qtype), raw, x[t:t + 1], num_threads=1, force_scalar=scalar,
                                               parts=parts)
                 assert torch.equal(alone[0], full[t]), (qtype.name, t, scalar, parts)
-            for perm in ([6, 2], [6, 2, 0, 5], [12, 3, 7, 1, 9, 4], list(range(12, 2, -1))):   # 2, 4, 6, 8 + 2
+            for perm in ([6, 2], [6, 2, 0, 5], [12, 3, 7, 1, 9, 4], list(range(12, 2, -1)),   # 2, 4, 6, 8 + 2
+                         list(range(20, 2, -1))):                                             # 16 + 2
                 assert torch.equal(native.gguf_linear_q8(int(qtype), raw, x[perm], force_scalar=scalar, parts=parts),
                                    full[perm]), (qtype.name, perm, scalar, parts)
 
