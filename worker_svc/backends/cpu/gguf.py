@@ -13,8 +13,10 @@ kernel (csrc/gguf_linear.c: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) run:
 Both use the file's weights unchanged; they differ by the small-batch path's activation rounding
 (int8x2: within amax / 32512 per block of 32; "fp32": none, only summation order) and summation
 order. A token's activations are quantized alone, so its output does not depend on the other
-tokens of its batch below the threshold (the threshold switch is the one exception, as it was
-with the exact kernel). Measured on SmolLM2's Q4_1 GGUF against Hugging Face (teacher-forced, 33
+tokens of its batch below the threshold, with two exceptions: the threshold switch (as it was
+with the exact kernel) and, on AVX-512 VNNI builds, calls of 1-8 tokens against calls of more
+(the token-lane kernel: the same integer dots summed in another fp32 order, last-bit
+differences; native.gguf_q8_token_lane_above). Measured on SmolLM2's Q4_1 GGUF against Hugging Face (teacher-forced, 33
 positions, bench/results/kernels/weight_quant_agreement.json): int8x2 top-1 agreement 1.000, max
 logit error 0.01% of the logit range; "int8" (llama.cpp's own 8-bit activations) 0.909, 1.5%;
 "fp32" 1.000, 0.
@@ -45,6 +47,11 @@ from worker_svc.backends.cpu import native
 # before: 127 ms, a tie), 122 vs 127 at T=48, 164 vs 153 at 64: 48. (Before: 32, from
 # gguf_kernels_amd.json and gguf_kernels_zen4.json with the older kernels.) "scalar": never.
 GGUF_MAX_TOKENS = {"avx2": 48}
+# With the token-lane kernel (AVX-512 VNNI builds, calls of more than 8 tokens: csrc/gguf_linear.c
+# tl_rows) the integer dots beat F.linear at every T measured up to 256
+# (bench/results/kernels/gguf_kernels_zen4.json, AMD EPYC family 25 model 17, Zen 4, 2 threads:
+# 42 vs 103 ms at T=32, 313 vs 488 ms at 256); the fp32 dot keeps GGUF_MAX_TOKENS.
+GGUF_MAX_TOKENS_TOKEN_LANE = 256
 
 
 # The small-batch kernel's arithmetic (SARATHI_GGUF_DOT overrides the default):
@@ -61,8 +68,13 @@ DEFAULT_DOT = "int8x2"
 DOT_PARTS = {"int8": 1, "int8x2": 2}   # integer-dot arithmetics: 8-bit parts per activation
 
 
-def default_max_tokens() -> int:
-    return GGUF_MAX_TOKENS.get(native.gguf_isa(), 0) if native.available() else 0
+def default_max_tokens(dot: str | None = None) -> int:
+    """The block kernel's token limit for this machine and arithmetic (dot: default_dot())."""
+    if not native.available():
+        return 0
+    if (dot or default_dot()) in DOT_PARTS and native.gguf_q8_token_lane_above():
+        return GGUF_MAX_TOKENS_TOKEN_LANE
+    return GGUF_MAX_TOKENS.get(native.gguf_isa(), 0)
 
 
 def default_dot() -> str:
@@ -84,7 +96,7 @@ class GgufLinearMethod(LinearMethod):
         self.dot = default_dot() if dot is None else dot
         if self.dot not in DOTS:
             raise ValueError(f"dot must be one of {DOTS}, got {self.dot!r}")
-        self.max_tokens = default_max_tokens() if max_tokens is None else max_tokens
+        self.max_tokens = default_max_tokens(self.dot) if max_tokens is None else max_tokens
         self.large = large
         isa = f"{native.gguf_q8_isa()} {self.dot} dot" if self.dot in DOT_PARTS else native.gguf_isa() + " fp32 dot"
         self.name = f"gguf blocks ({isa}) for <= {self.max_tokens} tokens, float GEMM above" + (

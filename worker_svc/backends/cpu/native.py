@@ -443,6 +443,7 @@ def _bind_gguf(lib: ctypes.CDLL) -> None:
     lib.gguf_quantize_act.argtypes = [P, L, I, I, P, L, L, P, P, I, I]
     lib.gguf_quantize_act.restype = I
     lib.gguf_q8_isa.restype = ctypes.c_char_p
+    lib.gguf_q8_token_lane_above.restype = ctypes.c_int
 
 
 def gguf_isa() -> str:
@@ -454,6 +455,14 @@ def gguf_q8_isa() -> str:
     """The instructions of the integer-dot GGUF path here: "avx512vnni" (vpdpbusd), "avx2" (maddubs)
     or "scalar" ("" when the library is unavailable)."""
     return _lib.gguf_q8_isa().decode() if available() else ""
+
+
+def gguf_q8_token_lane_above() -> int:
+    """gguf_linear_q8 calls of more tokens than this run on the token-lane kernel (AVX-512 VNNI
+    builds: 8): the same integer dots in another fp32 summation order, so a token's result is
+    bit-identical among calls of 1 .. n tokens and among calls of more, and may differ in the last
+    bits between the two. 0: no such kernel here (one summation order for every call)."""
+    return _lib.gguf_q8_token_lane_above() if available() else 0
 
 
 def gguf_supports(ggml_type: int) -> bool:

@@ -22,7 +22,6 @@
  * end): llama.cpp's integer dots on the same blocks, activations quantized per token.
  */
 #pragma GCC optimize("fp-contract=off")
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -748,22 +747,27 @@ static void q8_row_avx2_any(int type, int nt, int i8, const uint8_t *p, int nb, 
 #undef Q8_CASE
 
 #if defined(GG_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
-/* Token-lane kernels (AVX-512 VNNI builds: Zen 4, Sapphire Rapids): the integer dot of a run of
- * 32 weights with each token, exact, one int32 per token, then per token and run in fp32:
+/* Token-lane kernel (AVX-512 VNNI builds: Zen 4, Sapphire Rapids), for calls of more than
+ * Q8_TILE tokens: tiles of TL = 16 tokens, one token per int32 lane of a zmm, as a GEMM
+ * micro-kernel holds them. Per group of 4 weights of a run, one vpdpbusd multiplies the 16 tokens'
+ * 4 activation bytes by the group's 4 weights broadcast from memory (the EVEX {1to16} operand),
+ * for TL_ROWS rows at once; a run's exact integer dot per token is then converted, scaled and
+ * accumulated once for all 16 tokens:
  *   acc = fma(float(dot), scale * da, acc);  corr = corr + cw * sa;  result = acc + corr
- * over the row's runs in order (Q6_K: its two 16-element halves one after the other, each with its
- * scale). Both kernels below do exactly these operations per token, so a token's result does not
- * depend on the other tokens of the call, nor on which kernel ran it.
+ * over the row's runs in order (Q6_K: its two 16-element halves one after the other). The 8-token
+ * tile kernel above spends ~9 instructions on ONE token and run (its dots, then a convert and an
+ * fma on that token's 8 partial lanes). Same integer dots, so the same value up to fp32 summation
+ * order: the kernel above sums a token's 8 partial lanes at the end (hsum8), this one sums the
+ * run's lanes in int32 first. A call runs all its tokens on one kernel, so a token's result does
+ * not depend on its batch among calls of 1 .. Q8_TILE tokens, nor among calls of more (it can
+ * differ in the last bits between the two, as at the block kernel / float GEMM switch).
  *
- * The tile kernel (tl_rows, more than Q8_SMALL tokens) puts TL tokens in the int32 lanes of one
- * zmm, as a GEMM micro-kernel does: per group of 4 weights, one vpdpbusd of the 16 tokens' 4
- * activation bytes against the group broadcast from memory (the EVEX {1to16} operand), for
- * TL_ROWS rows at once; one convert, scale and fma then serve 16 tokens. The x-by-token kernel
- * before spent a convert and an fma on 8 partial lanes of ONE token per run. vpdpbusd multiplies
- * unsigned by signed bytes: the weights (every format's values fit s8) are the signed operand and
- * the activations go unsigned as q + 128; the offset's share, 128 sum(w) per part, is subtracted
- * in int32 (exact). The weights of a chunk of rows are unpacked once per call into a per-thread
- * buffer (32 bytes a run, and the run's scales and sum), so T / TL tiles share one unpacking. */
+ * vpdpbusd multiplies unsigned by signed bytes: the weights (every format's values fit s8) are the
+ * signed operand and the activations go unsigned as q + 128; the offset's share, 128 sum(w) per
+ * part, is subtracted in int32 (exact). The weights of a chunk of rows are unpacked once per call
+ * into a per-thread buffer (32 bytes a run, and the run's scales and sum), so the call's T / TL
+ * tiles share one unpacking. Partly filled tiles run whole (a zmm of 16 lanes): a ymm tile of 8
+ * measured slower per token than the zmm one (bench/gguf_kernels.py, Zen 4). */
 #define GG_TL 1
 #define TL 16
 #define TL_ROWS 4
@@ -810,78 +814,66 @@ static void tl_unpack_any(int type, const uint8_t *p, int nb, int parts, int8_t 
 
 /* R rows (unpacked: wb + r * nr * 32, mt + r * nr; nr runs each) against a tile of TL tokens:
  * activations A (u8 q + 128) by run, part, group of 4, token: A + ((b * P + part) * 8 + g) * 64;
- * dT, sT: the tile's da, sa by run then token (TL a run). res[r * TL + t]: row r, token t.
- * Written once for two widths (TL_DEFINE): tl_rows16 runs the 16 tokens of a tile in a zmm, and
- * tl_rows8 its first 8 in a ymm (a tile of at most 8 tokens: half the instructions' width). */
-#define TL_DEFINE(NAME, VI, VF, W, ZEROI, ZEROF, LOADI, LOADF, STOREF, SET1I, SET1F, DPBUSD, ADDI, SLLI, SUBI, \
-                  CVT, FMADD, MULF, ADDF)                                                          \
-    static inline __attribute__((always_inline)) void                                              \
-    NAME(const int R, const int P, const int Q6, const int CW, const int8_t *wb, const tl_meta *mt, int nr, \
-         const uint8_t *A, const float *dT, const float *sT, float *res) {                          \
-        VF acc[TL_ROWS], corr[TL_ROWS];                                                            \
-        for (int r = 0; r < R; r++) { acc[r] = ZEROF(); corr[r] = ZEROF(); }                       \
-        for (int b = 0; b < nr; b++) {                                                             \
-            VI h[TL_ROWS], l[TL_ROWS], h2[TL_ROWS], l2[TL_ROWS];                                   \
-            for (int r = 0; r < R; r++) h[r] = l[r] = h2[r] = l2[r] = ZEROI();                     \
-            const uint8_t *Ab = A + (int64_t)b * P * 8 * 64;                                       \
-            _Pragma("GCC unroll 8")                                                                \
-            for (int g = 0; g < 8; g++) {                                                          \
-                const VI ah = LOADI((const void *)(Ab + g * 64));                                  \
-                const VI al = P == 2 ? LOADI((const void *)(Ab + (8 + g) * 64)) : ah;              \
-                for (int r = 0; r < R; r++) {                                                      \
-                    int32_t w4;                                                                    \
-                    memcpy(&w4, wb + ((int64_t)r * nr + b) * 32 + 4 * g, 4);                       \
-                    const VI wv = SET1I(w4);                                                       \
-                    if (Q6 && g >= 4) {                                                            \
-                        h2[r] = DPBUSD(h2[r], ah, wv);                                             \
-                        if (P == 2) l2[r] = DPBUSD(l2[r], al, wv);                                 \
-                    } else {                                                                       \
-                        h[r] = DPBUSD(h[r], ah, wv);                                               \
-                        if (P == 2) l[r] = DPBUSD(l[r], al, wv);                                   \
-                    }                                                                              \
-                }                                                                                  \
-            }                                                                                      \
-            const VF da = LOADF(dT + (int64_t)b * TL);                                             \
-            for (int r = 0; r < R; r++) {                                                          \
-                const tl_meta m = mt[(int64_t)r * nr + b];                                         \
-                VI d = P == 2 ? ADDI(SLLI(h[r], 7), l[r]) : h[r];                                  \
-                d = SUBI(d, SET1I(m.c0));                                                          \
-                acc[r] = FMADD(CVT(d), MULF(SET1F(m.s0), da), acc[r]);                             \
-                if (Q6) {                                                                          \
-                    VI d2 = P == 2 ? ADDI(SLLI(h2[r], 7), l2[r]) : h2[r];                          \
-                    d2 = SUBI(d2, SET1I(m.c1));                                                    \
-                    acc[r] = FMADD(CVT(d2), MULF(SET1F(m.s1), da), acc[r]);                        \
-                }                                                                                  \
-                if (CW) corr[r] = ADDF(corr[r], MULF(SET1F(m.cw), LOADF(sT + (int64_t)b * TL))); \
-            }                                                                                      \
-        }                                                                                          \
-        for (int r = 0; r < R; r++) STOREF(res + r * TL, ADDF(acc[r], corr[r]));                  \
+ * dT, sT: the tile's da, sa by run then token (TL a run). res[r * TL + t]: row r, token t. */
+static inline __attribute__((always_inline)) void
+tl_rows(const int R, const int P, const int Q6, const int CW, const int8_t *wb, const tl_meta *mt, int nr,
+        const uint8_t *A, const float *dT, const float *sT, float *res) {
+    __m512 acc[TL_ROWS], corr[TL_ROWS];
+    for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); corr[r] = _mm512_setzero_ps(); }
+    for (int b = 0; b < nr; b++) {
+        __m512i h[TL_ROWS], l[TL_ROWS], h2[TL_ROWS], l2[TL_ROWS];
+        for (int r = 0; r < R; r++) h[r] = l[r] = h2[r] = l2[r] = _mm512_setzero_si512();
+        const uint8_t *Ab = A + (int64_t)b * P * 8 * 64;
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            const __m512i ah = _mm512_load_si512((const void *)(Ab + g * 64));
+            const __m512i al = P == 2 ? _mm512_load_si512((const void *)(Ab + (8 + g) * 64)) : ah;
+            for (int r = 0; r < R; r++) {
+                int32_t w4;
+                memcpy(&w4, wb + ((int64_t)r * nr + b) * 32 + 4 * g, 4);
+                const __m512i wv = _mm512_set1_epi32(w4);
+                if (Q6 && g >= 4) {
+                    h2[r] = _mm512_dpbusd_epi32(h2[r], ah, wv);
+                    if (P == 2) l2[r] = _mm512_dpbusd_epi32(l2[r], al, wv);
+                } else {
+                    h[r] = _mm512_dpbusd_epi32(h[r], ah, wv);
+                    if (P == 2) l[r] = _mm512_dpbusd_epi32(l[r], al, wv);
+                }
+            }
+        }
+        const __m512 da = _mm512_load_ps(dT + (int64_t)b * TL);
+        for (int r = 0; r < R; r++) {
+            const tl_meta m = mt[(int64_t)r * nr + b];
+            __m512i d = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(h[r], 7), l[r]) : h[r];
+            d = _mm512_sub_epi32(d, _mm512_set1_epi32(m.c0));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_set1_ps(m.s0), da), acc[r]);
+            if (Q6) {
+                __m512i d2 = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(h2[r], 7), l2[r]) : h2[r];
+                d2 = _mm512_sub_epi32(d2, _mm512_set1_epi32(m.c1));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_mul_ps(_mm512_set1_ps(m.s1), da), acc[r]);
+            }
+            if (CW)
+                corr[r] = _mm512_add_ps(corr[r], _mm512_mul_ps(_mm512_set1_ps(m.cw), _mm512_load_ps(sT + (int64_t)b * TL)));
+        }
     }
-TL_DEFINE(tl_rows16, __m512i, __m512, 16, _mm512_setzero_si512, _mm512_setzero_ps, _mm512_load_si512, _mm512_load_ps,
-          _mm512_store_ps, _mm512_set1_epi32, _mm512_set1_ps, _mm512_dpbusd_epi32, _mm512_add_epi32,
-          _mm512_slli_epi32, _mm512_sub_epi32, _mm512_cvtepi32_ps, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_add_ps)
-static inline __m256i tl_load8i(const void *p) { return _mm256_load_si256((const __m256i *)p); }
-TL_DEFINE(tl_rows8, __m256i, __m256, 8, _mm256_setzero_si256, _mm256_setzero_ps, tl_load8i, _mm256_load_ps,
-          _mm256_store_ps, _mm256_set1_epi32, _mm256_set1_ps, _mm256_dpbusd_epi32, _mm256_add_epi32,
-          _mm256_slli_epi32, _mm256_sub_epi32, _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_add_ps)
-#undef TL_DEFINE
+    for (int r = 0; r < R; r++) _mm512_store_ps(res + r * TL, _mm512_add_ps(acc[r], corr[r]));
+}
 
-#define TL_RW(F, RR, TY, PP) F(RR, PP, TY == T_Q6_K, TY != T_Q8_0 && TY != T_Q6_K, wb, mt, nr, A, dT, sT, res)
-#define TL_RR(F, TY, PP)                                                                           \
-    switch (R) {                                                                                   \
-    case 1: TL_RW(F, 1, TY, PP); break;                                                            \
-    case 2: TL_RW(F, 2, TY, PP); break;                                                            \
-    case 3: TL_RW(F, 3, TY, PP); break;                                                            \
-    default: TL_RW(F, TL_ROWS, TY, PP); break;                                                     \
-    }
+
+#define TL_RW(RR, TY, PP) tl_rows(RR, PP, TY == T_Q6_K, TY != T_Q8_0 && TY != T_Q6_K, wb, mt, nr, A, dT, sT, res)
 #define TL_R(TY, PP)                                                                               \
-    if (nt > 8) { TL_RR(tl_rows16, TY, PP) } else { TL_RR(tl_rows8, TY, PP) }
+    switch (R) {                                                                                   \
+    case 1: TL_RW(1, TY, PP); break;                                                               \
+    case 2: TL_RW(2, TY, PP); break;                                                               \
+    case 3: TL_RW(3, TY, PP); break;                                                               \
+    default: TL_RW(TL_ROWS, TY, PP); break;                                                        \
+    }
 #define TL_CASE(TY)                                                                                \
     case TY:                                                                                       \
         if (P == 2) { TL_R(TY, 2) } else { TL_R(TY, 1) }                                           \
         break;
-/* R: 1 .. TL_ROWS rows; nt: the tile's tokens (at most 8: the first 8 lanes only) */
-static void tl_rows_any(int type, int R, int nt, int P, const int8_t *wb, const tl_meta *mt, int nr, const uint8_t *A,
+/* R: 1 .. TL_ROWS rows */
+static void tl_rows_any(int type, int R, int P, const int8_t *wb, const tl_meta *mt, int nr, const uint8_t *A,
                         const float *dT, const float *sT, float *res) {
     switch (type) {
     TL_CASE(T_Q4_0)
@@ -893,71 +885,9 @@ static void tl_rows_any(int type, int R, int nt, int P, const int8_t *wb, const 
     }
 }
 #undef TL_RW
-#undef TL_RR
 #undef TL_R
 #undef TL_CASE
 
-/* The tile kernel's per-token operations for 1 .. Q8_SMALL tokens (activations as the small-tile
- * kernel takes them), straight from the blocks: the run's exact integer dot (the sign trick on
- * vpdpbusd, as dot_us / dot_us2), summed across lanes, then the same fp32 operations as tl_rows. */
-static inline __attribute__((always_inline)) void
-tl_small(const int type, const int NT, const int TWO, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
-         int64_t loff, const float *da, const float *sa, int64_t fs, float *res) {
-    float acc[Q8_SMALL], corr[Q8_SMALL];
-    for (int t = 0; t < NT; t++) { acc[t] = 0.0f; corr[t] = 0.0f; }
-#define TL_SMALL_RUN(v, SGN, s0, s1, Q6, cw, b)                                                    \
-    {                                                                                              \
-        const __m256i u = SGN ? _mm256_sign_epi8(v, v) : v;                                        \
-        __m256i dt[Q8_SMALL];                                                                      \
-        for (int t = 0; t < NT; t++) {                                                             \
-            __m256i a = _mm256_load_si256((const __m256i *)(qa + t * qs + 32 * (b)));              \
-            if (SGN) a = _mm256_sign_epi8(a, v);                                                   \
-            if (TWO) {                                                                             \
-                __m256i al = _mm256_load_si256((const __m256i *)(qa + t * qs + loff + 32 * (b)));  \
-                if (SGN) al = _mm256_sign_epi8(al, v);                                             \
-                dt[t] = dot_us2(u, a, al);                                                         \
-            } else dt[t] = dot_us(u, a);                                                           \
-        }                                                                                          \
-        /* both tokens' lanes reduced together: x = [t0 01, 23, t1 01, 23 | t0 45, 67, t1 45, 67]   \
-         * (lane pairs), z = [t0 0-3, t1 0-3, .. | t0 4-7, t1 4-7, ..] (quarter sums) */           \
-        const __m256i x_ = _mm256_hadd_epi32(dt[0], NT > 1 ? dt[NT - 1] : dt[0]);                  \
-        const __m256i z_ = _mm256_hadd_epi32(x_, x_);                                              \
-        const __m128i zl_ = _mm256_castsi256_si128(z_), zh_ = _mm256_extracti128_si256(z_, 1);    \
-        const __m128i f_ = _mm_add_epi32(zl_, zh_);                                                \
-        for (int t = 0; t < NT; t++) {                                                             \
-            const float dab = da[t * fs + (b)];                                                    \
-            if (Q6) {                                                                              \
-                acc[t] = fmaf((float)_mm_extract_epi32(zl_, t), (s0) * dab, acc[t]);               \
-                acc[t] = fmaf((float)_mm_extract_epi32(zh_, t), (s1) * dab, acc[t]);               \
-            } else acc[t] = fmaf((float)_mm_extract_epi32(f_, t), (s0) * dab, acc[t]);             \
-            if (cw != 0.0f) corr[t] = corr[t] + (cw) * sa[t * fs + (b)];                           \
-        }                                                                                          \
-    }
-    FOR_EACH_RUN(type, p, nb, TL_SMALL_RUN)
-#undef TL_SMALL_RUN
-    for (int t = 0; t < NT; t++) res[t] = acc[t] + corr[t];
-}
-
-#define TL_NT_SMALL(TY, TW)                                                                        \
-    if (nt == 1) tl_small(TY, 1, TW, p, nb, qa, qs, lo, da, sa, fs, res);                          \
-    else tl_small(TY, 2, TW, p, nb, qa, qs, lo, da, sa, fs, res);
-#define TL_CASE_SMALL(TY)                                                                          \
-    case TY:                                                                                       \
-        if (lo) { TL_NT_SMALL(TY, 1) } else { TL_NT_SMALL(TY, 0) }                                 \
-        break;
-static void tl_small_any(int type, int nt, const uint8_t *p, int nb, const int8_t *qa, int64_t qs, int64_t lo,
-                         const float *da, const float *sa, int64_t fs, float *res) {
-    switch (type) {
-    TL_CASE_SMALL(T_Q4_0)
-    TL_CASE_SMALL(T_Q4_1)
-    TL_CASE_SMALL(T_Q8_0)
-    TL_CASE_SMALL(T_Q4_K)
-    TL_CASE_SMALL(T_Q5_K)
-    TL_CASE_SMALL(T_Q6_K)
-    }
-}
-#undef TL_NT_SMALL
-#undef TL_CASE_SMALL
 #endif
 #undef FOR_EACH_RUN
 #endif
@@ -1057,42 +987,42 @@ static void q8_row_scalar(int type, int nt, const uint8_t *p, int nb, const int8
 }
 
 #if defined(GG_TL)
-/* gguf_linear_q8 on the token-lane kernels, from the quantized activations (see tl_rows) */
+/* gguf_linear_q8 on the token-lane kernel (see tl_rows), from the quantized activations */
 static int tl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, int64_t qs, int64_t lo,
                      const float *da, const float *sa, int64_t fs, const float *bias, float *out, int64_t os,
                      int T, int N, int nb, int parts, int num_threads) {
     const int nr = (int)fs;   /* runs of 32 per row */
-    const int ntiles = T > Q8_SMALL ? (T + TL - 1) / TL : 0;
+    const int ntiles = (T + TL - 1) / TL;
     const int64_t tile_a = (int64_t)nr * parts * 8 * 64;   /* activation bytes of a tile */
-    uint8_t *A = NULL;
-    float *dT = NULL, *sT = NULL;
-    if (ntiles) {
-        A = aligned_alloc(64, (size_t)(ntiles * tile_a));
-        dT = aligned_alloc(64, sizeof(float) * (size_t)(2 * ntiles * nr * TL));
-        if (!A || !dT) { free(A); free(dT); return -2; }
-        sT = dT + (int64_t)ntiles * nr * TL;
-        memset(A, 0x80, (size_t)(ntiles * tile_a));   /* tokens past T: q = 0 (their lanes are dropped) */
-        for (int t = 0; t < T; t++) {
-            uint8_t *at = A + (int64_t)(t / TL) * tile_a + (t % TL) * 4;
-            for (int b = 0; b < nr; b++)
-                for (int pt = 0; pt < parts; pt++) {
-                    const int8_t *src = qa + t * qs + pt * lo + 32 * b;
-                    for (int g = 0; g < 8; g++) {
-                        uint32_t v;
-                        memcpy(&v, src + 4 * g, 4);
-                        v ^= 0x80808080u;   /* s8 q -> u8 q + 128 */
-                        memcpy(at + (((int64_t)b * parts + pt) * 8 + g) * 64, &v, 4);
-                    }
+    /* the tiles' activations (u8 q + 128) by run, part, group of 4, token, and da, sa by run then
+     * token (0 past T) */
+    uint8_t *A = aligned_alloc(64, (size_t)(ntiles * tile_a));
+    float *dT = aligned_alloc(64, sizeof(float) * (size_t)(2 * ntiles * nr * TL));
+    if (!A || !dT) { free(A); free(dT); return -2; }
+    float *sT = dT + (int64_t)ntiles * nr * TL;
+    memset(A, 0x80, (size_t)(ntiles * tile_a));   /* tokens past T: q = 0 (their lanes are dropped) */
+    for (int t = 0; t < T; t++) {
+        uint8_t *at = A + (int64_t)(t / TL) * tile_a + (t % TL) * 4;
+        for (int b = 0; b < nr; b++)
+            for (int pt = 0; pt < parts; pt++) {
+                const int8_t *src = qa + t * qs + pt * lo + 32 * b;
+                for (int g = 0; g < 8; g++) {
+                    uint32_t v;
+                    memcpy(&v, src + 4 * g, 4);
+                    v ^= 0x80808080u;   /* s8 q -> u8 q + 128 */
+                    memcpy(at + (((int64_t)b * parts + pt) * 8 + g) * 64, &v, 4);
                 }
-        }
-        for (int k = 0; k < ntiles; k++)
-            for (int b = 0; b < nr; b++)
-                for (int t = 0; t < TL; t++) {
-                    const int tt = k * TL + t;
-                    dT[((int64_t)k * nr + b) * TL + t] = tt < T ? da[(int64_t)tt * fs + b] : 0.0f;
-                    sT[((int64_t)k * nr + b) * TL + t] = tt < T ? sa[(int64_t)tt * fs + b] : 0.0f;
-                }
+            }
     }
+    for (int k = 0; k < ntiles; k++)
+        for (int b = 0; b < nr; b++)
+            for (int t = 0; t < TL; t++) {
+                const int tk = k * TL + t;
+                dT[((int64_t)k * nr + b) * TL + t] = tk < T ? da[(int64_t)tk * fs + b] : 0.0f;
+                sT[((int64_t)k * nr + b) * TL + t] = tk < T ? sa[(int64_t)tk * fs + b] : 0.0f;
+            }
+    /* each thread's rows (an even split) in chunks of about Q8_CHUNK_BYTES of blocks: a chunk is
+     * unpacked once (L2 resident), then swept by every tile */
     int64_t rc = Q8_CHUNK_BYTES / row_bytes;
     if (rc < 1) rc = 1;
     int failed = 0;
@@ -1104,23 +1034,15 @@ static int tl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
         const int nth = 1, tid = 0;
 #endif
         const int r0 = (int)((int64_t)N * tid / nth), r1 = (int)((int64_t)N * (tid + 1) / nth);
-        int8_t *wb = ntiles ? aligned_alloc(64, (size_t)(rc * nr * 32)) : NULL;
-        tl_meta *mt = ntiles ? malloc(sizeof(tl_meta) * (size_t)(rc * nr)) : NULL;
+        int8_t *wb = aligned_alloc(64, (size_t)(rc * nr * 32));
+        tl_meta *mt = malloc(sizeof(tl_meta) * (size_t)(rc * nr));
         float res[TL_ROWS * TL] __attribute__((aligned(64)));
-        if (ntiles && (!wb || !mt)) {
+        if (!wb || !mt) {
 #pragma omp atomic write
             failed = 1;
         } else
             for (int n0 = r0; n0 < r1; n0 += (int)rc) {
                 const int n1 = n0 + rc < r1 ? n0 + (int)rc : r1;
-                if (!ntiles) {
-                    for (int n = n0; n < n1; n++) {
-                        tl_small_any(type, T, w + (int64_t)n * row_bytes, nb, qa, qs, lo, da, sa, fs, res);
-                        const float bb = bias ? bias[n] : 0.0f;
-                        for (int t = 0; t < T; t++) out[(int64_t)t * os + n] = res[t] + bb;
-                    }
-                    continue;
-                }
                 for (int n = n0; n < n1; n++)
                     tl_unpack_any(type, w + (int64_t)n * row_bytes, nb, parts, wb + (int64_t)(n - n0) * nr * 32,
                                   mt + (int64_t)(n - n0) * nr);
@@ -1128,7 +1050,7 @@ static int tl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
                     const int nt = T - k * TL < TL ? T - k * TL : TL;
                     for (int n = n0; n < n1; n += TL_ROWS) {
                         const int R = n1 - n < TL_ROWS ? n1 - n : TL_ROWS;
-                        tl_rows_any(type, R, nt, parts, wb + (int64_t)(n - n0) * nr * 32, mt + (int64_t)(n - n0) * nr, nr,
+                        tl_rows_any(type, R, parts, wb + (int64_t)(n - n0) * nr * 32, mt + (int64_t)(n - n0) * nr, nr,
                                     A + k * tile_a, dT + (int64_t)k * nr * TL, sT + (int64_t)k * nr * TL, res);
                         for (int r = 0; r < R; r++) {
                             const float bb = bias ? bias[n + r] : 0.0f;
@@ -1163,7 +1085,7 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     num_threads = threads_for(num_threads, N, K);
     gguf_quantize_act(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar);
 #if defined(GG_TL)
-    if (!force_scalar) {
+    if (!force_scalar && T > Q8_TILE) {   /* the token-lane kernel (see tl_rows) */
         const int rc = tl_linear(type, w, row_bytes, qa, qs, lo, da, sa, fs, bias, out, os, T, N, nb, parts,
                                  num_threads);
         free(qa);
@@ -1252,6 +1174,16 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     free(dT);
 #endif
     return 0;
+}
+
+/* Calls of more tokens than this run on the token-lane kernel (its fp32 summation order; see
+ * tl_rows); 0: this build has none (every call on the 8-token tile kernels). */
+int gguf_q8_token_lane_above(void) {
+#if defined(GG_TL)
+    return Q8_TILE;
+#else
+    return 0;
+#endif
 }
 
 /* The integer-dot path's instructions: "avx512vnni" (vpdpbusd, vpdpwssd), "avx2" (maddubs, madd)
