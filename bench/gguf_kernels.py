@@ -10,13 +10,18 @@ by token count T, each a full sweep over the weights (more than the L3, as in a 
 * float32-cached: F.linear on the dequantized fp32 weights kept in memory (the large path, default);
 * dequant+float32: the blocks dequantized into a buffer on every call, then F.linear (the large
   path with large="dequant": no fp32 copy kept);
-* int8-native: the older per-row int8 kernel (`--weight-quant int8-bf16`) on the same weights.
+* int8-native: the older per-row int8 kernel (`--weight-quant int8-bf16`) on the same weights;
+* gguf-int8x2-lanes / gguf-int8-lanes: the same integer dots with the opt-in token-lane kernel for
+  calls of more than 8 tokens (SARATHI_GGUF_TOKEN_LANE=1; AVX-512 VNNI builds, else the same as
+  the plain ones).
 The threshold recorded in worker_svc/backends/cpu/gguf.py (GGUF_MAX_TOKENS) is the largest T up to
-which the default block kernel (gguf-int8x2) beats float32-cached at every T.
+which the default block kernel (gguf-int8x2) beats float32-cached at every T; GGUF_MAX_TOKENS_TOKEN_LANE
+the same for gguf-int8x2-lanes.
 
 Part "engine": SmolLM2's real GGUF on the Executor, one process per arm (ARMS: --base-tree's code,
 e.g. main before a change; the default now, with the decode stack; the same with
-SARATHI_NATIVE_STACK=0, layer by layer; llama.cpp's 8-bit activations) stepped in turn
+SARATHI_NATIVE_STACK=0, layer by layer; the opt-in token-lane kernel; llama.cpp's 8-bit
+activations) stepped in turn
 (bench.common.EngineProcess), cases decode:1 and decode:32 at 1k context, prefill:512; llama.cpp's
 llama-bench between the rounds (same GGUF, same threads: `-p 0 -n 32 -d 1024` = decode at depth
 1024, `-p 512 -n 0` = prefill 512) and llama-batched-bench (32 sequences decoding at depth 1024,
@@ -158,6 +163,8 @@ def bench_layers(rounds: int, sizes: list[int], names: list[str] | None = None, 
         "dequant+float32": lambda L, x: F.linear(x, native.gguf_dequantize(
             L[0], L[1], L[2].shape[1], out=scratch[:L[2].numel()].view(L[2].shape))),
         "int8-native": lambda L, x: native.int8_linear_unchecked(x, L[3], L[4], None),
+        "gguf-int8x2-lanes": lambda L, x: native.gguf_linear_q8_unchecked(L[0], L[1], x, parts=2, token_lane=True),
+        "gguf-int8-lanes": lambda L, x: native.gguf_linear_q8_unchecked(L[0], L[1], x, parts=1, token_lane=True),
     }
     base = build_baseline(baseline) if baseline else None
     if base:
@@ -184,10 +191,11 @@ def bench_layers(rounds: int, sizes: list[int], names: list[str] | None = None, 
                 for T in sizes for L in layers) for parts in (2, 1)}
         extra["speedup_vs_base"] = {
             new: {str(T): round(med[old][T] / med[new][T], 3) for T in sizes}
-            for new, old in (("gguf-int8x2", "base-int8x2"), ("gguf-int8", "base-int8"))
+            for new, old in (("gguf-int8x2", "base-int8x2"), ("gguf-int8", "base-int8"),
+                             ("gguf-int8x2-lanes", "base-int8x2"), ("gguf-int8-lanes", "base-int8"))
             if new in med and old in med}
     threshold = {}
-    for kernel in ("gguf-int8x2", "gguf-block"):
+    for kernel in ("gguf-int8x2", "gguf-block", "gguf-int8x2-lanes"):
         if kernel not in med or "float32-cached" not in med:
             continue
         threshold[kernel] = 0
@@ -272,10 +280,12 @@ LLAMA_CMDS: dict = {}
 STEPS = {"decode:1": 8, "decode:32": 3, "prefill:512": 1}     # timed consecutive steps per round
 LLAMA = "llama.cpp, same GGUF (llama-bench; decode 32: llama-batched-bench, prompt shared)"
 NEW = "new default (int8x2 dot, decode stack)"
+LANES = "token-lane kernel above 8 tokens (SARATHI_GGUF_TOKEN_LANE=1), int8x2, decode stack"
 # the engine's arms: (tree: None = this one, else --base-tree; environment)
 ARMS = {"base tree (--base-tree)": ("base", {}),
         NEW: (None, {}),
         "layer by layer (SARATHI_NATIVE_STACK=0)": (None, {"SARATHI_NATIVE_STACK": "0"}),
+        LANES: (None, {"SARATHI_GGUF_TOKEN_LANE": "1"}),
         "int8 dot (llama.cpp's activation quantization), decode stack": (None, {"SARATHI_GGUF_DOT": "int8"})}
 
 
@@ -316,7 +326,8 @@ def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool, base:
                               "ratio_new_default": round(med[new]["decode:32"] / bound_ms, 2),
                               # the same bytes at the rate a plain read of the K/V blocks reaches here
                               "read_bw_GBps": round(rbw / 1e9, 2), "read_bound_ms": round(read_bound_ms, 2),
-                              "ratio_new_default_read": round(med[new]["decode:32"] / read_bound_ms, 2)}}
+                              "ratio_new_default_read": round(med[new]["decode:32"] / read_bound_ms, 2),
+                              "ratio_token_lane_read": round(med[LANES]["decode:32"] / read_bound_ms, 2)}}
     if llama:
         res["new_default_over_llama"] = {c: round(med[new][c] / med[LLAMA][c], 3) for c in med[LLAMA]}
     return res

@@ -105,6 +105,29 @@ def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qty
     assert calls and set(calls) == ({1} if len(prompt) > limit else {1, len(prompt)})
 
 
+def test_token_lane_is_opt_in(tmp_path, monkeypatch):
+    """SARATHI_GGUF_TOKEN_LANE=1 turns the token-lane kernel on where the build has one (then the
+    block kernel's range is 256 tokens, and the decode stack runs it too); the default keeps it off;
+    another value is refused. Greedy output with it equals the default's on a single request."""
+    path = tmp_path / "tiny-Q4_1.gguf"
+    write_tiny_gguf(path, Q.Q4_1)
+    lane = native.gguf_q8_token_lane_above() > 0
+    default = make_executor(path, num_blocks=8, weight_quant="auto")
+    assert not default.backend.linear.token_lane and "token-lane" not in default.backend.linear.name
+    monkeypatch.setenv("SARATHI_GGUF_TOKEN_LANE", "1")
+    ex = make_executor(path, num_blocks=8, weight_quant="auto")
+    assert ex.backend.linear.token_lane == lane
+    assert ex.backend.linear.max_tokens == (gguf_backend.GGUF_MAX_TOKENS_TOKEN_LANE if lane
+                                            else default.backend.linear.max_tokens)
+    assert ex.model.stack is not None and ex.model.stack.token_lane == lane
+    prompt = list(range(2, 22))
+    table = list(range(blocks_for(len(prompt) + 12, 16)))
+    assert greedy_generate(ex, prompt, 12, table) == greedy_generate(default, prompt, 12, table)
+    monkeypatch.setenv("SARATHI_GGUF_TOKEN_LANE", "yes")
+    with pytest.raises(ValueError, match="SARATHI_GGUF_TOKEN_LANE must be 0 or 1"):
+        make_executor(path, num_blocks=8, weight_quant="auto")
+
+
 def test_unsupported_format_is_dequantized_at_load_with_a_log_line(tmp_path, caplog):
     """A matrix in a format without a kernel (Q5_0) is served from its float dequantization."""
     path = tmp_path / "tiny-Q5_0.gguf"

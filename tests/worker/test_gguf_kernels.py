@@ -162,12 +162,13 @@ def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype, parts_l
             # |x - xq| <= d_a / 2 per element: the bound of the difference from the exact product
             half = torch.from_numpy(np.repeat(d.astype(np.float64) / 2, 32, axis=1))
             exact = F.linear(torch.from_numpy(x).double(), w, bias.double())
-            for scalar in paths():
+            for scalar, lanes in ((s, tl) for s in paths() for tl in (False, True)):   # lanes: the token-lane kernel
                 got = native.gguf_linear_q8(int(qtype), torch.from_numpy(raw), torch.from_numpy(x), bias,
-                                            force_scalar=scalar, parts=parts).double()
+                                            force_scalar=scalar, parts=parts, token_lane=lanes).double()
                 assert got.shape == (T, n)
-                assert ((got - want).abs() <= tol).all(), (qtype.name, n, k, T, parts, scalar)
-                assert ((got - exact).abs() <= half @ w.abs().T + tol).all(), (qtype.name, n, k, T, parts, scalar)
+                assert ((got - want).abs() <= tol).all(), (qtype.name, n, k, T, parts, scalar, lanes)
+                assert ((got - exact).abs() <= half @ w.abs().T + tol).all(), (qtype.name, n, k, T, parts, scalar,
+                                                                               lanes)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -196,29 +197,32 @@ def test_q8_extreme_quants_do_not_saturate(qtype):
                 xq, _ = dequantized_act(x, parts)
                 want = F.linear(xq, w)
                 tol = 8 * k * 6e-8 * (xq.abs() @ w.abs().T) + 1e-30
-                for scalar in paths():
+                for scalar, lanes in ((s, tl) for s in paths() for tl in (False, True)):
                     got = native.gguf_linear_q8(int(qtype), torch.from_numpy(raw), torch.from_numpy(x),
-                                                force_scalar=scalar, parts=parts).double()
-                    assert ((got - want).abs() <= tol).all(), (qtype.name, fill, T, parts, scalar)
+                                                force_scalar=scalar, parts=parts, token_lane=lanes).double()
+                    assert ((got - want).abs() <= tol).all(), (qtype.name, fill, T, parts, scalar, lanes)
 
 
-def test_q8_token_results_do_not_depend_on_the_batch_or_threads():
+@pytest.mark.parametrize("token_lane", [False, True], ids=["default", "token_lane"])
+def test_q8_token_results_do_not_depend_on_the_batch_or_threads(token_lane):
     """Activations are quantized per token, rows split over threads: a token's output is bit-identical
-    alone, in any batch, at any position, with any thread count (the batch-independence rule). On a
-    build with the token-lane kernel (AVX-512 VNNI: calls of more than 8 tokens) the rule holds among
-    calls of 1-8 tokens and among calls of more; between the two, the same integer dots summed in
-    another fp32 order differ by fp32 rounding only."""
+    alone, in any batch, at any position, with any thread count (the batch-independence rule). With
+    the opt-in token-lane kernel (AVX-512 VNNI builds: calls of more than 8 tokens) the rule holds
+    among calls of 1-8 tokens and among calls of more; between the two, the same integer dots summed
+    in another fp32 order differ by fp32 rounding only."""
     rng = np.random.default_rng(11)
-    lane = native.gguf_q8_token_lane_above()
+    lane = native.gguf_q8_token_lane_above() if token_lane else 0
     for qtype in TYPES:
         k = 512
         raw = torch.from_numpy(random_blocks(qtype, 300, k, rng))
-        # 37 tokens: 8-token tiles 8 x 4 + 5 (AVX2), or 16 + 16 + 5 token-lane tiles; alone: the small-tile kernel
+        # 37 tokens: 8-token tiles 8 x 4 + 5, or 16 + 16 + 5 token-lane tiles; alone: the small-tile kernel
         x = torch.from_numpy(rng.standard_normal((37, k)).astype(np.float32))
         for scalar, parts in ((s, p) for s in paths() for p in (1, 2)):
-            full = native.gguf_linear_q8(int(qtype), raw, x, num_threads=2, force_scalar=scalar, parts=parts)
-            alone = torch.cat([native.gguf_linear_q8(int(qtype), raw, x[t:t + 1], num_threads=1, force_scalar=scalar,
-                                                     parts=parts) for t in range(37)])
+            def q8(xx, **kw):
+                return native.gguf_linear_q8(int(qtype), raw, xx, force_scalar=scalar, parts=parts,
+                                             token_lane=token_lane, **kw)
+            full = q8(x, num_threads=2)
+            alone = torch.cat([q8(x[t:t + 1], num_threads=1) for t in range(37)])
             if lane and not scalar:
                 torch.testing.assert_close(alone, full, rtol=2e-6, atol=2e-6 * float(full.abs().max()))
                 assert not torch.equal(alone, full)     # the token-lane kernel ran (another summation order)
@@ -227,8 +231,7 @@ def test_q8_token_results_do_not_depend_on_the_batch_or_threads():
             for perm in ([6, 2], [6, 2, 0, 5], [12, 3, 7, 1, 9, 4], list(range(12, 4, -1)),   # 2, 4, 6, 8
                          list(range(20, 2, -1)), list(range(36, 10, -2)) + [1]):           # 18, 14
                 ref = alone if lane and not scalar and len(perm) <= lane else full
-                assert torch.equal(native.gguf_linear_q8(int(qtype), raw, x[perm], force_scalar=scalar, parts=parts),
-                                   ref[perm]), (qtype.name, perm, scalar, parts)
+                assert torch.equal(q8(x[perm]), ref[perm]), (qtype.name, perm, scalar, parts)
 
 
 def test_q8_strided_rows_and_rejects_bad_shapes():
@@ -254,4 +257,5 @@ def test_avx2_build_on_an_avx512_machine(fresh_native, monkeypatch):
         test_linear_matches_float_gemm_on_dequantized(qtype)
         test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype)
     test_activation_quantization_bit_identical_to_numpy()
-    test_q8_token_results_do_not_depend_on_the_batch_or_threads()
+    assert native.gguf_q8_token_lane_above() == 0       # no token-lane kernel: token_lane changes nothing
+    test_q8_token_results_do_not_depend_on_the_batch_or_threads(token_lane=True)

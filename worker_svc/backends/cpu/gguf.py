@@ -13,10 +13,12 @@ kernel (csrc/gguf_linear.c: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) run:
 Both use the file's weights unchanged; they differ by the small-batch path's activation rounding
 (int8x2: within amax / 32512 per block of 32; "fp32": none, only summation order) and summation
 order. A token's activations are quantized alone, so its output does not depend on the other
-tokens of its batch below the threshold, with two exceptions: the threshold switch (as it was
-with the exact kernel) and, on AVX-512 VNNI builds, calls of 1-8 tokens against calls of more
-(the token-lane kernel: the same integer dots summed in another fp32 order, last-bit
-differences; native.gguf_q8_token_lane_above). Measured on SmolLM2's Q4_1 GGUF against Hugging Face (teacher-forced, 33
+tokens of its batch below the threshold (the threshold switch is the one exception, as it was
+with the exact kernel). Opt-in, SARATHI_GGUF_TOKEN_LANE=1 (default_token_lane): on AVX-512 VNNI
+builds, calls of more than 8 tokens run the token-lane kernel (16 tokens in a vector's lanes;
+1.2-1.9x faster at 16-256 tokens on Zen 4, and the threshold rises to 256), whose fp32
+summation order differs from the 8-token tiles': a second switch, at 8 tokens.
+Measured on SmolLM2's Q4_1 GGUF against Hugging Face (teacher-forced, 33
 positions, bench/results/kernels/weight_quant_agreement.json): int8x2 top-1 agreement 1.000, max
 logit error 0.01% of the logit range; "int8" (llama.cpp's own 8-bit activations) 0.909, 1.5%;
 "fp32" 1.000, 0.
@@ -47,10 +49,10 @@ from worker_svc.backends.cpu import native
 # before: 127 ms, a tie), 122 vs 127 at T=48, 164 vs 153 at 64: 48. (Before: 32, from
 # gguf_kernels_amd.json and gguf_kernels_zen4.json with the older kernels.) "scalar": never.
 GGUF_MAX_TOKENS = {"avx2": 48}
-# With the token-lane kernel (AVX-512 VNNI builds, calls of more than 8 tokens: csrc/gguf_linear.c
-# tl_rows) the integer dots beat F.linear at every T measured up to 256
-# (bench/results/kernels/gguf_kernels_zen4.json, AMD EPYC family 25 model 17, Zen 4, 2 threads:
-# 42 vs 103 ms at T=32, 313 vs 488 ms at 256); the fp32 dot keeps GGUF_MAX_TOKENS.
+# With the token-lane kernel (opt-in, SARATHI_GGUF_TOKEN_LANE=1; AVX-512 VNNI builds, calls of more
+# than 8 tokens: csrc/gguf_linear.c tl_rows) the integer dots beat F.linear at every T measured up
+# to 256 (bench/results/kernels/gguf_kernels_zen4.json, AMD EPYC family 25 model 17, Zen 4, 2
+# threads: int8x2 47 vs 127 ms at T=32, 307 vs 515 ms at 256).
 GGUF_MAX_TOKENS_TOKEN_LANE = 256
 
 
@@ -68,11 +70,23 @@ DEFAULT_DOT = "int8x2"
 DOT_PARTS = {"int8": 1, "int8x2": 2}   # integer-dot arithmetics: 8-bit parts per activation
 
 
-def default_max_tokens(dot: str | None = None) -> int:
+def default_token_lane() -> bool:
+    """SARATHI_GGUF_TOKEN_LANE=1: the integer-dot path's token-lane kernel for calls of more than 8
+    tokens, where the build has one (AVX-512 VNNI). 1.2-1.9x faster linear layers at 16-256
+    tokens on Zen 4, but a token's last bits then depend on whether its batch has more than 8
+    tokens: greedy output can change with batch composition, and a request replayed after a
+    preemption or a scheduler restart may continue differently. Off by default."""
+    v = os.environ.get("SARATHI_GGUF_TOKEN_LANE", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"SARATHI_GGUF_TOKEN_LANE must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def default_max_tokens(dot: str | None = None, token_lane: bool = False) -> int:
     """The block kernel's token limit for this machine and arithmetic (dot: default_dot())."""
     if not native.available():
         return 0
-    if (dot or default_dot()) in DOT_PARTS and native.gguf_q8_token_lane_above():
+    if token_lane and (dot or default_dot()) in DOT_PARTS and native.gguf_q8_token_lane_above():
         return GGUF_MAX_TOKENS_TOKEN_LANE
     return GGUF_MAX_TOKENS.get(native.gguf_isa(), 0)
 
@@ -88,7 +102,8 @@ class GgufLinearMethod(LinearMethod):
     """Block kernel for T <= max_tokens, float GEMM above (module docstring). process() keeps
     layer.gguf's blocks as buffer layer.gguf_data (uint8 [N, row_bytes]) and layer.gguf_type."""
 
-    def __init__(self, max_tokens: int | None = None, large: str = "cached", dot: str | None = None):
+    def __init__(self, max_tokens: int | None = None, large: str = "cached", dot: str | None = None,
+                 token_lane: bool | None = None):
         if not native.available():
             raise ValueError(f"GGUF block kernels need the native library: {native.unavailable_reason()}")
         if large not in ("cached", "dequant"):
@@ -96,9 +111,14 @@ class GgufLinearMethod(LinearMethod):
         self.dot = default_dot() if dot is None else dot
         if self.dot not in DOTS:
             raise ValueError(f"dot must be one of {DOTS}, got {self.dot!r}")
-        self.max_tokens = default_max_tokens(self.dot) if max_tokens is None else max_tokens
+        # the token-lane kernel only where it exists and the dot is an integer one
+        self.token_lane = bool(default_token_lane() if token_lane is None else token_lane) \
+            and self.dot in DOT_PARTS and native.gguf_q8_token_lane_above() > 0
+        self.max_tokens = default_max_tokens(self.dot, self.token_lane) if max_tokens is None else max_tokens
         self.large = large
         isa = f"{native.gguf_q8_isa()} {self.dot} dot" if self.dot in DOT_PARTS else native.gguf_isa() + " fp32 dot"
+        if self.token_lane:
+            isa += ", token-lane above 8 tokens"
         self.name = f"gguf blocks ({isa}) for <= {self.max_tokens} tokens, float GEMM above" + (
             " (dequantized per call)" if large == "dequant" else "")
 
@@ -134,7 +154,8 @@ class GgufLinearMethod(LinearMethod):
         if self.dot == "fp32":
             y = native.gguf_linear_unchecked(layer.gguf_type, data, xf, b)
         else:
-            y = native.gguf_linear_q8_unchecked(layer.gguf_type, data, xf, b, parts=DOT_PARTS[self.dot])
+            y = native.gguf_linear_q8_unchecked(layer.gguf_type, data, xf, b, parts=DOT_PARTS[self.dot],
+                                                token_lane=self.token_lane)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -33,11 +33,12 @@ class NativeDecodeStack:
 
     name = "native decode stack"
 
-    def __init__(self, layers, parts: int, max_tokens: int):
+    def __init__(self, layers, parts: int, max_tokens: int, token_lane: bool = False):
         self.layers = list(layers)
         first = self.layers[0]
         self.parts = parts
         self.max_tokens = max_tokens
+        self.token_lane = token_lane   # the linear method's (gguf.py default_token_lane)
         self.heads = (first.num_heads, first.num_kv_heads, first.head_dim)
         self.intermediate = first.gate_up.gguf_data.shape[0] // 2
         self.eps = float(first.input_norm.eps)
@@ -108,7 +109,8 @@ class NativeDecodeStack:
         native.decode_stack_unchecked(fields, x, residual, cos, sin, meta.slot_mapping,
                                       cache.k[self.layers[0].index].dtype, cache.num_slots, cache.block_size,
                                       nd.tables, nd.lens, nd.rows,
-                                      self.heads, self.intermediate, self.eps, self.scale, self.parts)
+                                      self.heads, self.intermediate, self.eps, self.scale, self.parts,
+                                      token_lane=self.token_lane)
         return x, residual
 
 
@@ -124,4 +126,4 @@ def decode_stack(layers, backend) -> NativeDecodeStack | None:
             or lin.dot not in DOT_PARTS or lin.max_tokens < 1 or backend.compute_dtype != torch.float32
             or not NativeDecodeStack.eligible(layers)):
         return None
-    return NativeDecodeStack(layers, DOT_PARTS[lin.dot], lin.max_tokens)
+    return NativeDecodeStack(layers, DOT_PARTS[lin.dot], lin.max_tokens, lin.token_lane)

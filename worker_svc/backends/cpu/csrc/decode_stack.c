@@ -36,7 +36,7 @@
 
 int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t xs,
                    const float *bias, float *out, int64_t os, int T, int N, int K, int num_threads,
-                   int parts, int force_scalar);
+                   int parts, int flags);
 int cpu_rms_norm(const void *x, int64_t xs, const void *res, int64_t rs, void *res_out, int64_t ros,
                  void *out, int64_t os, const void *w, int T, int H, float eps, int dtype, int nthreads);
 int cpu_rotary(void *q, int64_t qs, void *k, int64_t ks, const void *cos, const void *sin,
@@ -63,7 +63,7 @@ int cpu_decode_stack(const int64_t *fields, int L, int T, int H, int Hq, int Hkv
                      float *x, float *residual, const float *cos, const float *sin,
                      const int64_t *slots, int kv_dt, int64_t num_slots, int bs,
                      const int32_t *tables, int max_blocks, const int32_t *lens, const int32_t *rows,
-                     float scale, int parts, int nthreads, int *failed_layer) {
+                     float scale, int parts, int q8_flags, int nthreads, int *failed_layer) {
     if (T <= 0 || L <= 0) return 0;
     const int64_t NQKV = (int64_t)(Hq + 2 * Hkv) * D, NA = (int64_t)Hq * D;
     /* h [T, H], qkv [T, NQKV], attn [T, NA], gate_up [T, 2I], act [T, I] */
@@ -78,17 +78,17 @@ int cpu_decode_stack(const int64_t *fields, int L, int T, int H, int Hq, int Hkv
         /* the first layer: residual = x, h = norm(x); later: residual += x, h = norm(residual) */
         if (l == 0) CHECK(1, cpu_rms_norm(x, H, NULL, 0, NULL, 0, h, H, P(14), T, H, eps, 0, nthreads));
         else CHECK(1, cpu_rms_norm(x, H, residual, H, residual, H, h, H, P(14), T, H, eps, 0, nthreads));
-        CHECK(2, gguf_linear_q8((int)f[8], P(0), f[4], h, H, P(12), qkv, NQKV, T, (int)NQKV, H, nthreads, parts, 0));
+        CHECK(2, gguf_linear_q8((int)f[8], P(0), f[4], h, H, P(12), qkv, NQKV, T, (int)NQKV, H, nthreads, parts, q8_flags));
         float *k = qkv + NA, *v = k + (int64_t)Hkv * D;
         CHECK(3, cpu_rotary(qkv, NQKV, k, NQKV, cos, sin, T, Hq, Hkv, D, 0, nthreads));
         CHECK(4, cpu_write_kv(k, NQKV, v, NQKV, 0, P(16), P(17), kv_dt, slots, num_slots, T, Hkv, D));
         CHECK(5, paged_decode_attention_split(qkv, 0, NQKV, P(16), P(17), kv_dt, tables, max_blocks, lens, rows,
                                            T, Hq, Hkv, D, bs, scale, attn, 0, NA, nthreads, 0));
-        CHECK(6, gguf_linear_q8((int)f[9], P(1), f[5], attn, NA, P(13), x, H, T, H, (int)NA, nthreads, parts, 0));
+        CHECK(6, gguf_linear_q8((int)f[9], P(1), f[5], attn, NA, P(13), x, H, T, H, (int)NA, nthreads, parts, q8_flags));
         CHECK(7, cpu_rms_norm(x, H, residual, H, residual, H, h, H, P(15), T, H, eps, 0, nthreads));
-        CHECK(8, gguf_linear_q8((int)f[10], P(2), f[6], h, H, NULL, gu, 2 * (int64_t)I, T, 2 * I, H, nthreads, parts, 0));
+        CHECK(8, gguf_linear_q8((int)f[10], P(2), f[6], h, H, NULL, gu, 2 * (int64_t)I, T, 2 * I, H, nthreads, parts, q8_flags));
         CHECK(9, cpu_silu_mul(gu, 2 * (int64_t)I, act, I, T, I, 0, nthreads));
-        CHECK(10, gguf_linear_q8((int)f[11], P(3), f[7], act, I, NULL, x, H, T, H, I, nthreads, parts, 0));
+        CHECK(10, gguf_linear_q8((int)f[11], P(3), f[7], act, I, NULL, x, H, T, H, I, nthreads, parts, q8_flags));
     }
 done:
     free(buf);

@@ -759,8 +759,11 @@ static void q8_row_avx2_any(int type, int nt, int i8, const uint8_t *p, int nb, 
  * fma on that token's 8 partial lanes). Same integer dots, so the same value up to fp32 summation
  * order: the kernel above sums a token's 8 partial lanes at the end (hsum8), this one sums the
  * run's lanes in int32 first. A call runs all its tokens on one kernel, so a token's result does
- * not depend on its batch among calls of 1 .. Q8_TILE tokens, nor among calls of more (it can
- * differ in the last bits between the two, as at the block kernel / float GEMM switch).
+ * not depend on its batch among calls of 1 .. Q8_TILE tokens, nor among calls of more, but it can
+ * differ in the last bits between the two: so the kernel is opt-in (GG_Q8_TOKEN_LANE; the serving
+ * default keeps every batch composition bit-identical, which greedy replay after a preemption or
+ * a scheduler restart relies on). No kernel with the tile kernels' summation order and this
+ * layout was found faster: keeping 8 partial accumulators per token (their order) made it 1.0x.
  *
  * vpdpbusd multiplies unsigned by signed bytes: the weights (every format's values fit s8) are the
  * signed operand and the activations go unsigned as q + 128; the offset's share, 128 sum(w) per
@@ -1070,10 +1073,16 @@ static int tl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
 
 /* out [T, N] (row stride os) = x W^T (+ bias) on the integer-dot path (see above); parts 1: 8-bit
  * activations (llama.cpp's), 2: 8 + 7 bits (x ~ d (q + q_lo / 128): two integer dots per run).
- * Returns 0; -1 for an unsupported type or inconsistent shape; -2 out of memory. */
+ * flags: GG_Q8_SCALAR runs the scalar path; GG_Q8_TOKEN_LANE lets a call of more than Q8_TILE
+ * tokens run the token-lane kernel where the build has it (opt-in: another fp32 summation order
+ * than the tile kernels', so a token's bits then depend on whether its batch has more than
+ * Q8_TILE tokens). Returns 0; -1 for an unsupported type or inconsistent shape; -2 out of memory. */
+#define GG_Q8_SCALAR 1
+#define GG_Q8_TOKEN_LANE 2
 int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t xs,
                    const float *bias, float *out, int64_t os, int T, int N, int K, int num_threads,
-                   int parts, int force_scalar) {
+                   int parts, int flags) {
+    const int force_scalar = flags & GG_Q8_SCALAR;
     if (check(type, row_bytes, N, K) || T < 0 || parts < 1 || parts > 2) return -1;
     if (T == 0 || N == 0) return 0;
     const int nb = K / block_elems(type), nb32 = K / 32;
@@ -1085,7 +1094,7 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     num_threads = threads_for(num_threads, N, K);
     gguf_quantize_act(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar);
 #if defined(GG_TL)
-    if (!force_scalar && T > Q8_TILE) {   /* the token-lane kernel (see tl_rows) */
+    if (!force_scalar && (flags & GG_Q8_TOKEN_LANE) && T > Q8_TILE) {   /* the token-lane kernel (tl_rows) */
         const int rc = tl_linear(type, w, row_bytes, qa, qs, lo, da, sa, fs, bias, out, os, T, N, nb, parts,
                                  num_threads);
         free(qa);
@@ -1176,8 +1185,8 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     return 0;
 }
 
-/* Calls of more tokens than this run on the token-lane kernel (its fp32 summation order; see
- * tl_rows); 0: this build has none (every call on the 8-token tile kernels). */
+/* With GG_Q8_TOKEN_LANE, calls of more tokens than this run on the token-lane kernel (its fp32
+ * summation order; see tl_rows); 0: this build has none (every call on the 8-token tile kernels). */
 int gguf_q8_token_lane_above(void) {
 #if defined(GG_TL)
     return Q8_TILE;
