@@ -84,11 +84,14 @@ def test_parse_with_a_nested_pydantic_model_succeeds_on_every_try_at_temperature
 
 
 def test_json_object_returns_parseable_json(client):
+    # a request the 135M model can finish: to "Give a JSON object with a key 'color'." its greedy answer on
+    # Zen 4 repeats two keys until max_tokens (main at 5c885c1 too), while here it closes the object
     r = client.chat.completions.create(model=MODEL, response_format={"type": "json_object"}, max_tokens=200,
-                                       temperature=0, messages=[{"role": "user", "content": "Give a JSON object "
-                                                                 "with a key 'color'."}])
+                                       temperature=0, messages=[{"role": "user", "content": "Reply with a JSON "
+                                                                 "object with one key, 'color', and its value 'red'."}])
     assert r.choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    obj = json.loads(r.choices[0].message.content)
+    assert isinstance(obj, dict) and "color" in obj
 
 
 def test_a_regex_and_a_choice_hold_on_completions(client):

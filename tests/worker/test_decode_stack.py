@@ -107,7 +107,7 @@ def test_stack_with_attention_biases(tmp_path):
 def test_batches_the_stack_does_not_take_run_the_layers(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, gguf.GGMLQuantizationType.Q8_0)
-    ex = make_executor(path, num_blocks=640, weight_quant="auto", kv_cache_dtype="bfloat16")
+    ex = make_executor(path, num_blocks=64, weight_quant="auto", kv_cache_dtype="bfloat16")
     seqs = prefilled(ex, [9, 21])
     spy = Spy(ex.model.stack)
     # a hybrid batch: two decodes and a new prompt's chunk

@@ -89,8 +89,8 @@ def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qty
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                           eos_token_id=None, pad_token_id=1)[0, len(prompt):].tolist()
     ex = make_executor(path, num_blocks=8, weight_quant="auto")        # the default, fp32 KV
-    limit = gguf_backend.default_max_tokens()
-    assert ex.backend.linear.name.startswith("gguf blocks") and ex.backend.linear.max_tokens == limit
+    assert ex.backend.linear.name.startswith("gguf blocks")
+    assert len(prompt) > ex.backend.linear.max_tokens         # the prefill takes the float GEMM
     lin = [m for m in ex.model.modules() if hasattr(m, "method")]
     assert len(lin) == 4 * LAYERS + 1                                  # qkv, o, gate_up, down; the head
     assert all(getattr(m, "gguf_type", None) == int(qtype) for m in lin), qtype.name
@@ -100,9 +100,8 @@ def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qty
     monkeypatch.setattr(native, kernel, lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
     got = greedy_generate(ex, prompt, 16, list(range(blocks_for(len(prompt) + 16, 16))))
     assert got == ref
-    # decodes (1 row) ran the block kernel; the 64-token prefill the float GEMM where that is past the
-    # kernel's range (AVX2: 48), else the kernel too (AVX-512 VNNI: the token-lane kernel, up to 256)
-    assert calls and set(calls) == ({1} if len(prompt) > limit else {1, len(prompt)})
+    # decodes (1 row) ran the block kernel, the 64-token prefill the float GEMM
+    assert calls and set(calls) == {1}
 
 
 def test_token_lane_is_opt_in(tmp_path, monkeypatch):

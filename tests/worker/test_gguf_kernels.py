@@ -151,8 +151,8 @@ def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype, parts_l
     for (n, k), parts in ((s, p) for s in shapes(qtype) for p in parts_list):
         raw = random_blocks(qtype, n, k, rng)
         w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).astype(np.float32)).double()
-        # 1-2 tokens: the small-tile kernel; tiles of up to 8 (AVX2): 13 = 8 + 5, 9 = 8 + 1; token-lane
-        # tiles (AVX-512 VNNI) of 16 and at most 8 (zmm, ymm): 21 = 16 + 5
+        # 1-2 tokens: the small-tile kernel; tiles of up to 8: 13 = 8 + 5, 9 = 8 + 1; token-lane tiles of 16
+        # (opt-in, AVX-512 VNNI builds): 21 = 16 + 5
         for T in (1, 3, 6, 9, 13, 21):
             x = rng.standard_normal((T, k)).astype(np.float32)
             xq, d = dequantized_act(x, parts)
