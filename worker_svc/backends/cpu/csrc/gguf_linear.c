@@ -358,6 +358,17 @@ const char *gguf_linear_isa(void) {
 #endif
 }
 
+/* this OpenMP thread's rows [r0, r1) of N: an even split, as schedule(static) over rows */
+static inline void thread_rows(int N, int *r0, int *r1) {
+#ifdef _OPENMP
+    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+#else
+    const int nth = 1, tid = 0;
+#endif
+    *r0 = (int)((int64_t)N * tid / nth);
+    *r1 = (int)((int64_t)N * (tid + 1) / nth);
+}
+
 /* ========================================================================================== */
 /* Integer-dot path (llama.cpp's method): gguf_linear_q8                                      */
 /* ========================================================================================== */
@@ -1031,12 +1042,8 @@ static int tl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
-#ifdef _OPENMP
-        const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
-#else
-        const int nth = 1, tid = 0;
-#endif
-        const int r0 = (int)((int64_t)N * tid / nth), r1 = (int)((int64_t)N * (tid + 1) / nth);
+        int r0, r1;
+        thread_rows(N, &r0, &r1);
         int8_t *wb = aligned_alloc(64, (size_t)(rc * nr * 32));
         tl_meta *mt = malloc(sizeof(tl_meta) * (size_t)(rc * nr));
         float res[TL_ROWS * TL] __attribute__((aligned(64)));
@@ -1145,12 +1152,8 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     if (rc < 1) rc = 1;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
-#ifdef _OPENMP
-        const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
-#else
-        const int nth = 1, tid = 0;
-#endif
-        const int r0 = (int)((int64_t)N * tid / nth), r1 = (int)((int64_t)N * (tid + 1) / nth);
+        int r0, r1;
+        thread_rows(N, &r0, &r1);
         float res[Q8_TILE];
         for (int n0 = r0; n0 < r1; n0 += (int)rc) {
             const int n1 = n0 + rc < r1 ? n0 + (int)rc : r1;
