@@ -16,7 +16,7 @@ order. A token's activations are quantized alone, so its output does not depend 
 tokens of its batch below the threshold (the threshold switch is the one exception, as it was
 with the exact kernel). Opt-in, SARATHI_GGUF_TOKEN_LANE=1 (default_token_lane): on AVX-512 VNNI
 builds, calls of more than 8 tokens run the token-lane kernel (16 tokens in a vector's lanes;
-1.2-1.9x faster at 16-256 tokens on Zen 4, and the threshold rises to 256), whose fp32
+1.3-1.8x faster at 16-256 tokens on Zen 4, and the threshold rises to 256), whose fp32
 summation order differs from the 8-token tiles': a second switch, at 8 tokens.
 Measured on SmolLM2's Q4_1 GGUF against Hugging Face (teacher-forced, 33
 positions, bench/results/kernels/weight_quant_agreement.json): int8x2 top-1 agreement 1.000, max
@@ -52,7 +52,7 @@ GGUF_MAX_TOKENS = {"avx2": 48}
 # With the token-lane kernel (opt-in, SARATHI_GGUF_TOKEN_LANE=1; AVX-512 VNNI builds, calls of more
 # than 8 tokens: csrc/gguf_linear.c tl_rows) the integer dots beat F.linear at every T measured up
 # to 256 (bench/results/kernels/gguf_kernels_zen4.json, AMD EPYC family 25 model 17, Zen 4, 2
-# threads: int8x2 47 vs 127 ms at T=32, 307 vs 515 ms at 256).
+# threads: int8x2 46 vs 111 ms at T=32, 304 vs 498 ms at 256).
 GGUF_MAX_TOKENS_TOKEN_LANE = 256
 
 
@@ -72,7 +72,7 @@ DOT_PARTS = {"int8": 1, "int8x2": 2}   # integer-dot arithmetics: 8-bit parts pe
 
 def default_token_lane() -> bool:
     """SARATHI_GGUF_TOKEN_LANE=1: the integer-dot path's token-lane kernel for calls of more than 8
-    tokens, where the build has one (AVX-512 VNNI). 1.2-1.9x faster linear layers at 16-256
+    tokens, where the build has one (AVX-512 VNNI). 1.3-1.8x faster linear layers at 16-256
     tokens on Zen 4, but a token's last bits then depend on whether its batch has more than 8
     tokens: greedy output can change with batch composition, and a request replayed after a
     preemption or a scheduler restart may continue differently. Off by default."""
@@ -82,13 +82,12 @@ def default_token_lane() -> bool:
     return v == "1"
 
 
-def default_max_tokens(dot: str | None = None, token_lane: bool = False) -> int:
-    """The block kernel's token limit for this machine and arithmetic (dot: default_dot())."""
+def default_max_tokens(token_lane: bool = False) -> int:
+    """The block kernel's token limit on this machine; token_lane: the token-lane kernel runs (as
+    GgufLinearMethod.token_lane resolves it: asked for, an integer dot, and built here)."""
     if not native.available():
         return 0
-    if token_lane and (dot or default_dot()) in DOT_PARTS and native.gguf_q8_token_lane_above():
-        return GGUF_MAX_TOKENS_TOKEN_LANE
-    return GGUF_MAX_TOKENS.get(native.gguf_isa(), 0)
+    return GGUF_MAX_TOKENS_TOKEN_LANE if token_lane else GGUF_MAX_TOKENS.get(native.gguf_isa(), 0)
 
 
 def default_dot() -> str:
@@ -114,7 +113,7 @@ class GgufLinearMethod(LinearMethod):
         # the token-lane kernel only where it exists and the dot is an integer one
         self.token_lane = bool(default_token_lane() if token_lane is None else token_lane) \
             and self.dot in DOT_PARTS and native.gguf_q8_token_lane_above() > 0
-        self.max_tokens = default_max_tokens(self.dot, self.token_lane) if max_tokens is None else max_tokens
+        self.max_tokens = default_max_tokens(self.token_lane) if max_tokens is None else max_tokens
         self.large = large
         isa = f"{native.gguf_q8_isa()} {self.dot} dot" if self.dot in DOT_PARTS else native.gguf_isa() + " fp32 dot"
         if self.token_lane:

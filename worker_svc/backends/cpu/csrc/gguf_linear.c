@@ -369,6 +369,21 @@ static inline void thread_rows(int N, int *r0, int *r1) {
     *r1 = (int)((int64_t)N * (tid + 1) / nth);
 }
 
+#if defined(GG_AVX2)
+/* T tokens' activation scales da and sums sa ([t * fs + b], fs runs a token) -> by tile of `tile`
+ * tokens, then run, then token: dT / sT[(k * fs + b) * tile + t] for tile k; 0 past T */
+static void scales_by_tile(const float *da, const float *sa, int T, int64_t fs, int tile, float *dT, float *sT) {
+    const int ntiles = (T + tile - 1) / tile;
+    for (int k = 0; k < ntiles; k++)
+        for (int64_t b = 0; b < fs; b++)
+            for (int t = 0; t < tile; t++) {
+                const int tt = k * tile + t;
+                dT[((int64_t)k * fs + b) * tile + t] = tt < T ? da[(int64_t)tt * fs + b] : 0.0f;
+                sT[((int64_t)k * fs + b) * tile + t] = tt < T ? sa[(int64_t)tt * fs + b] : 0.0f;
+            }
+}
+#endif
+
 /* ========================================================================================== */
 /* Integer-dot path (llama.cpp's method): gguf_linear_q8                                      */
 /* ========================================================================================== */
@@ -773,15 +788,17 @@ static void q8_row_avx2_any(int type, int nt, int i8, const uint8_t *p, int nb, 
  * not depend on its batch among calls of 1 .. Q8_TILE tokens, nor among calls of more, but it can
  * differ in the last bits between the two: so the kernel is opt-in (GG_Q8_TOKEN_LANE; the serving
  * default keeps every batch composition bit-identical, which greedy replay after a preemption or
- * a scheduler restart relies on). No kernel with the tile kernels' summation order and this
- * layout was found faster: keeping 8 partial accumulators per token (their order) made it 1.0x.
+ * a scheduler restart relies on). This layout with the tile kernels' summation order (8 partial
+ * accumulators per token) was tried and measured 1.0-1.2x the tile kernel (one-off runs, not
+ * committed), so it is not here.
  *
  * vpdpbusd multiplies unsigned by signed bytes: the weights (every format's values fit s8) are the
  * signed operand and the activations go unsigned as q + 128; the offset's share, 128 sum(w) per
  * part, is subtracted in int32 (exact). The weights of a chunk of rows are unpacked once per call
  * into a per-thread buffer (32 bytes a run, and the run's scales and sum), so the call's T / TL
- * tiles share one unpacking. Partly filled tiles run whole (a zmm of 16 lanes): a ymm tile of 8
- * measured slower per token than the zmm one (bench/gguf_kernels.py, Zen 4). */
+ * tiles share one unpacking. Partly filled tiles run whole (a zmm of 16 lanes): a ymm variant for
+ * tiles of at most 8 measured no faster in one-off runs on Zen 4 (T = 24 as 16 + 8 took longer
+ * than T = 32 as two zmm tiles; not committed). */
 #define GG_TL 1
 #define TL 16
 #define TL_ROWS 4
@@ -855,7 +872,7 @@ tl_rows(const int R, const int P, const int Q6, const int CW, const int8_t *wb, 
                 }
             }
         }
-        const __m512 da = _mm512_load_ps(dT + (int64_t)b * TL);
+        const __m512 da = _mm512_load_ps(dT + (int64_t)b * TL), sav = _mm512_load_ps(sT + (int64_t)b * TL);
         for (int r = 0; r < R; r++) {
             const tl_meta m = mt[(int64_t)r * nr + b];
             __m512i d = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(h[r], 7), l[r]) : h[r];
@@ -867,7 +884,7 @@ tl_rows(const int R, const int P, const int Q6, const int CW, const int8_t *wb, 
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_mul_ps(_mm512_set1_ps(m.s1), da), acc[r]);
             }
             if (CW)
-                corr[r] = _mm512_add_ps(corr[r], _mm512_mul_ps(_mm512_set1_ps(m.cw), _mm512_load_ps(sT + (int64_t)b * TL)));
+                corr[r] = _mm512_add_ps(corr[r], _mm512_mul_ps(_mm512_set1_ps(m.cw), sav));
         }
     }
     for (int r = 0; r < R; r++) _mm512_store_ps(res + r * TL, _mm512_add_ps(acc[r], corr[r]));
@@ -1028,13 +1045,7 @@ static int tl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
                 }
             }
     }
-    for (int k = 0; k < ntiles; k++)
-        for (int b = 0; b < nr; b++)
-            for (int t = 0; t < TL; t++) {
-                const int tk = k * TL + t;
-                dT[((int64_t)k * nr + b) * TL + t] = tk < T ? da[(int64_t)tk * fs + b] : 0.0f;
-                sT[((int64_t)k * nr + b) * TL + t] = tk < T ? sa[(int64_t)tk * fs + b] : 0.0f;
-            }
+    scales_by_tile(da, sa, T, fs, TL, dT, sT);
     /* each thread's rows (an even split) in chunks of about Q8_CHUNK_BYTES of blocks: a chunk is
      * unpacked once (L2 resident), then swept by every tile */
     int64_t rc = Q8_CHUNK_BYTES / row_bytes;
@@ -1136,13 +1147,7 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
                     if (parts == 2) memcpy(dst + 32, qa + t * qs + lo + 32 * b, 32);
                 }
         }
-        for (int k = 0; k < ntiles; k++)
-            for (int b = 0; b < fs; b++)
-                for (int t = 0; t < Q8_TILE; t++) {
-                    const int tt = k * Q8_TILE + t;
-                    dT[((int64_t)k * fs + b) * Q8_TILE + t] = tt < T ? da[(int64_t)tt * fs + b] : 0.0f;
-                    sT[((int64_t)k * fs + b) * Q8_TILE + t] = tt < T ? sa[(int64_t)tt * fs + b] : 0.0f;
-                }
+        scales_by_tile(da, sa, T, fs, Q8_TILE, dT, sT);
     }
 #endif
     /* each thread's rows (an even split, as schedule(static) over rows) in chunks of about
