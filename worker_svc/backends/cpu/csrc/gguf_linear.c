@@ -919,6 +919,189 @@ static void tl_rows_any(int type, int R, int P, const int8_t *wb, const tl_meta 
 #undef TL_R
 #undef TL_CASE
 
+/* Row-lane kernel (AVX-512 VNNI builds), for calls of 1 .. Q8_TILE tokens, on the token-lane
+ * kernel's numbers: the same exact integer dot per run, and per (row, token) the same fp32 steps
+ * in the same order, acc = fma(float(dot), scale * da, acc) run after run, corr = corr + cw * sa,
+ * result acc + corr. So a token's result is bit-identical whichever of the two kernels its call
+ * runs on, and the token-lane kernel's speed on large calls no longer costs batch independence.
+ * Here the lanes are rows: RL = 8 rows, one per int32 lane of a ymm. A native block of each of the
+ * octet's rows is unpacked to bytes (FOR_EACH_RUN, into an L1 buffer), and each run's 8 x 8 dwords
+ * (row, group of 4 weights) are transposed in registers (24 shuffles, shared by the call's tokens),
+ * so that one vpdpbusd multiplies group g of all 8 rows by the token's 4 activation bytes of that
+ * group, broadcast from memory; a run's dots then take one convert, scale and fma for 8 rows.
+ * vpdpbusd is unsigned x signed: the weights go unsigned (the unsigned formats' values as they
+ * are; signed ones, Q8_0 and Q6_K, as v + 128, and 128 times the token's activation sum over the
+ * run is subtracted in int32: exact), the activations as their signed bytes. */
+#define RL 8
+
+/* r[i] = row i's run (dword g: elements 4g .. 4g+3) -> o[g]: dword i = row i's group g */
+static inline __attribute__((always_inline)) void rl_transpose(const __m256i *r, __m256i *o) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++) {   /* rows 0-3, 4-7 */
+        u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    for (int g = 0; g < 4; g++) {
+        o[g] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x20);
+        o[g + 4] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x31);
+    }
+}
+
+/* the octet's run b (w[8]: its groups of 4, and s0v, s1v, cwv) against the call's NT tokens */
+#define RL_TOKENS(b)                                                                                       \
+    for (int t = 0; t < NT; t++) {                                                                     \
+        const int8_t *a = qa + t * qs + 32 * b;                                                        \
+        __m256i h = _mm256_setzero_si256(), l = h, h2 = h, l2 = h;                                     \
+_Pragma("GCC unroll 8")                                                                                   \
+        for (int g = 0; g < 8; g++) {                                                                  \
+            int32_t a4;                                                                                \
+            memcpy(&a4, a + 4 * g, 4);                                                                 \
+            if (Q6 && g >= 4) h2 = _mm256_dpbusd_epi32(h2, w[g], _mm256_set1_epi32(a4));               \
+            else h = _mm256_dpbusd_epi32(h, w[g], _mm256_set1_epi32(a4));                              \
+            if (P == 2) {                                                                              \
+                memcpy(&a4, a + lo + 4 * g, 4);                                                        \
+                if (Q6 && g >= 4) l2 = _mm256_dpbusd_epi32(l2, w[g], _mm256_set1_epi32(a4));           \
+                else l = _mm256_dpbusd_epi32(l, w[g], _mm256_set1_epi32(a4));                          \
+            }                                                                                          \
+        }                                                                                              \
+        const int64_t tb = (int64_t)t * fs + b;                                                        \
+        __m256i d = P == 2 ? _mm256_add_epi32(_mm256_slli_epi32(h, 7), l) : h;                         \
+        const __m256 dav = _mm256_set1_ps(da[tb]);                                                     \
+        if (SG) d = _mm256_sub_epi32(d, _mm256_set1_epi32(128 * (Q6 ? ST[2 * tb] : ST[2 * tb] + ST[2 * tb + 1])));\
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s0v, dav), acc[t]);              \
+        if (Q6) {                                                                                      \
+            __m256i d2 = P == 2 ? _mm256_add_epi32(_mm256_slli_epi32(h2, 7), l2) : h2;                 \
+            d2 = _mm256_sub_epi32(d2, _mm256_set1_epi32(128 * ST[2 * tb + 1]));                        \
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2), _mm256_mul_ps(s1v, dav), acc[t]);         \
+        }                                                                                              \
+        if (!SG) corr[t] = _mm256_add_ps(corr[t], _mm256_mul_ps(cwv, _mm256_set1_ps(sa[tb])));         \
+    }
+
+static inline int32_t ld32(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* An octet of rows (rows[r]: nb native blocks each) against NT tokens (activations qa + t * qs,
+ * low parts at + lo, da / sa + t * fs; ST: the activation sums of each token's runs' halves, for
+ * the signed formats). res[t * RL + r]: row r, token t. */
+static inline __attribute__((always_inline)) void
+rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, int nb, const int8_t *qa,
+        int64_t qs, int64_t lo, const float *da, const float *sa, int64_t fs, const int32_t *ST, const uint8_t *pf,
+        int64_t pfn, float *res) {
+    /* pf: the next octet's pfn bytes, prefetched a slice a block: each row is a stream of only a few
+     * cache lines, too short for the hardware prefetchers, which the 8-token tile kernels' single
+     * sweep over consecutive rows feeds */
+    const int64_t pfstep = ((pfn + nb - 1) / nb + 63) & ~(int64_t)63;
+    const int SG = type == T_Q8_0 || type == T_Q6_K, Q6 = type == T_Q6_K;
+    const int rpb = block_elems(type) / 32, bb = block_bytes(type);
+    __m256 acc[Q8_TILE], corr[Q8_TILE];
+    for (int t = 0; t < NT; t++) { acc[t] = _mm256_setzero_ps(); corr[t] = _mm256_setzero_ps(); }
+    uint8_t wbuf[8][RL][32] __attribute__((aligned(32)));
+    float S0[8][RL] __attribute__((aligned(32))), S1[8][RL] __attribute__((aligned(32))),
+        CWs[8][RL] __attribute__((aligned(32)));
+    for (int i = 0; i < nb; i++) {
+        for (int64_t o = i * pfstep; o < (i + 1) * pfstep && o < pfn; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
+        if (rpb == 1) {   /* Q4_0, Q4_1, Q8_0: one run a block, unpacked and transposed in registers */
+            __m256i w[8];
+            const uint8_t *p[RL];
+            for (int r = 0; r < RL; r++) p[r] = rows[r] + (int64_t)i * bb;
+            if (type == T_Q8_0) {
+                __m256i rr[RL];
+                for (int r = 0; r < RL; r++) rr[r] = _mm256_loadu_si256((const __m256i *)(p[r] + 2));
+                rl_transpose(rr, w);
+                for (int g = 0; g < 8; g++) w[g] = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
+            } else {
+                /* 16 bytes a row: byte l holds element l (low nibble) and l + 16 (high); dword g of
+                 * the 8 rows' bytes, transposed, gives groups g (low nibbles) and g + 4 (high) */
+                __m256i y[4], t[4];
+                for (int r = 0; r < 4; r++)
+                    y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p[r] + bb - 16))),
+                                                   _mm_loadu_si128((const __m128i *)(p[r + 4] + bb - 16)), 1);
+                t[0] = _mm256_unpacklo_epi32(y[0], y[1]);
+                t[1] = _mm256_unpackhi_epi32(y[0], y[1]);
+                t[2] = _mm256_unpacklo_epi32(y[2], y[3]);
+                t[3] = _mm256_unpackhi_epi32(y[2], y[3]);
+                const __m256i g4[4] = {_mm256_unpacklo_epi64(t[0], t[2]), _mm256_unpackhi_epi64(t[0], t[2]),
+                                       _mm256_unpacklo_epi64(t[1], t[3]), _mm256_unpackhi_epi64(t[1], t[3])};
+                const __m256i m4 = _mm256_set1_epi8(15);
+                for (int g = 0; g < 4; g++) {
+                    w[g] = _mm256_and_si256(g4[g], m4);
+                    w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(g4[g], 4), m4);
+                }
+            }
+            /* the rows' fp16 d (and Q4_1's m), as h16 converts them (exactly) */
+            const __m256i hv = _mm256_setr_epi32(ld32(p[0]), ld32(p[1]), ld32(p[2]), ld32(p[3]), ld32(p[4]), ld32(p[5]),
+                                                 ld32(p[6]), ld32(p[7]));
+            const __m256 s0v = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(hv));
+            const __m256 cwv = type == T_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.0f), s0v)
+                                              : _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(hv, 16)));
+            const __m256 s1v = s0v;   /* (Q6_K's second scale: not these formats) */
+            RL_TOKENS(i)
+            continue;
+        }
+        for (int r = 0; r < RL; r++) {
+            const uint8_t *p = rows[r] + (int64_t)i * bb;
+#define RL_STORE(v, SGN, s0, s1, Q6_, cw, b)                                                       \
+            {                                                                                      \
+                _mm256_store_si256((__m256i *)wbuf[b][r], SGN ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v); \
+                S0[b][r] = s0;                                                                     \
+                S1[b][r] = s1;                                                                     \
+                CWs[b][r] = cw;                                                                    \
+            }
+            FOR_EACH_RUN(type, p, 1, RL_STORE)
+#undef RL_STORE
+        }
+        for (int j = 0; j < rpb; j++) {
+            const int b = i * rpb + j;
+            __m256i rr[RL], w[8];
+            for (int r = 0; r < RL; r++) rr[r] = _mm256_load_si256((const __m256i *)wbuf[j][r]);
+            rl_transpose(rr, w);
+            /* gathered lane by lane: one ymm load of the 8 scalar stores above would wait for them
+             * to reach the cache (no store-to-load forwarding of several stores into one load) */
+#define RL_VEC(X) _mm256_setr_ps(X[j][0], X[j][1], X[j][2], X[j][3], X[j][4], X[j][5], X[j][6], X[j][7])
+            const __m256 s0v = RL_VEC(S0), s1v = Q6 ? RL_VEC(S1) : s0v, cwv = SG ? s0v : RL_VEC(CWs);
+#undef RL_VEC
+            RL_TOKENS(b)
+        }
+    }
+    for (int t = 0; t < NT; t++) _mm256_storeu_ps(res + t * RL, _mm256_add_ps(acc[t], corr[t]));
+}
+
+#define RL_NT(TY, PP)                                                                              \
+    switch (nt) {                                                                                  \
+    case 1: rl_rows(TY, 1, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
+    case 2: rl_rows(TY, 2, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
+    case 3: rl_rows(TY, 3, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
+    case 4: rl_rows(TY, 4, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
+    case 5: rl_rows(TY, 5, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
+    case 6: rl_rows(TY, 6, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
+    case 7: rl_rows(TY, 7, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
+    default: rl_rows(TY, Q8_TILE, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;           \
+    }
+#define RL_CASE(TY)                                                                                \
+    case TY:                                                                                       \
+        if (P == 2) { RL_NT(TY, 2) } else { RL_NT(TY, 1) }                                         \
+        break;
+/* nt: 1 .. Q8_TILE tokens */
+static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int nb, const int8_t *qa, int64_t qs,
+                        int64_t lo, const float *da, const float *sa, int64_t fs, const int32_t *ST, const uint8_t *pf,
+                        int64_t pfn, float *res) {
+    switch (type) {
+    RL_CASE(T_Q4_0)
+    RL_CASE(T_Q4_1)
+    RL_CASE(T_Q8_0)
+    RL_CASE(T_Q4_K)
+    RL_CASE(T_Q5_K)
+    RL_CASE(T_Q6_K)
+    }
+}
+#undef RL_NT
+#undef RL_CASE
+
 #endif
 #undef FOR_EACH_RUN
 #endif
@@ -1087,6 +1270,45 @@ static int tl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
     free(dT);
     return failed ? -2 : 0;
 }
+
+/* gguf_linear_q8 on the row-lane kernel (see rl_rows): calls of 1 .. Q8_TILE tokens */
+static int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, int64_t qs, int64_t lo,
+                     const float *da, const float *sa, int64_t fs, const float *bias, float *out, int64_t os,
+                     int T, int N, int nb, int parts, int num_threads) {
+    /* the signed formats' activation sums by token, run, half (ST[2 (t fs + b) + h]) */
+    int32_t *ST = NULL;
+    if (type == T_Q8_0 || type == T_Q6_K) {
+        ST = malloc(sizeof(int32_t) * (size_t)(2 * T * fs));
+        if (!ST) return -2;
+        for (int t = 0; t < T; t++)
+            for (int64_t e = 0; e < 32 * fs; e += 16) {
+                const int8_t *q = qa + t * qs + e;
+                int32_t s = 0;
+                for (int l = 0; l < 16; l++) s += parts == 2 ? 128 * q[l] + q[l + lo] : q[l];
+                ST[2 * t * fs + e / 16] = s;
+            }
+    }
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int r0, r1;
+        thread_rows(N, &r0, &r1);
+        float res[Q8_TILE * RL] __attribute__((aligned(32)));
+        for (int n = r0; n < r1; n += RL) {
+            const int R = r1 - n < RL ? r1 - n : RL;
+            const uint8_t *rows[RL];
+            for (int r = 0; r < RL; r++) rows[r] = w + (int64_t)(n + (r < R ? r : R - 1)) * row_bytes;
+            const int nn = r1 - (n + RL) < RL ? r1 - (n + RL) : RL;   /* the next octet's rows (<= 0: none) */
+            rl_rows_any(type, T, parts, rows, nb, qa, qs, lo, da, sa, fs, ST, w + (int64_t)(n + RL) * row_bytes,
+                        nn > 0 ? nn * row_bytes : 0, res);
+            for (int r = 0; r < R; r++) {
+                const float bb = bias ? bias[n + r] : 0.0f;
+                for (int t = 0; t < T; t++) out[(int64_t)t * os + n + r] = res[t * RL + r] + bb;
+            }
+        }
+    }
+    free(ST);
+    return 0;
+}
 #endif
 
 /* out [T, N] (row stride os) = x W^T (+ bias) on the integer-dot path (see above); parts 1: 8-bit
@@ -1112,9 +1334,9 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     num_threads = threads_for(num_threads, N, K);
     gguf_quantize_act(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar);
 #if defined(GG_TL)
-    if (!force_scalar && (flags & GG_Q8_TOKEN_LANE) && T > Q8_TILE) {   /* the token-lane kernel (tl_rows) */
-        const int rc = tl_linear(type, w, row_bytes, qa, qs, lo, da, sa, fs, bias, out, os, T, N, nb, parts,
-                                 num_threads);
+    if (!force_scalar && (flags & GG_Q8_TOKEN_LANE)) {   /* the token-lane / row-lane kernels (tl_rows, rl_rows) */
+        const int rc = (T > Q8_TILE ? tl_linear : rl_linear)(type, w, row_bytes, qa, qs, lo, da, sa, fs, bias, out,
+                                                           os, T, N, nb, parts, num_threads);
         free(qa);
         free(da);
         return rc;
