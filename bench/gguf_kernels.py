@@ -4,23 +4,22 @@ and the engine's small-batch GGUF arithmetics against each other and against lla
 Part "layers": every linear layer of one SmolLM2-135M step (30 x qkv, o, gate_up, down in Q4_1, the
 LM head in Q8_0, as the default GGUF stores them; random blocks: timing does not depend on values),
 by token count T, each a full sweep over the weights (more than the L3, as in a real step):
-* gguf-int8x2: integer dots on the file's blocks, activations in two 8-bit parts (the default);
+* gguf-int8x2: integer dots on the file's blocks, activations in two 8-bit parts (the default; on
+  AVX-512 VNNI builds the lane kernels: rows in a vector's lanes for 1-8 tokens, tokens above);
 * gguf-int8: integer dots, activations in 8 bits (llama.cpp's method);
 * gguf-block: the exact kernel (rows dequantized in cache, fp32 dots; the default before);
 * float32-cached: F.linear on the dequantized fp32 weights kept in memory (the large path, default);
 * dequant+float32: the blocks dequantized into a buffer on every call, then F.linear (the large
   path with large="dequant": no fp32 copy kept);
 * int8-native: the older per-row int8 kernel (`--weight-quant int8-bf16`) on the same weights;
-* gguf-int8x2-lanes / gguf-int8-lanes: the same integer dots with the opt-in token-lane kernel for
-  calls of more than 8 tokens (SARATHI_GGUF_TOKEN_LANE=1; AVX-512 VNNI builds, else the same as
-  the plain ones).
-The threshold recorded in worker_svc/backends/cpu/gguf.py (GGUF_MAX_TOKENS) is the largest T up to
-which the default block kernel (gguf-int8x2) beats float32-cached at every T; GGUF_MAX_TOKENS_TOKEN_LANE
-the same for gguf-int8x2-lanes.
+* gguf-int8x2-tiles / gguf-int8-tiles: the same integer dots on the 8-token tile kernels
+  (SARATHI_GGUF_LANES=0; the only ones on builds without AVX-512 VNNI).
+"gguf_beats_float_up_to_T": the largest T up to which a block kernel beats float32-cached at every
+T (worker_svc/backends/cpu/gguf.py GGUF_MAX_TOKENS records the tile kernels' on Zen 3).
 
 Part "engine": SmolLM2's real GGUF on the Executor, one process per arm (ARMS: --base-tree's code,
 e.g. main before a change; the default now, with the decode stack; the same with
-SARATHI_NATIVE_STACK=0, layer by layer; the opt-in token-lane kernel; llama.cpp's 8-bit
+SARATHI_NATIVE_STACK=0, layer by layer; the 8-token tile kernels; llama.cpp's 8-bit
 activations) stepped in turn
 (bench.common.EngineProcess), cases decode:1 and decode:32 at 1k context, prefill:512; llama.cpp's
 llama-bench between the rounds (same GGUF, same threads: `-p 0 -n 32 -d 1024` = decode at depth
@@ -163,8 +162,8 @@ def bench_layers(rounds: int, sizes: list[int], names: list[str] | None = None, 
         "dequant+float32": lambda L, x: F.linear(x, native.gguf_dequantize(
             L[0], L[1], L[2].shape[1], out=scratch[:L[2].numel()].view(L[2].shape))),
         "int8-native": lambda L, x: native.int8_linear_unchecked(x, L[3], L[4], None),
-        "gguf-int8x2-lanes": lambda L, x: native.gguf_linear_q8_unchecked(L[0], L[1], x, parts=2, token_lane=True),
-        "gguf-int8-lanes": lambda L, x: native.gguf_linear_q8_unchecked(L[0], L[1], x, parts=1, token_lane=True),
+        "gguf-int8x2-tiles": lambda L, x: native.gguf_linear_q8_unchecked(L[0], L[1], x, parts=2, lanes=False),
+        "gguf-int8-tiles": lambda L, x: native.gguf_linear_q8_unchecked(L[0], L[1], x, parts=1, lanes=False),
     }
     base = build_baseline(baseline) if baseline else None
     if base:
@@ -183,19 +182,26 @@ def bench_layers(rounds: int, sizes: list[int], names: list[str] | None = None, 
                 times[name][T].append(time.perf_counter() - t0)
     med = {v: {T: statistics.median(ts) for T, ts in d.items()} for v, d in times.items()}
     extra = {}
+    # the lane kernels against the tile kernels: the same integer dots, another fp32 summation order
+    extra["max_abs_diff_lanes_vs_tiles"] = {
+        f"int8x{parts}" if parts == 2 else "int8": max(
+            (native.gguf_linear_q8_unchecked(L[0], L[1], xs[T][L[2].shape[1]], parts=parts)
+             - native.gguf_linear_q8_unchecked(L[0], L[1], xs[T][L[2].shape[1]], parts=parts, lanes=False))
+            .abs().max().item() for T in sizes for L in layers) for parts in (2, 1)}
     if base:       # this tree's outputs against the baseline's, every layer and T
-        extra["max_abs_diff_vs_base"] = {
-            f"int8x{parts}" if parts == 2 else "int8": max(
-                (native.gguf_linear_q8_unchecked(L[0], L[1], xs[T][L[2].shape[1]], parts=parts)
-                 - base_q8(base, L[0], L[1], xs[T][L[2].shape[1]], parts)).abs().max().item()
-                for T in sizes for L in layers) for parts in (2, 1)}
+        for lanes in (True, False):
+            extra["max_abs_diff_vs_base" + ("" if lanes else "_tiles")] = {
+                f"int8x{parts}" if parts == 2 else "int8": max(
+                    (native.gguf_linear_q8_unchecked(L[0], L[1], xs[T][L[2].shape[1]], parts=parts, lanes=lanes)
+                     - base_q8(base, L[0], L[1], xs[T][L[2].shape[1]], parts)).abs().max().item()
+                    for T in sizes for L in layers) for parts in (2, 1)}
         extra["speedup_vs_base"] = {
             new: {str(T): round(med[old][T] / med[new][T], 3) for T in sizes}
             for new, old in (("gguf-int8x2", "base-int8x2"), ("gguf-int8", "base-int8"),
-                             ("gguf-int8x2-lanes", "base-int8x2"), ("gguf-int8-lanes", "base-int8"))
+                             ("gguf-int8x2-tiles", "base-int8x2"), ("gguf-int8-tiles", "base-int8"))
             if new in med and old in med}
     threshold = {}
-    for kernel in ("gguf-int8x2", "gguf-block", "gguf-int8x2-lanes"):
+    for kernel in ("gguf-int8x2", "gguf-block", "gguf-int8x2-tiles"):
         if kernel not in med or "float32-cached" not in med:
             continue
         threshold[kernel] = 0
@@ -279,13 +285,13 @@ def llama_bench_once(threads: int) -> dict:
 LLAMA_CMDS: dict = {}
 STEPS = {"decode:1": 8, "decode:32": 3, "prefill:512": 1}     # timed consecutive steps per round
 LLAMA = "llama.cpp, same GGUF (llama-bench; decode 32: llama-batched-bench, prompt shared)"
-NEW = "new default (int8x2 dot, decode stack)"
-LANES = "token-lane kernel above 8 tokens (SARATHI_GGUF_TOKEN_LANE=1), int8x2, decode stack"
+NEW = "new default (int8x2 dot, lane kernels where built, decode stack)"
+TILES = "8-token tile kernels (SARATHI_GGUF_LANES=0), int8x2, decode stack"
 # the engine's arms: (tree: None = this one, else --base-tree; environment)
 ARMS = {"base tree (--base-tree)": ("base", {}),
         NEW: (None, {}),
         "layer by layer (SARATHI_NATIVE_STACK=0)": (None, {"SARATHI_NATIVE_STACK": "0"}),
-        LANES: (None, {"SARATHI_GGUF_TOKEN_LANE": "1"}),
+        TILES: (None, {"SARATHI_GGUF_LANES": "0"}),
         "int8 dot (llama.cpp's activation quantization), decode stack": (None, {"SARATHI_GGUF_DOT": "int8"})}
 
 
@@ -327,7 +333,7 @@ def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool, base:
                               # the same bytes at the rate a plain read of the K/V blocks reaches here
                               "read_bw_GBps": round(rbw / 1e9, 2), "read_bound_ms": round(read_bound_ms, 2),
                               "ratio_new_default_read": round(med[new]["decode:32"] / read_bound_ms, 2),
-                              "ratio_token_lane_read": round(med[LANES]["decode:32"] / read_bound_ms, 2)}}
+                              "ratio_tiles_read": round(med[TILES]["decode:32"] / read_bound_ms, 2)}}
     if llama:
         res["new_default_over_llama"] = {c: round(med[new][c] / med[LLAMA][c], 3) for c in med[LLAMA]}
     return res

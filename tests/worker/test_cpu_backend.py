@@ -375,10 +375,11 @@ def test_backend_line_is_in_model_info_and_the_metrics_label(tiny_ckpt):
     ex = make_executor(tiny_ckpt, num_blocks=8, kv_cache_dtype="bfloat16", weight_quant="int8")
     line = ex.model_info.backend
     assert line == ex.backend.describe()
-    from worker_svc.backends.cpu.gguf import default_dot
+    from worker_svc.backends.cpu.gguf import default_dot, default_lanes
 
     dot = default_dot()
-    isa = f"{native.gguf_isa()} fp32 dot" if dot == "fp32" else f"{native.gguf_q8_isa()} {dot} dot"
+    isa = f"{native.gguf_isa()} fp32 dot" if dot == "fp32" else f"{native.gguf_q8_isa()} {dot} dot" + (
+        ", lane kernels" if default_lanes() and native.gguf_q8_lanes() else "")
     assert line.startswith(f"device cpu: attention native {native.isa()}, kv bfloat16, linear int8 per 32-column "
                            f"group (Q8_0 blocks) ({isa}) for <= ")
     m = SchedulerMetrics(CollectorRegistry())

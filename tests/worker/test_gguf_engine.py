@@ -31,7 +31,7 @@ def write_tiny_gguf(path, qtype, seed: int = 0) -> None:
     random quants with small random fp16 scales, which is still a valid file of that format."""
     g = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(256)
+    w.add_context_length(512)
     w.add_embedding_length(H)
     w.add_block_count(LAYERS)
     w.add_feed_forward_length(INTER)
@@ -82,15 +82,16 @@ def write_tiny_gguf(path, qtype, seed: int = 0) -> None:
 def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qtype):
     path = tmp_path / f"tiny-{qtype.name}.gguf"
     write_tiny_gguf(path, qtype)
-    prompt = torch.randint(2, VOCAB, (64,), generator=torch.Generator().manual_seed(int(qtype))).tolist()
+    ex = make_executor(path, num_blocks=24, weight_quant="auto")       # the default, fp32 KV
+    # longer than the block kernel's range: the prefill takes the float GEMM
+    n = max(64, ex.backend.linear.max_tokens + 8)
+    prompt = torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(int(qtype))).tolist()
     hf = hf_model_from_gguf(str(path))
     with torch.no_grad():
         ids = torch.tensor([prompt])
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                           eos_token_id=None, pad_token_id=1)[0, len(prompt):].tolist()
-    ex = make_executor(path, num_blocks=8, weight_quant="auto")        # the default, fp32 KV
     assert ex.backend.linear.name.startswith("gguf blocks")
-    assert len(prompt) > ex.backend.linear.max_tokens         # the prefill takes the float GEMM
     lin = [m for m in ex.model.modules() if hasattr(m, "method")]
     assert len(lin) == 4 * LAYERS + 1                                  # qkv, o, gate_up, down; the head
     assert all(getattr(m, "gguf_type", None) == int(qtype) for m in lin), qtype.name
@@ -104,26 +105,26 @@ def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qty
     assert calls and set(calls) == {1}
 
 
-def test_token_lane_is_opt_in(tmp_path, monkeypatch):
-    """SARATHI_GGUF_TOKEN_LANE=1 turns the token-lane kernel on where the build has one (then the
-    block kernel's range is 256 tokens, and the decode stack runs it too); the default keeps it off;
-    another value is refused. Greedy output with it equals the default's on a single request."""
+def test_lane_kernels_are_the_default_where_built(tmp_path, monkeypatch):
+    """The integer dots run on the lane kernels where the build has them (AVX-512 VNNI; the decode
+    stack runs them too; the block kernel's range stays the same); SARATHI_GGUF_LANES=0 keeps the
+    8-token tile kernels; another value is refused. Greedy output is the same either way on a single
+    request (the two differ in fp32 summation order only)."""
     path = tmp_path / "tiny-Q4_1.gguf"
     write_tiny_gguf(path, Q.Q4_1)
-    lane = native.gguf_q8_token_lane_above() > 0
+    built = native.gguf_q8_lanes()
     default = make_executor(path, num_blocks=8, weight_quant="auto")
-    assert not default.backend.linear.token_lane and "token-lane" not in default.backend.linear.name
-    monkeypatch.setenv("SARATHI_GGUF_TOKEN_LANE", "1")
-    ex = make_executor(path, num_blocks=8, weight_quant="auto")
-    assert ex.backend.linear.token_lane == lane
-    assert ex.backend.linear.max_tokens == (gguf_backend.GGUF_MAX_TOKENS_TOKEN_LANE if lane
-                                            else default.backend.linear.max_tokens)
-    assert ex.model.stack is not None and ex.model.stack.token_lane == lane
+    assert default.backend.linear.lanes == built and ("lane kernels" in default.backend.linear.name) == built
+    assert default.model.stack is not None and default.model.stack.lanes == built
+    monkeypatch.setenv("SARATHI_GGUF_LANES", "0")
+    tiles = make_executor(path, num_blocks=8, weight_quant="auto")
+    assert not tiles.backend.linear.lanes and not tiles.model.stack.lanes
+    assert default.backend.linear.max_tokens == tiles.backend.linear.max_tokens == gguf_backend.default_max_tokens()
     prompt = list(range(2, 22))
     table = list(range(blocks_for(len(prompt) + 12, 16)))
-    assert greedy_generate(ex, prompt, 12, table) == greedy_generate(default, prompt, 12, table)
-    monkeypatch.setenv("SARATHI_GGUF_TOKEN_LANE", "yes")
-    with pytest.raises(ValueError, match="SARATHI_GGUF_TOKEN_LANE must be 0 or 1"):
+    assert greedy_generate(tiles, prompt, 12, table) == greedy_generate(default, prompt, 12, table)
+    monkeypatch.setenv("SARATHI_GGUF_LANES", "yes")
+    with pytest.raises(ValueError, match="SARATHI_GGUF_LANES must be 0 or 1"):
         make_executor(path, num_blocks=8, weight_quant="auto")
 
 

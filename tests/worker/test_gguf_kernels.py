@@ -151,8 +151,8 @@ def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype, parts_l
     for (n, k), parts in ((s, p) for s in shapes(qtype) for p in parts_list):
         raw = random_blocks(qtype, n, k, rng)
         w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).astype(np.float32)).double()
-        # 1-2 tokens: the small-tile kernel; tiles of up to 8: 13 = 8 + 5, 9 = 8 + 1; token-lane tiles of 16
-        # (opt-in, AVX-512 VNNI builds): 21 = 16 + 5
+        # tile kernels (lanes=False): 1-2 tokens the small-tile kernel, tiles of up to 8: 13 = 8 + 5, 9 = 8 + 1;
+        # lane kernels (AVX-512 VNNI builds): 1-8 tokens in row octets, token-lane tiles of 16: 21 = 16 + 5
         for T in (1, 3, 6, 9, 13, 21):
             x = rng.standard_normal((T, k)).astype(np.float32)
             xq, d = dequantized_act(x, parts)
@@ -162,9 +162,9 @@ def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype, parts_l
             # |x - xq| <= d_a / 2 per element: the bound of the difference from the exact product
             half = torch.from_numpy(np.repeat(d.astype(np.float64) / 2, 32, axis=1))
             exact = F.linear(torch.from_numpy(x).double(), w, bias.double())
-            for scalar, lanes in ((s, tl) for s in paths() for tl in (False, True)):   # lanes: the token-lane kernel
+            for scalar, lanes in ((s, tl) for s in paths() for tl in (False, True)):   # lanes: the lane kernels
                 got = native.gguf_linear_q8(int(qtype), torch.from_numpy(raw), torch.from_numpy(x), bias,
-                                            force_scalar=scalar, parts=parts, token_lane=lanes).double()
+                                            force_scalar=scalar, parts=parts, lanes=lanes).double()
                 assert got.shape == (T, n)
                 assert ((got - want).abs() <= tol).all(), (qtype.name, n, k, T, parts, scalar, lanes)
                 assert ((got - exact).abs() <= half @ w.abs().T + tol).all(), (qtype.name, n, k, T, parts, scalar,
@@ -199,39 +199,38 @@ def test_q8_extreme_quants_do_not_saturate(qtype):
                 tol = 8 * k * 6e-8 * (xq.abs() @ w.abs().T) + 1e-30
                 for scalar, lanes in ((s, tl) for s in paths() for tl in (False, True)):
                     got = native.gguf_linear_q8(int(qtype), torch.from_numpy(raw), torch.from_numpy(x),
-                                                force_scalar=scalar, parts=parts, token_lane=lanes).double()
+                                                force_scalar=scalar, parts=parts, lanes=lanes).double()
                     assert ((got - want).abs() <= tol).all(), (qtype.name, fill, T, parts, scalar, lanes)
 
 
-@pytest.mark.parametrize("token_lane", [False, True], ids=["default", "token_lane"])
-def test_q8_token_results_do_not_depend_on_the_batch_or_threads(token_lane):
+@pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "tiles"])
+def test_q8_token_results_do_not_depend_on_the_batch_or_threads(lanes):
     """Activations are quantized per token, rows split over threads: a token's output is bit-identical
-    alone, in any batch, at any position, with any thread count (the batch-independence rule). With
-    the opt-in token-lane kernel (AVX-512 VNNI builds: calls of more than 8 tokens) the rule holds
-    among calls of 1-8 tokens and among calls of more; between the two, the same integer dots summed
-    in another fp32 order differ by fp32 rounding only."""
+    alone, in any batch, at any position, with any thread count (the batch-independence rule), on
+    the lane kernels (AVX-512 VNNI builds, the default: row octets for 1-8 tokens, token-lane tiles
+    of 16 above, one fp32 order) and on the 8-token tile kernels alike."""
     rng = np.random.default_rng(11)
-    lane = native.gguf_q8_token_lane_above() if token_lane else 0
+    built = native.gguf_q8_lanes()
     for qtype in TYPES:
         k = 512
-        raw = torch.from_numpy(random_blocks(qtype, 300, k, rng))
-        # 37 tokens: 8-token tiles 8 x 4 + 5, or 16 + 16 + 5 token-lane tiles; alone: the small-tile kernel
+        raw = torch.from_numpy(random_blocks(qtype, 300, k, rng))       # 300 rows: 37 octets + 4
+        # 37 tokens: 8-token tiles 8 x 4 + 5, or 16 + 16 + 5 token-lane tiles; alone: 1 token
         x = torch.from_numpy(rng.standard_normal((37, k)).astype(np.float32))
         for scalar, parts in ((s, p) for s in paths() for p in (1, 2)):
-            def q8(xx, **kw):
-                return native.gguf_linear_q8(int(qtype), raw, xx, force_scalar=scalar, parts=parts,
-                                             token_lane=token_lane, **kw)
+            def q8(xx, lanes=lanes, **kw):
+                return native.gguf_linear_q8(int(qtype), raw, xx, force_scalar=scalar, parts=parts, lanes=lanes,
+                                             **kw)
             full = q8(x, num_threads=2)
             alone = torch.cat([q8(x[t:t + 1], num_threads=1) for t in range(37)])
-            if lane and not scalar:
-                torch.testing.assert_close(alone, full, rtol=2e-6, atol=2e-6 * float(full.abs().max()))
-                assert not torch.equal(alone, full)     # the token-lane kernel ran (another summation order)
-            else:
-                assert torch.equal(alone, full), (qtype.name, scalar, parts)
+            assert torch.equal(alone, full), (qtype.name, scalar, parts)
             for perm in ([6, 2], [6, 2, 0, 5], [12, 3, 7, 1, 9, 4], list(range(12, 4, -1)),   # 2, 4, 6, 8
                          list(range(20, 2, -1)), list(range(36, 10, -2)) + [1]):           # 18, 14
-                ref = alone if lane and not scalar and len(perm) <= lane else full
-                assert torch.equal(q8(x[perm]), ref[perm]), (qtype.name, perm, scalar, parts)
+                assert torch.equal(q8(x[perm]), full[perm]), (qtype.name, perm, scalar, parts)
+            if lanes and built and not scalar:   # the lane kernels ran: another summation order than the tiles'
+                tiles = q8(x, lanes=False)
+                torch.testing.assert_close(full, tiles, rtol=2e-6, atol=2e-6 * float(tiles.abs().max()))
+                assert not torch.equal(full, tiles)
+                assert not torch.equal(full[:8], tiles[:8])                  # the row-lane kernel too
 
 
 def test_q8_strided_rows_and_rejects_bad_shapes():
@@ -257,5 +256,5 @@ def test_avx2_build_on_an_avx512_machine(fresh_native, monkeypatch):
         test_linear_matches_float_gemm_on_dequantized(qtype)
         test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype)
     test_activation_quantization_bit_identical_to_numpy()
-    assert native.gguf_q8_token_lane_above() == 0       # no token-lane kernel: token_lane changes nothing
-    test_q8_token_results_do_not_depend_on_the_batch_or_threads(token_lane=True)
+    assert not native.gguf_q8_lanes()                   # no lane kernels: lanes changes nothing
+    test_q8_token_results_do_not_depend_on_the_batch_or_threads(lanes=True)

@@ -14,10 +14,11 @@ Both use the file's weights unchanged; they differ by the small-batch path's act
 (int8x2: within amax / 32512 per block of 32; "fp32": none, only summation order) and summation
 order. A token's activations are quantized alone, so its output does not depend on the other
 tokens of its batch below the threshold (the threshold switch is the one exception, as it was
-with the exact kernel). Opt-in, SARATHI_GGUF_TOKEN_LANE=1 (default_token_lane): on AVX-512 VNNI
-builds, calls of more than 8 tokens run the token-lane kernel (16 tokens in a vector's lanes;
-1.3-1.8x faster at 16-256 tokens on Zen 4, and the threshold rises to 256), whose fp32
-summation order differs from the 8-token tiles': a second switch, at 8 tokens.
+with the exact kernel). On AVX-512 VNNI builds the integer dots run on the lane kernels
+(SARATHI_GGUF_LANES, default 1; default_lanes): 8 rows in a vector's lanes for calls of 1-8
+tokens, 16 tokens in a vector's lanes above, one fp32 summation order for both (1.3-1.4x faster
+than the 8-token tile kernels at 1-8 tokens, 1.4x and more above, on Zen 4); SARATHI_GGUF_LANES=0
+(and builds without VNNI) keep the tile kernels.
 Measured on SmolLM2's Q4_1 GGUF against Hugging Face (teacher-forced, 33
 positions, bench/results/kernels/weight_quant_agreement.json): int8x2 top-1 agreement 1.000, max
 logit error 0.01% of the logit range; "int8" (llama.cpp's own 8-bit activations) 0.909, 1.5%;
@@ -49,11 +50,13 @@ from worker_svc.backends.cpu import native
 # before: 127 ms, a tie), 122 vs 127 at T=48, 164 vs 153 at 64: 48. (Before: 32, from
 # gguf_kernels_amd.json and gguf_kernels_zen4.json with the older kernels.) "scalar": never.
 GGUF_MAX_TOKENS = {"avx2": 48}
-# With the token-lane kernel (opt-in, SARATHI_GGUF_TOKEN_LANE=1; AVX-512 VNNI builds, calls of more
-# than 8 tokens: csrc/gguf_linear.c tl_rows) the integer dots beat F.linear at every T measured up
-# to 256 (bench/results/kernels/gguf_kernels_zen4.json, AMD EPYC family 25 model 17, Zen 4, 2
-# threads: int8x2 46 vs 111 ms at T=32, 304 vs 498 ms at 256).
-GGUF_MAX_TOKENS_TOKEN_LANE = 256
+# The lane kernels (AVX-512 VNNI builds, SARATHI_GGUF_LANES: csrc/gguf_linear.c rl_rows, tl_rows) beat
+# F.linear at every T measured up to 256 (bench/results/kernels/gguf_kernels_zen4.json, AMD EPYC family
+# 25 model 17, Zen 4, 2 threads), but keep this threshold: a call's arithmetic changes at it (quantized
+# activations vs the float GEMM), and at 256 the served stack's batches fell on the other side of it
+# than the offline engine's: in the e2e suite a request replayed after a scheduler SIGKILL continued
+# differently from its offline output (the threshold, not the lane kernels' summation order, which
+# is one for every call size). Calls of 49-256 tokens would be 1.4-1.8x faster.
 
 
 # The small-batch kernel's arithmetic (SARATHI_GGUF_DOT overrides the default):
@@ -70,24 +73,21 @@ DEFAULT_DOT = "int8x2"
 DOT_PARTS = {"int8": 1, "int8x2": 2}   # integer-dot arithmetics: 8-bit parts per activation
 
 
-def default_token_lane() -> bool:
-    """SARATHI_GGUF_TOKEN_LANE=1: the integer-dot path's token-lane kernel for calls of more than 8
-    tokens, where the build has one (AVX-512 VNNI). 1.3-1.8x faster linear layers at 16-256
-    tokens on Zen 4, but a token's last bits then depend on whether its batch has more than 8
-    tokens: greedy output can change with batch composition, and a request replayed after a
-    preemption or a scheduler restart may continue differently. Off by default."""
-    v = os.environ.get("SARATHI_GGUF_TOKEN_LANE", "0")
+def default_lanes() -> bool:
+    """SARATHI_GGUF_LANES (default 1): the integer-dot path's lane kernels where the build has them
+    (AVX-512 VNNI); 0: the 8-token tile kernels. Both keep a token's result independent of its
+    batch; they differ from each other in fp32 summation order (last bits)."""
+    v = os.environ.get("SARATHI_GGUF_LANES", "1")
     if v not in ("0", "1"):
-        raise ValueError(f"SARATHI_GGUF_TOKEN_LANE must be 0 or 1, got {v!r}")
+        raise ValueError(f"SARATHI_GGUF_LANES must be 0 or 1, got {v!r}")
     return v == "1"
 
 
-def default_max_tokens(token_lane: bool = False) -> int:
-    """The block kernel's token limit on this machine; token_lane: the token-lane kernel runs (as
-    GgufLinearMethod.token_lane resolves it: asked for, an integer dot, and built here)."""
+def default_max_tokens() -> int:
+    """The block kernel's token limit on this machine."""
     if not native.available():
         return 0
-    return GGUF_MAX_TOKENS_TOKEN_LANE if token_lane else GGUF_MAX_TOKENS.get(native.gguf_isa(), 0)
+    return GGUF_MAX_TOKENS.get(native.gguf_isa(), 0)
 
 
 def default_dot() -> str:
@@ -102,7 +102,7 @@ class GgufLinearMethod(LinearMethod):
     layer.gguf's blocks as buffer layer.gguf_data (uint8 [N, row_bytes]) and layer.gguf_type."""
 
     def __init__(self, max_tokens: int | None = None, large: str = "cached", dot: str | None = None,
-                 token_lane: bool | None = None):
+                 lanes: bool | None = None):
         if not native.available():
             raise ValueError(f"GGUF block kernels need the native library: {native.unavailable_reason()}")
         if large not in ("cached", "dequant"):
@@ -110,14 +110,14 @@ class GgufLinearMethod(LinearMethod):
         self.dot = default_dot() if dot is None else dot
         if self.dot not in DOTS:
             raise ValueError(f"dot must be one of {DOTS}, got {self.dot!r}")
-        # the token-lane kernel only where it exists and the dot is an integer one
-        self.token_lane = bool(default_token_lane() if token_lane is None else token_lane) \
-            and self.dot in DOT_PARTS and native.gguf_q8_token_lane_above() > 0
-        self.max_tokens = default_max_tokens(self.token_lane) if max_tokens is None else max_tokens
+        # the lane kernels only where they exist and the dot is an integer one
+        self.lanes = bool(default_lanes() if lanes is None else lanes) and self.dot in DOT_PARTS \
+            and native.gguf_q8_lanes()
+        self.max_tokens = default_max_tokens() if max_tokens is None else max_tokens
         self.large = large
         isa = f"{native.gguf_q8_isa()} {self.dot} dot" if self.dot in DOT_PARTS else native.gguf_isa() + " fp32 dot"
-        if self.token_lane:
-            isa += ", token-lane above 8 tokens"
+        if self.lanes:
+            isa += ", lane kernels"
         self.name = f"gguf blocks ({isa}) for <= {self.max_tokens} tokens, float GEMM above" + (
             " (dequantized per call)" if large == "dequant" else "")
 
@@ -154,7 +154,7 @@ class GgufLinearMethod(LinearMethod):
             y = native.gguf_linear_unchecked(layer.gguf_type, data, xf, b)
         else:
             y = native.gguf_linear_q8_unchecked(layer.gguf_type, data, xf, b, parts=DOT_PARTS[self.dot],
-                                                token_lane=self.token_lane)
+                                                lanes=self.lanes)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -443,7 +443,7 @@ def _bind_gguf(lib: ctypes.CDLL) -> None:
     lib.gguf_quantize_act.argtypes = [P, L, I, I, P, L, L, P, P, I, I]
     lib.gguf_quantize_act.restype = I
     lib.gguf_q8_isa.restype = ctypes.c_char_p
-    lib.gguf_q8_token_lane_above.restype = ctypes.c_int
+    lib.gguf_q8_lanes.restype = ctypes.c_int
 
 
 def gguf_isa() -> str:
@@ -457,12 +457,12 @@ def gguf_q8_isa() -> str:
     return _lib.gguf_q8_isa().decode() if available() else ""
 
 
-def gguf_q8_token_lane_above() -> int:
-    """With token_lane, gguf_linear_q8 calls of more tokens than this run on the token-lane kernel
-    (AVX-512 VNNI builds: 8): the same integer dots in another fp32 summation order, so a token's
-    result is bit-identical among calls of 1 .. n tokens and among calls of more, and may differ in
-    the last bits between the two. 0: no such kernel here (token_lane changes nothing)."""
-    return _lib.gguf_q8_token_lane_above() if available() else 0
+def gguf_q8_lanes() -> bool:
+    """Whether gguf_linear_q8 has the lane kernels here (AVX-512 VNNI builds; csrc/gguf_linear.c
+    rl_rows for 1-8 tokens, tl_rows above): one fp32 summation order for every call size, another
+    than the 8-token tile kernels' (lanes=False, and every call on builds without them). Either
+    way a token's result does not depend on its batch. False: lanes changes nothing."""
+    return bool(_lib.gguf_q8_lanes()) if available() else False
 
 
 def gguf_supports(ggml_type: int) -> bool:
@@ -529,30 +529,30 @@ def gguf_dequantize(ggml_type: int, w: torch.Tensor, K: int, num_threads: int | 
     return out
 
 
-def _q8_flags(force_scalar: bool, token_lane: bool) -> int:
-    """gguf_linear_q8's flags (csrc/gguf_linear.c: GG_Q8_SCALAR 1, GG_Q8_TOKEN_LANE 2)."""
-    return int(bool(force_scalar)) | (2 if token_lane else 0)
+def _q8_flags(force_scalar: bool, lanes: bool) -> int:
+    """gguf_linear_q8's flags (csrc/gguf_linear.c: GG_Q8_SCALAR 1, GG_Q8_LANES 2)."""
+    return int(bool(force_scalar)) | (2 if lanes else 0)
 
 
 def gguf_linear_q8(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
                    num_threads: int | None = None, force_scalar: bool = False, parts: int = 1,
-                   token_lane: bool = False) -> torch.Tensor:
+                   lanes: bool = True) -> torch.Tensor:
     """gguf_linear on the integer-dot path (csrc/gguf_linear.c, gguf_linear_q8): each token's x
     quantized to 8-bit blocks of 32 (gguf_quantize_act; parts=2: a second 7-bit part of the
     rounding remainder, two integer dots per run), integer dots with the file's blocks, fp32
-    scales. F.linear on the exact dequantization up to the activation rounding. token_lane: calls
-    of more than gguf_q8_token_lane_above() tokens may run the token-lane kernel (see there)."""
+    scales. F.linear on the exact dequantization up to the activation rounding. lanes: the lane
+    kernels where built (gguf_q8_lanes; the serving default), else the 8-token tile kernels."""
     _check_linear(ggml_type, w, x, bias)
     if parts not in (1, 2):
         raise ValueError(f"parts must be 1 or 2, got {parts}")
     return gguf_linear_q8_unchecked(ggml_type, w, x, bias, num_threads, force_scalar, parts=parts,
-                                    token_lane=token_lane)
+                                    lanes=lanes)
 
 
 def gguf_linear_q8_unchecked(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
                              num_threads: int | None = None, force_scalar: bool = False,
                              out: torch.Tensor | None = None, parts: int = 1,
-                             token_lane: bool = False) -> torch.Tensor:
+                             lanes: bool = True) -> torch.Tensor:
     """gguf_linear_q8 without the argument checks; out: an fp32 [T, N] tensor with contiguous rows
     to write into (None: a new one)."""
     T, K = x.shape
@@ -561,7 +561,7 @@ def gguf_linear_q8_unchecked(ggml_type: int, w: torch.Tensor, x: torch.Tensor, b
         out = torch.empty(T, N, dtype=torch.float32)
     rc = _lib.gguf_linear_q8(ggml_type, w.data_ptr(), w.shape[1], x.data_ptr(), x.stride(0),
                              None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), T, N, K,
-                             num_threads or torch.get_num_threads(), parts, _q8_flags(force_scalar, token_lane))
+                             num_threads or torch.get_num_threads(), parts, _q8_flags(force_scalar, lanes))
     if rc != 0:
         raise ValueError(f"gguf_linear_q8 rejected type {ggml_type}, w {tuple(w.shape)}, K={K} (rc={rc})")
     return out
@@ -612,7 +612,7 @@ def decode_stack_unchecked(fields: torch.Tensor, x: torch.Tensor, residual: torc
                            cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, kv_dtype: torch.dtype,
                            num_slots: int, block_size: int, tables: torch.Tensor, lens: torch.Tensor,
                            rows: torch.Tensor, heads: tuple[int, int, int], intermediate: int, eps: float,
-                           scale: float, parts: int, num_threads: int | None = None, token_lane: bool = False) -> None:
+                           scale: float, parts: int, num_threads: int | None = None, lanes: bool = True) -> None:
     """cpu_decode_stack (csrc/decode_stack.c) without argument checks: fields int64 [L, fields]
     (the layer table), x / residual fp32 [T, H] contiguous (x: input, then the last MLP output;
     residual: written), cos / sin fp32 [T, D] contiguous, slots int64 [T], tables / lens / rows
@@ -625,7 +625,7 @@ def decode_stack_unchecked(fields: torch.Tensor, x: torch.Tensor, residual: torc
                                x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                slots.data_ptr(), _KV_DTYPE_CODE[kv_dtype], num_slots, block_size,
                                tables.data_ptr(), tables.shape[1], lens.data_ptr(), rows.data_ptr(),
-                               scale, parts, _q8_flags(False, token_lane), num_threads or torch.get_num_threads(),
+                               scale, parts, _q8_flags(False, lanes), num_threads or torch.get_num_threads(),
                                ctypes.byref(failed))
     if rc == 0:
         return

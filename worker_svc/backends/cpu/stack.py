@@ -33,12 +33,12 @@ class NativeDecodeStack:
 
     name = "native decode stack"
 
-    def __init__(self, layers, parts: int, max_tokens: int, token_lane: bool = False):
+    def __init__(self, layers, parts: int, max_tokens: int, lanes: bool = False):
         self.layers = list(layers)
         first = self.layers[0]
         self.parts = parts
         self.max_tokens = max_tokens
-        self.token_lane = token_lane   # the linear method's (gguf.py default_token_lane)
+        self.lanes = lanes   # the linear method's (gguf.py default_lanes)
         self.heads = (first.num_heads, first.num_kv_heads, first.head_dim)
         self.intermediate = first.gate_up.gguf_data.shape[0] // 2
         self.eps = float(first.input_norm.eps)
@@ -110,7 +110,7 @@ class NativeDecodeStack:
                                       cache.k[self.layers[0].index].dtype, cache.num_slots, cache.block_size,
                                       nd.tables, nd.lens, nd.rows,
                                       self.heads, self.intermediate, self.eps, self.scale, self.parts,
-                                      token_lane=self.token_lane)
+                                      lanes=self.lanes)
         return x, residual
 
 
@@ -126,4 +126,4 @@ def decode_stack(layers, backend) -> NativeDecodeStack | None:
             or lin.dot not in DOT_PARTS or lin.max_tokens < 1 or backend.compute_dtype != torch.float32
             or not NativeDecodeStack.eligible(layers)):
         return None
-    return NativeDecodeStack(layers, DOT_PARTS[lin.dot], lin.max_tokens, lin.token_lane)
+    return NativeDecodeStack(layers, DOT_PARTS[lin.dot], lin.max_tokens, lin.lanes)

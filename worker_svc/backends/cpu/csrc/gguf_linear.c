@@ -784,11 +784,11 @@ static void q8_row_avx2_any(int type, int nt, int i8, const uint8_t *p, int nb, 
  * tile kernel above spends ~9 instructions on ONE token and run (its dots, then a convert and an
  * fma on that token's 8 partial lanes). Same integer dots, so the same value up to fp32 summation
  * order: the kernel above sums a token's 8 partial lanes at the end (hsum8), this one sums the
- * run's lanes in int32 first. A call runs all its tokens on one kernel, so a token's result does
- * not depend on its batch among calls of 1 .. Q8_TILE tokens, nor among calls of more, but it can
- * differ in the last bits between the two: so the kernel is opt-in (GG_Q8_TOKEN_LANE; the serving
- * default keeps every batch composition bit-identical, which greedy replay after a preemption or
- * a scheduler restart relies on). This layout with the tile kernels' summation order (8 partial
+ * run's lanes in int32 first. Calls of 1 .. Q8_TILE tokens run the row-lane kernel below, which
+ * has this kernel's fp32 order: with GG_Q8_LANES (the serving default where built), a token's
+ * result is bit-identical in every batch composition, which greedy replay after a preemption or a
+ * scheduler restart relies on; without it, the tile kernels above serve every call (their own
+ * order, also batch-independent). This layout with the tile kernels' summation order (8 partial
  * accumulators per token) was tried and measured 1.0-1.2x the tile kernel (one-off runs, not
  * committed), so it is not here.
  *
@@ -923,15 +923,20 @@ static void tl_rows_any(int type, int R, int P, const int8_t *wb, const tl_meta 
  * kernel's numbers: the same exact integer dot per run, and per (row, token) the same fp32 steps
  * in the same order, acc = fma(float(dot), scale * da, acc) run after run, corr = corr + cw * sa,
  * result acc + corr. So a token's result is bit-identical whichever of the two kernels its call
- * runs on, and the token-lane kernel's speed on large calls no longer costs batch independence.
- * Here the lanes are rows: RL = 8 rows, one per int32 lane of a ymm. A native block of each of the
- * octet's rows is unpacked to bytes (FOR_EACH_RUN, into an L1 buffer), and each run's 8 x 8 dwords
- * (row, group of 4 weights) are transposed in registers (24 shuffles, shared by the call's tokens),
- * so that one vpdpbusd multiplies group g of all 8 rows by the token's 4 activation bytes of that
- * group, broadcast from memory; a run's dots then take one convert, scale and fma for 8 rows.
+ * runs on. Here the lanes are rows: RL = 8 rows, one per int32 lane of a ymm. Each run's 8 x 8
+ * dwords (row, group of 4 weights) are transposed in registers, so that one vpdpbusd multiplies
+ * group g of all 8 rows by a token's 4 activation bytes of that group, broadcast from memory; the
+ * transposed run serves all the call's tokens, and a run's dots take one convert, scale and fma
+ * for 8 rows. Q4_0 / Q4_1 transpose the rows' packed nibbles (4 x 4 dwords) and unpack after;
+ * Q8_0 its bytes (8 x 8); the K-quants unpack each row's block through FOR_EACH_RUN into an L1
+ * buffer first. The rows' scales are vectors: fp16 converted 8 at a time, or (K-quants) stored per
+ * row and read back lane by lane.
  * vpdpbusd is unsigned x signed: the weights go unsigned (the unsigned formats' values as they
  * are; signed ones, Q8_0 and Q6_K, as v + 128, and 128 times the token's activation sum over the
- * run is subtracted in int32: exact), the activations as their signed bytes. */
+ * run is subtracted in int32: exact), the activations as their signed bytes. An octet's rows are
+ * short streams (K / 32 runs) that the hardware prefetchers barely start on: the next octet's
+ * bytes are prefetched in software while this one runs (without it: ~2x slower at T = 1, one-off
+ * runs on Zen 4). bench/gguf_kernels.py times it against the tile kernels. */
 #define RL 8
 
 /* r[i] = row i's run (dword g: elements 4g .. 4g+3) -> o[g]: dword i = row i's group g */
@@ -1313,12 +1318,12 @@ static int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
 
 /* out [T, N] (row stride os) = x W^T (+ bias) on the integer-dot path (see above); parts 1: 8-bit
  * activations (llama.cpp's), 2: 8 + 7 bits (x ~ d (q + q_lo / 128): two integer dots per run).
- * flags: GG_Q8_SCALAR runs the scalar path; GG_Q8_TOKEN_LANE lets a call of more than Q8_TILE
- * tokens run the token-lane kernel where the build has it (opt-in: another fp32 summation order
- * than the tile kernels', so a token's bits then depend on whether its batch has more than
- * Q8_TILE tokens). Returns 0; -1 for an unsupported type or inconsistent shape; -2 out of memory. */
+ * flags: GG_Q8_SCALAR runs the scalar path; GG_Q8_LANES the lane kernels where the build has them
+ * (AVX-512 VNNI: rl_rows for 1 .. Q8_TILE tokens, tl_rows above; one fp32 summation order, another
+ * than the tile kernels'). Returns 0; -1 for an unsupported type or inconsistent shape; -2 out of
+ * memory. */
 #define GG_Q8_SCALAR 1
-#define GG_Q8_TOKEN_LANE 2
+#define GG_Q8_LANES 2
 int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t xs,
                    const float *bias, float *out, int64_t os, int T, int N, int K, int num_threads,
                    int parts, int flags) {
@@ -1334,7 +1339,7 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     num_threads = threads_for(num_threads, N, K);
     gguf_quantize_act(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar);
 #if defined(GG_TL)
-    if (!force_scalar && (flags & GG_Q8_TOKEN_LANE)) {   /* the token-lane / row-lane kernels (tl_rows, rl_rows) */
+    if (!force_scalar && (flags & GG_Q8_LANES)) {   /* the lane kernels (rl_rows, tl_rows) */
         const int rc = (T > Q8_TILE ? tl_linear : rl_linear)(type, w, row_bytes, qa, qs, lo, da, sa, fs, bias, out,
                                                            os, T, N, nb, parts, num_threads);
         free(qa);
@@ -1415,11 +1420,11 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     return 0;
 }
 
-/* With GG_Q8_TOKEN_LANE, calls of more tokens than this run on the token-lane kernel (its fp32
- * summation order; see tl_rows); 0: this build has none (every call on the 8-token tile kernels). */
-int gguf_q8_token_lane_above(void) {
+/* 1: this build has the lane kernels (GG_Q8_LANES: rl_rows, tl_rows); 0: every call runs on the
+ * 8-token tile kernels (GG_Q8_LANES changes nothing). */
+int gguf_q8_lanes(void) {
 #if defined(GG_TL)
-    return Q8_TILE;
+    return 1;
 #else
     return 0;
 #endif
