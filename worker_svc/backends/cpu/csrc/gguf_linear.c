@@ -927,10 +927,13 @@ static void tl_rows_any(int type, int R, int P, const int8_t *wb, const tl_meta 
  * dwords (row, group of 4 weights) are transposed in registers, so that one vpdpbusd multiplies
  * group g of all 8 rows by a token's 4 activation bytes of that group, broadcast from memory; the
  * transposed run serves all the call's tokens, and a run's dots take one convert, scale and fma
- * for 8 rows. Q4_0 / Q4_1 transpose the rows' packed nibbles (4 x 4 dwords) and unpack after;
- * Q8_0 its bytes (8 x 8); the K-quants unpack each row's block through FOR_EACH_RUN into an L1
- * buffer first. The rows' scales are vectors: fp16 converted 8 at a time, or (K-quants) stored per
- * row and read back lane by lane.
+ * for 8 rows. Everything stays in registers: a block's 32-byte pieces of the 8 rows (nibbles,
+ * high bits, bytes) are transposed as they are (Q4_0 / Q4_1 / Q6_K's scales 4 x 4 dwords), then
+ * unpacked with FOR_EACH_RUN's operations, and the scales are decoded 8 rows a vector (fp16
+ * converted 8 at a time; the K-quants' 6-bit scales and mins and Q6_K's int8 scales in the
+ * lanes), with FOR_EACH_RUN's IEEE operations. An earlier version unpacked each row through
+ * FOR_EACH_RUN into an L1 buffer and read the scales back lane by lane: 0.9-1.1x the tile kernels
+ * at T = 1 for the K-quants (one-off runs, not committed).
  * vpdpbusd is unsigned x signed: the weights go unsigned (the unsigned formats' values as they
  * are; signed ones, Q8_0 and Q6_K, as v + 128, and 128 times the token's activation sum over the
  * run is subtracted in int32: exact), the activations as their signed bytes. An octet's rows are
@@ -989,6 +992,7 @@ _Pragma("GCC unroll 8")                                                         
     }
 
 static inline int32_t ld32(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+static inline int32_t ld16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
 /* An octet of rows (rows[r]: nb native blocks each) against NT tokens (activations qa + t * qs,
  * low parts at + lo, da / sa + t * fs; ST: the activation sums of each token's runs' halves, for
@@ -1002,15 +1006,12 @@ rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, i
      * sweep over consecutive rows feeds */
     const int64_t pfstep = ((pfn + nb - 1) / nb + 63) & ~(int64_t)63;
     const int SG = type == T_Q8_0 || type == T_Q6_K, Q6 = type == T_Q6_K;
-    const int rpb = block_elems(type) / 32, bb = block_bytes(type);
+    const int bb = block_bytes(type);
     __m256 acc[Q8_TILE], corr[Q8_TILE];
     for (int t = 0; t < NT; t++) { acc[t] = _mm256_setzero_ps(); corr[t] = _mm256_setzero_ps(); }
-    uint8_t wbuf[8][RL][32] __attribute__((aligned(32)));
-    float S0[8][RL] __attribute__((aligned(32))), S1[8][RL] __attribute__((aligned(32))),
-        CWs[8][RL] __attribute__((aligned(32)));
     for (int i = 0; i < nb; i++) {
         for (int64_t o = i * pfstep; o < (i + 1) * pfstep && o < pfn; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
-        if (rpb == 1) {   /* Q4_0, Q4_1, Q8_0: one run a block, unpacked and transposed in registers */
+        if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0) {   /* one run a block */
             __m256i w[8];
             const uint8_t *p[RL];
             for (int r = 0; r < RL; r++) p[r] = rows[r] + (int64_t)i * bb;
@@ -1048,29 +1049,106 @@ rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, i
             RL_TOKENS(i)
             continue;
         }
-        for (int r = 0; r < RL; r++) {
-            const uint8_t *p = rows[r] + (int64_t)i * bb;
-#define RL_STORE(v, SGN, s0, s1, Q6_, cw, b)                                                       \
-            {                                                                                      \
-                _mm256_store_si256((__m256i *)wbuf[b][r], SGN ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v); \
-                S0[b][r] = s0;                                                                     \
-                S1[b][r] = s1;                                                                     \
-                CWs[b][r] = cw;                                                                    \
+        if (type == T_Q4_K || type == T_Q5_K) {   /* all in registers too: 32-byte pieces of the 8 rows transposed */
+            const uint8_t *p[RL];
+            __m256i cr[RL], H[8], QH[8];
+            for (int r = 0; r < RL; r++) p[r] = rows[r] + (int64_t)i * bb;
+            /* the first 32 bytes: dword 0 = d | dmin (fp16), dwords 1-3 = the 12 bytes of packed 6-bit
+             * scales and mins; per row in the lanes after the transpose */
+            for (int r = 0; r < RL; r++) cr[r] = _mm256_loadu_si256((const __m256i *)p[r]);
+            rl_transpose(cr, H);
+            const __m256 dv = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(H[0]));
+            const __m256 dminv = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(H[0], 16)));
+            if (type == T_Q5_K) {   /* qh: bit j of byte l is element l's fifth bit in sub-block j */
+                for (int r = 0; r < RL; r++) cr[r] = _mm256_loadu_si256((const __m256i *)(p[r] + 16));
+                rl_transpose(cr, QH);
             }
-            FOR_EACH_RUN(type, p, 1, RL_STORE)
-#undef RL_STORE
+            const int q4 = type == T_Q4_K ? 16 : 48;
+            const __m256i m4 = _mm256_set1_epi8(15), m63 = _mm256_set1_epi32(63);
+            /* scale byte k of each row (scale_min_k4's q[k]) */
+#define RL_QB(k) _mm256_and_si256(_mm256_srli_epi32(H[1 + (k) / 4], 8 * ((k) % 4)), _mm256_set1_epi32(0xff))
+            for (int c = 0; c < 4; c++) {   /* 32 bytes: sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+                __m256i G[8];
+                for (int r = 0; r < RL; r++) cr[r] = _mm256_loadu_si256((const __m256i *)(p[r] + q4 + 32 * c));
+                rl_transpose(cr, G);
+                for (int half = 0; half < 2; half++) {
+                    const int j = 2 * c + half;
+                    __m256i w[8];
+                    for (int g = 0; g < 8; g++) {
+                        w[g] = _mm256_and_si256(half ? _mm256_srli_epi16(G[g], 4) : G[g], m4);
+                        if (type == T_Q5_K)   /* as FOR_EACH_RUN: bit j of each byte to bit 4 */
+                            w[g] = _mm256_or_si256(w[g], _mm256_and_si256(
+                                j >= 4 ? _mm256_srli_epi16(QH[g], j - 4) : _mm256_slli_epi16(QH[g], 4 - j),
+                                _mm256_set1_epi8(16)));
+                    }
+                    __m256i sc, mn;   /* scale_min_k4(j) in the lanes */
+                    if (j < 4) {
+                        sc = _mm256_and_si256(RL_QB(j), m63);
+                        mn = _mm256_and_si256(RL_QB(j + 4), m63);
+                    } else {
+                        sc = _mm256_or_si256(_mm256_and_si256(RL_QB(j + 4), _mm256_set1_epi32(15)),
+                                             _mm256_slli_epi32(_mm256_srli_epi32(RL_QB(j - 4), 6), 4));
+                        mn = _mm256_or_si256(_mm256_srli_epi32(RL_QB(j + 4), 4),
+                                             _mm256_slli_epi32(_mm256_srli_epi32(RL_QB(j), 6), 4));
+                    }
+                    /* FOR_EACH_RUN's sc_ = d * (float)s, cw_ = -(dmin * (float)m): the same IEEE operations */
+                    const __m256 s0v = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sc)), s1v = s0v;
+                    const __m256 cwv = _mm256_xor_ps(_mm256_mul_ps(dminv, _mm256_cvtepi32_ps(mn)),
+                                                     _mm256_set1_ps(-0.0f));
+                    const int b = 8 * i + j;
+                    RL_TOKENS(b)
+                }
+            }
+#undef RL_QB
+            continue;
         }
-        for (int j = 0; j < rpb; j++) {
-            const int b = i * rpb + j;
-            __m256i rr[RL], w[8];
-            for (int r = 0; r < RL; r++) rr[r] = _mm256_load_si256((const __m256i *)wbuf[j][r]);
-            rl_transpose(rr, w);
-            /* gathered lane by lane: one ymm load of the 8 scalar stores above would wait for them
-             * to reach the cache (no store-to-load forwarding of several stores into one load) */
-#define RL_VEC(X) _mm256_setr_ps(X[j][0], X[j][1], X[j][2], X[j][3], X[j][4], X[j][5], X[j][6], X[j][7])
-            const __m256 s0v = RL_VEC(S0), s1v = Q6 ? RL_VEC(S1) : s0v, cwv = SG ? s0v : RL_VEC(CWs);
-#undef RL_VEC
-            RL_TOKENS(b)
+        {   /* Q6_K, in registers as well: ql, qh and the int8 scales of the 8 rows transposed */
+            const uint8_t *p[RL];
+            for (int r = 0; r < RL; r++) p[r] = rows[r] + (int64_t)i * bb;
+            const __m256 dv = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_setr_epi32(
+                ld16(p[0] + 208), ld16(p[1] + 208), ld16(p[2] + 208), ld16(p[3] + 208), ld16(p[4] + 208),
+                ld16(p[5] + 208), ld16(p[6] + 208), ld16(p[7] + 208))));
+            /* the 16 int8 scales: S4[q] dword r = row r's scales 4q .. 4q + 3 */
+            __m256i y[4], t[4], S4[4];
+            for (int r = 0; r < 4; r++)
+                y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p[r] + 192))),
+                                               _mm_loadu_si128((const __m128i *)(p[r + 4] + 192)), 1);
+            t[0] = _mm256_unpacklo_epi32(y[0], y[1]);
+            t[1] = _mm256_unpackhi_epi32(y[0], y[1]);
+            t[2] = _mm256_unpacklo_epi32(y[2], y[3]);
+            t[3] = _mm256_unpackhi_epi32(y[2], y[3]);
+            S4[0] = _mm256_unpacklo_epi64(t[0], t[2]);
+            S4[1] = _mm256_unpackhi_epi64(t[0], t[2]);
+            S4[2] = _mm256_unpacklo_epi64(t[1], t[3]);
+            S4[3] = _mm256_unpackhi_epi64(t[1], t[3]);
+            /* scale k of each row, sign-extended */
+#define RL_SC(k) _mm256_srai_epi32(_mm256_slli_epi32(S4[(k) / 4], 24 - 8 * ((k) % 4)), 24)
+            const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3 << 4), off = _mm256_set1_epi8(96);
+            for (int h = 0; h < 2; h++) {
+                __m256i cr[RL], QH[8], L[2][8];
+                for (int r = 0; r < RL; r++) cr[r] = _mm256_loadu_si256((const __m256i *)(p[r] + 128 + 32 * h));
+                rl_transpose(cr, QH);
+                for (int c = 0; c < 2; c++) {
+                    for (int r = 0; r < RL; r++) cr[r] = _mm256_loadu_si256((const __m256i *)(p[r] + 64 * h + 32 * c));
+                    rl_transpose(cr, L[c]);
+                }
+                for (int j = 0; j < 4; j++) {
+                    __m256i w[8];
+                    /* as FOR_EACH_RUN: v = lo | hi << 4, the weight v - 32; unsigned here: (v - 32) ^ 0x80 = v + 96 */
+                    for (int g = 0; g < 8; g++) {
+                        const __m256i lo = _mm256_and_si256(j >> 1 ? _mm256_srli_epi16(L[j & 1][g], 4) : L[j & 1][g], m4);
+                        const __m256i hi = _mm256_and_si256(
+                            2 * j >= 4 ? _mm256_srli_epi16(QH[g], 2 * j - 4) : _mm256_slli_epi16(QH[g], 4 - 2 * j), m2);
+                        w[g] = _mm256_add_epi8(_mm256_or_si256(lo, hi), off);
+                    }
+                    const int e = 128 * h + 32 * j;
+                    const __m256 s0v = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(RL_SC(e / 16)));
+                    const __m256 s1v = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(RL_SC(e / 16 + 1))), cwv = s0v;
+                    const int b = 8 * i + 4 * h + j;
+                    RL_TOKENS(b)
+                }
+            }
+#undef RL_SC
         }
     }
     for (int t = 0; t < NT; t++) _mm256_storeu_ps(res + t * RL, _mm256_add_ps(acc[t], corr[t]));
