@@ -152,7 +152,8 @@ def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype, parts_l
         raw = random_blocks(qtype, n, k, rng)
         w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).astype(np.float32)).double()
         # tile kernels (lanes=False): 1-2 tokens the small-tile kernel, tiles of up to 8: 13 = 8 + 5, 9 = 8 + 1;
-        # lane kernels (AVX-512 VNNI builds): 1-8 tokens in row octets, token-lane tiles of 16: 21 = 16 + 5
+        # lane kernels (AVX-512 VNNI builds): 1-16 tokens in row octets (9, 13: two passes), token-lane tiles of
+        # 16 above: 21 = 16 + 5
         for T in (1, 3, 6, 9, 13, 21):
             x = rng.standard_normal((T, k)).astype(np.float32)
             xq, d = dequantized_act(x, parts)
@@ -207,7 +208,7 @@ def test_q8_extreme_quants_do_not_saturate(qtype):
 def test_q8_token_results_do_not_depend_on_the_batch_or_threads(lanes):
     """Activations are quantized per token, rows split over threads: a token's output is bit-identical
     alone, in any batch, at any position, with any thread count (the batch-independence rule), on
-    the lane kernels (AVX-512 VNNI builds, the default: row octets for 1-8 tokens, token-lane tiles
+    the lane kernels (AVX-512 VNNI builds, the default: row octets for 1-16 tokens, token-lane tiles
     of 16 above, one fp32 order) and on the 8-token tile kernels alike."""
     rng = np.random.default_rng(11)
     built = native.gguf_q8_lanes()

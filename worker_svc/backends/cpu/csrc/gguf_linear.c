@@ -774,7 +774,7 @@ static void q8_row_avx2_any(int type, int nt, int i8, const uint8_t *p, int nb, 
 
 #if defined(GG_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
 /* Token-lane kernel (AVX-512 VNNI builds: Zen 4, Sapphire Rapids), for calls of more than
- * Q8_TILE tokens: tiles of TL = 16 tokens, one token per int32 lane of a zmm, as a GEMM
+ * RL_MAX_TOKENS (16) tokens: tiles of TL = 16 tokens, one token per int32 lane of a zmm, as a GEMM
  * micro-kernel holds them. Per group of 4 weights of a run, one vpdpbusd multiplies the 16 tokens'
  * 4 activation bytes by the group's 4 weights broadcast from memory (the EVEX {1to16} operand),
  * for TL_ROWS rows at once; a run's exact integer dot per token is then converted, scaled and
@@ -784,8 +784,8 @@ static void q8_row_avx2_any(int type, int nt, int i8, const uint8_t *p, int nb, 
  * tile kernel above spends ~9 instructions on ONE token and run (its dots, then a convert and an
  * fma on that token's 8 partial lanes). Same integer dots, so the same value up to fp32 summation
  * order: the kernel above sums a token's 8 partial lanes at the end (hsum8), this one sums the
- * run's lanes in int32 first. Calls of 1 .. Q8_TILE tokens run the row-lane kernel below, which
- * has this kernel's fp32 order: with GG_Q8_LANES (the serving default where built), a token's
+ * run's lanes in int32 first. Smaller calls run the row-lane kernel below, which has this
+ * kernel's fp32 order: with GG_Q8_LANES (the serving default where built), a token's
  * result is bit-identical in every batch composition, which greedy replay after a preemption or a
  * scheduler restart relies on; without it, the tile kernels above serve every call (their own
  * order, also batch-independent). This layout with the tile kernels' summation order (8 partial
@@ -919,7 +919,7 @@ static void tl_rows_any(int type, int R, int P, const int8_t *wb, const tl_meta 
 #undef TL_R
 #undef TL_CASE
 
-/* Row-lane kernel (AVX-512 VNNI builds), for calls of 1 .. Q8_TILE tokens, on the token-lane
+/* Row-lane kernel (AVX-512 VNNI builds), for calls of 1 .. RL_MAX_TOKENS tokens, on the token-lane
  * kernel's numbers: the same exact integer dot per run, and per (row, token) the same fp32 steps
  * in the same order, acc = fma(float(dot), scale * da, acc) run after run, corr = corr + cw * sa,
  * result acc + corr. So a token's result is bit-identical whichever of the two kernels its call
@@ -941,6 +941,9 @@ static void tl_rows_any(int type, int R, int P, const int8_t *wb, const tl_meta 
  * bytes are prefetched in software while this one runs (without it: ~2x slower at T = 1, one-off
  * runs on Zen 4). bench/gguf_kernels.py times it against the tile kernels. */
 #define RL 8
+/* calls of up to this many tokens run here, above it the token-lane kernel: 9-16 tokens in two
+ * passes took less time than one partly filled 16-token tile (one-off runs on Zen 4) */
+#define RL_MAX_TOKENS 16
 
 /* r[i] = row i's run (dword g: elements 4g .. 4g+3) -> o[g]: dword i = row i's group g */
 static inline __attribute__((always_inline)) void rl_transpose(const __m256i *r, __m256i *o) {
@@ -1354,7 +1357,8 @@ static int tl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
     return failed ? -2 : 0;
 }
 
-/* gguf_linear_q8 on the row-lane kernel (see rl_rows): calls of 1 .. Q8_TILE tokens */
+/* gguf_linear_q8 on the row-lane kernel (see rl_rows): calls of 1 .. RL_MAX_TOKENS tokens, in passes
+ * of up to Q8_TILE tokens over each octet of rows */
 static int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, int64_t qs, int64_t lo,
                      const float *da, const float *sa, int64_t fs, const float *bias, float *out, int64_t os,
                      int T, int N, int nb, int parts, int num_threads) {
@@ -1381,11 +1385,15 @@ static int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
             const uint8_t *rows[RL];
             for (int r = 0; r < RL; r++) rows[r] = w + (int64_t)(n + (r < R ? r : R - 1)) * row_bytes;
             const int nn = r1 - (n + RL) < RL ? r1 - (n + RL) : RL;   /* the next octet's rows (<= 0: none) */
-            rl_rows_any(type, T, parts, rows, nb, qa, qs, lo, da, sa, fs, ST, w + (int64_t)(n + RL) * row_bytes,
-                        nn > 0 ? nn * row_bytes : 0, res);
-            for (int r = 0; r < R; r++) {
-                const float bb = bias ? bias[n + r] : 0.0f;
-                for (int t = 0; t < T; t++) out[(int64_t)t * os + n + r] = res[t * RL + r] + bb;
+            for (int t0 = 0; t0 < T; t0 += Q8_TILE) {   /* up to Q8_TILE tokens a pass (the octet cached after the first) */
+                const int nt = T - t0 < Q8_TILE ? T - t0 : Q8_TILE;
+                rl_rows_any(type, nt, parts, rows, nb, qa + t0 * qs, qs, lo, da + t0 * fs, sa + t0 * fs, fs,
+                            ST ? ST + 2 * t0 * fs : NULL, w + (int64_t)(n + RL) * row_bytes,
+                            nn > 0 && t0 == 0 ? nn * row_bytes : 0, res);
+                for (int r = 0; r < R; r++) {
+                    const float bb = bias ? bias[n + r] : 0.0f;
+                    for (int t = 0; t < nt; t++) out[(int64_t)(t0 + t) * os + n + r] = res[t * RL + r] + bb;
+                }
             }
         }
     }
@@ -1397,7 +1405,7 @@ static int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
 /* out [T, N] (row stride os) = x W^T (+ bias) on the integer-dot path (see above); parts 1: 8-bit
  * activations (llama.cpp's), 2: 8 + 7 bits (x ~ d (q + q_lo / 128): two integer dots per run).
  * flags: GG_Q8_SCALAR runs the scalar path; GG_Q8_LANES the lane kernels where the build has them
- * (AVX-512 VNNI: rl_rows for 1 .. Q8_TILE tokens, tl_rows above; one fp32 summation order, another
+ * (AVX-512 VNNI: rl_rows for 1 .. RL_MAX_TOKENS tokens, tl_rows above; one fp32 summation order, another
  * than the tile kernels'). Returns 0; -1 for an unsupported type or inconsistent shape; -2 out of
  * memory. */
 #define GG_Q8_SCALAR 1
@@ -1418,7 +1426,7 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     gguf_quantize_act(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar);
 #if defined(GG_TL)
     if (!force_scalar && (flags & GG_Q8_LANES)) {   /* the lane kernels (rl_rows, tl_rows) */
-        const int rc = (T > Q8_TILE ? tl_linear : rl_linear)(type, w, row_bytes, qa, qs, lo, da, sa, fs, bias, out,
+        const int rc = (T > RL_MAX_TOKENS ? tl_linear : rl_linear)(type, w, row_bytes, qa, qs, lo, da, sa, fs, bias, out,
                                                            os, T, N, nb, parts, num_threads);
         free(qa);
         free(da);
