@@ -176,7 +176,8 @@ def test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype, parts_l
 def test_q8_extreme_quants_do_not_saturate(qtype):
     """The largest products the 16-bit intermediate sums see: every quant byte 0xff (Q4 nibbles 15,
     Q5_K 31, K scales and mins 63) or 0x80 / 0x00 (Q8_0 -128; Q6_K -32), against activations all
-    at +-127 (parts 1) or 128 * 127 + remainder (parts 2), in tiles of every kernel (T = 1, 2, 8, 16)."""
+    at +-127 (parts 1) or 128 * 127 + remainder (parts 2), in tiles of every kernel (T = 1, 2, 8, 16; lane
+    kernels: 1-16 row-lane, 17 token-lane)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     n, k = 16, 2 * 256
     for fill in (0xFF, 0x80, 0x00):
@@ -190,7 +191,7 @@ def test_q8_extreme_quants_do_not_saturate(qtype):
             raw[:, :, 192:208] = 1                     # int8 sub-block scales 1
         raw = raw.reshape(n, -1)
         w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).astype(np.float32)).double()
-        for T in (1, 2, 8, 16):
+        for T in (1, 2, 8, 16, 17):
             x = np.full((T, k), 1.0, np.float32)
             x[1::2] = np.where(np.arange(k) % 2 == 0, 1.0, 0.3).astype(np.float32)   # remainders in parts 2
             x[::3] *= -1
