@@ -941,9 +941,12 @@ static void tl_rows_any(int type, int R, int P, const int8_t *wb, const tl_meta 
  * bytes are prefetched in software while this one runs (without it: ~2x slower at T = 1, one-off
  * runs on Zen 4). bench/gguf_kernels.py times it against the tile kernels. */
 #define RL 8
-/* calls of up to this many tokens run here, above it the token-lane kernel: 9-16 tokens in two
- * passes took less time than one partly filled 16-token tile (one-off runs on Zen 4) */
+/* calls of up to RL_MAX_TOKENS tokens run here, larger ones on the token-lane kernel, but for a
+ * remainder of up to RL_SPLIT tokens past whole 16-token tiles (gguf_linear_q8): 9-16 tokens in two
+ * passes took less time than one partly filled 16-token tile, and 17-20 tokens as 16 + 1-4 1.3x
+ * less than two tiles (one-off runs on Zen 4) */
 #define RL_MAX_TOKENS 16
+#define RL_SPLIT 4
 
 /* r[i] = row i's run (dword g: elements 4g .. 4g+3) -> o[g]: dword i = row i's group g */
 static inline __attribute__((always_inline)) void rl_transpose(const __m256i *r, __m256i *o) {
@@ -1426,8 +1429,14 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     gguf_quantize_act(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar);
 #if defined(GG_TL)
     if (!force_scalar && (flags & GG_Q8_LANES)) {   /* the lane kernels (rl_rows, tl_rows) */
-        const int rc = (T > RL_MAX_TOKENS ? tl_linear : rl_linear)(type, w, row_bytes, qa, qs, lo, da, sa, fs, bias, out,
-                                                           os, T, N, nb, parts, num_threads);
+        /* above RL_MAX_TOKENS: whole token-lane tiles, and a remainder of at most RL_SPLIT tokens on the
+         * row-lane kernel instead of a mostly empty tile (both give every token the same bits) */
+        const int r = T % TL, ntl = T <= RL_MAX_TOKENS ? 0 : r && r <= RL_SPLIT ? T - r : T;
+        int rc = ntl ? tl_linear(type, w, row_bytes, qa, qs, lo, da, sa, fs, bias, out, os, ntl, N, nb, parts,
+                                 num_threads) : 0;
+        if (rc == 0 && ntl < T)
+            rc = rl_linear(type, w, row_bytes, qa + ntl * qs, qs, lo, da + ntl * fs, sa + ntl * fs, fs, bias,
+                           out + ntl * os, os, T - ntl, N, nb, parts, num_threads);
         free(qa);
         free(da);
         return rc;
