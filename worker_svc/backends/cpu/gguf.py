@@ -17,8 +17,8 @@ tokens of its batch below the threshold (the threshold switch is the one excepti
 with the exact kernel). On AVX-512 VNNI builds the integer dots run on the lane kernels
 (SARATHI_GGUF_LANES, default 1; default_lanes): 8 rows in a vector's lanes for calls of 1-16
 tokens, 16 tokens in a vector's lanes above, one fp32 summation order for both, so a token's
-result stays bit-identical in every batch (SmolLM2's linear layers 1.27x faster than the tile
-kernels at 1 token, 1.3-1.5x at 2-12, 1.5x at 32 on Zen 4: bench/results/kernels/gguf_kernels_zen4.json);
+result stays bit-identical in every batch (SmolLM2's linear layers 1.19x faster than the tile
+kernels at 1 token, 1.3-1.5x at 2-24, 1.64x at 32 on Zen 4: bench/results/kernels/gguf_kernels_zen4.json);
 SARATHI_GGUF_LANES=0 (and builds without VNNI) keep the tile kernels.
 Measured on SmolLM2's Q4_1 GGUF against Hugging Face (teacher-forced, 33
 positions, bench/results/kernels/weight_quant_agreement.json): int8x2 top-1 agreement 1.000, max
@@ -57,7 +57,7 @@ GGUF_MAX_TOKENS = {"avx2": 48}
 # activations vs the float GEMM), and at 256 the served stack's batches fell on the other side of it
 # than the offline engine's: in the e2e suite a request replayed after a scheduler SIGKILL continued
 # differently from its offline output (the threshold, not the lane kernels' summation order, which
-# is one for every call size). Calls of 49-256 tokens would take 1.6-2.0x less time than the GEMM there.
+# is one for every call size). Calls of 49-256 tokens would take 1.4-2.0x less time than the GEMM there.
 
 
 # The small-batch kernel's arithmetic (SARATHI_GGUF_DOT overrides the default):
