@@ -286,6 +286,8 @@ def _measure_parsers(sub) -> None:
     _add(p, "prefill-token-budget", 0, "token budget of the prefill workers (0 = --token-budget)")
     _add(p, "kv-link-gbs", 25.0, "KV transfer link between workers in GB/s (assumption; 25 = a 200 Gb/s RDMA NIC): "
          "a transfer takes prompt blocks x block size x the model's KV bytes per token / this")
+    _add(p, "kv-bytes-per-token", 0, "KV bytes per token a transfer moves (0 = the --device model's; with --profile "
+         "and pools it must be given: a profile does not record its model's KV size; SmolLM2-135M's bf16 KV: 23040)")
 
     p = sub.add_parser("profile", help="iteration-time table, SLOs and cost model of this machine")
     _model_args(p)

@@ -470,8 +470,12 @@ def simulate(a: argparse.Namespace) -> int:
                                   num_blocks=num_blocks, max_model_len=max_len, sched_config=sched,
                                   description=desc, windows=a.windows, noise_sigma=a.noise_sigma)
     else:
-        kv_bytes = (cost.shape.kv_bytes_per_token(cost.shape.num_layers, 1) if desc["kind"] == "gpu"
-                    else 23040)   # a profile: SmolLM2-135M's bf16 KV (30 layers x K,V x 3 heads x 64 x 2 B)
+        if a.kv_bytes_per_token < 0:
+            raise ValueError(f"--kv-bytes-per-token must be >= 0, got {a.kv_bytes_per_token}")
+        if desc["kind"] != "gpu" and not a.kv_bytes_per_token:
+            raise ValueError("a --profile does not record its model's KV size: give --kv-bytes-per-token with "
+                             "--prefill-replicas/--decode-replicas (SmolLM2-135M's bf16 KV: 23040)")
+        kv_bytes = a.kv_bytes_per_token or cost.shape.kv_bytes_per_token(cost.shape.num_layers, 1)
         target = pool_target(cost, roles=roles, mode=a.disaggregation, threshold_tokens=a.disagg_threshold,
                              backlog_margin_tokens=a.disagg_backlog_margin,
                              prefill_token_budget=a.prefill_token_budget, depth=a.pp,

@@ -195,6 +195,16 @@ def test_cli_profile_plan_capacity_bench_run_in_quick_mode(tmp_path, capsys):
     assert [r["qps"] for r in b["runs"]] == [1.0, 2.0]
     assert all(r["summary"]["finished"] == 20 and r["iterations"] for r in b["runs"])
     assert "2 QPS: TTFT P50" in capsys.readouterr().out
+    # disaggregated pools on the profile: its model's KV size is not in it, so it must be given
+    pools = ["simulate", "--profile", str(prof) + ".json", "--prefill-replicas", "1", "--decode-replicas", "1",
+             "--disaggregation", "all", "--num-requests", "6", "--qps", "1", "--tbt-slo", "1", "--length-scale",
+             "0.125", "--no-progress", "--details", "--out", str(tmp_path / "pd")]
+    assert main(pools) == 2 and "give --kv-bytes-per-token" in capsys.readouterr().err
+    assert main([*pools, "--kv-bytes-per-token", "1000"]) == 0
+    sim = json.loads((tmp_path / "pd.json").read_text())
+    assert sim["simulated"]["kv_bytes_per_token"] == 1000
+    sent = sim["runs"][0]["summary"]["transfers"]
+    assert sent and all(t["kv_bytes"] > 0 and t["kv_bytes"] % (16 * 1000) == 0 for t in sent)
 
 
 @pytest.mark.parametrize("argv, message", [
