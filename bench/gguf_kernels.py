@@ -5,7 +5,7 @@ Part "layers": every linear layer of one SmolLM2-135M step (30 x qkv, o, gate_up
 LM head in Q8_0, as the default GGUF stores them; random blocks: timing does not depend on values),
 by token count T, each a full sweep over the weights (more than the L3, as in a real step):
 * gguf-int8x2: integer dots on the file's blocks, activations in two 8-bit parts (the default; on
-  AVX-512 VNNI builds the lane kernels: rows in a vector's lanes for 1-8 tokens, tokens above);
+  AVX-512 VNNI builds the lane kernels: rows in a vector's lanes for 1-16 tokens, tokens above);
 * gguf-int8: integer dots, activations in 8 bits (llama.cpp's method);
 * gguf-block: the exact kernel (rows dequantized in cache, fp32 dots; the default before);
 * float32-cached: F.linear on the dequantized fp32 weights kept in memory (the large path, default);

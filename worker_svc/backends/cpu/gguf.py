@@ -54,10 +54,12 @@ GGUF_MAX_TOKENS = {"avx2": 48}
 # The lane kernels (AVX-512 VNNI builds, SARATHI_GGUF_LANES: csrc/gguf_linear.c rl_rows, tl_rows) beat
 # F.linear at every T measured up to 256 (bench/results/kernels/gguf_kernels_zen4.json, AMD EPYC family
 # 25 model 17, Zen 4, 2 threads), but keep this threshold: a call's arithmetic changes at it (quantized
-# activations vs the float GEMM), and at 256 the served stack's batches fell on the other side of it
-# than the offline engine's: in the e2e suite a request replayed after a scheduler SIGKILL continued
-# differently from its offline output (the threshold, not the lane kernels' summation order, which
-# is one for every call size). Calls of 49-256 tokens would take 1.4-2.0x less time than the GEMM there.
+# activations vs the float GEMM). At 256, in the e2e suite, a request replayed after a scheduler
+# SIGKILL continued differently from its offline output, and at 48 it did not (one failing run at
+# 256, passing runs at 48): most
+# likely the served stack's batches fell on the other side of 256 than the offline engine's, since
+# the lane kernels' summation order is one for every call size. Calls of 49-256 tokens would take
+# 1.4-2.0x less time than the GEMM there.
 
 
 # The small-batch kernel's arithmetic (SARATHI_GGUF_DOT overrides the default):

@@ -796,8 +796,9 @@ static void q8_row_avx2_any(int type, int nt, int i8, const uint8_t *p, int nb, 
  * signed operand and the activations go unsigned as q + 128; the offset's share, 128 sum(w) per
  * part, is subtracted in int32 (exact). The weights of a chunk of rows are unpacked once per call
  * into a per-thread buffer (32 bytes a run, and the run's scales and sum), so the call's T / TL
- * tiles share one unpacking. Partly filled tiles run whole (a zmm of 16 lanes): a ymm variant for
- * tiles of at most 8 measured no faster in one-off runs on Zen 4 (T = 24 as 16 + 8 took longer
+ * tiles share one unpacking. Partly filled tiles run whole (a zmm of 16 lanes; a remainder of at
+ * most RL_SPLIT tokens goes to the row-lane kernel instead): a ymm variant for tiles of at most 8
+ * measured no faster in one-off runs on Zen 4 (T = 24 as 16 + 8 took longer
  * than T = 32 as two zmm tiles; not committed). */
 #define GG_TL 1
 #define TL 16
@@ -967,6 +968,30 @@ static inline __attribute__((always_inline)) void rl_transpose(const __m256i *r,
     }
 }
 
+/* 32 bytes at p[r] + off of each of the 8 rows, transposed: o[g] dword r = row r's bytes 4g .. 4g+3 */
+static inline __attribute__((always_inline)) void rl_load8(const uint8_t *const *p, int off, __m256i *o) {
+    __m256i r[RL];
+    for (int i = 0; i < RL; i++) r[i] = _mm256_loadu_si256((const __m256i *)(p[i] + off));
+    rl_transpose(r, o);
+}
+
+/* 16 bytes at p[r] + off of each of the 8 rows, transposed: o[g] dword r = row r's bytes 4g .. 4g+3
+ * (g < 4; rows r and r + 4 share a ymm, one per 128-bit lane, so 4 x 4 transposes in the lanes do) */
+static inline __attribute__((always_inline)) void rl_load4(const uint8_t *const *p, int off, __m256i *o) {
+    __m256i y[4], t[4];
+    for (int r = 0; r < 4; r++)
+        y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p[r] + off))),
+                                       _mm_loadu_si128((const __m128i *)(p[r + 4] + off)), 1);
+    t[0] = _mm256_unpacklo_epi32(y[0], y[1]);
+    t[1] = _mm256_unpackhi_epi32(y[0], y[1]);
+    t[2] = _mm256_unpacklo_epi32(y[2], y[3]);
+    t[3] = _mm256_unpackhi_epi32(y[2], y[3]);
+    o[0] = _mm256_unpacklo_epi64(t[0], t[2]);
+    o[1] = _mm256_unpackhi_epi64(t[0], t[2]);
+    o[2] = _mm256_unpacklo_epi64(t[1], t[3]);
+    o[3] = _mm256_unpackhi_epi64(t[1], t[3]);
+}
+
 /* the octet's run b (w[8]: its groups of 4, and s0v, s1v, cwv) against the call's NT tokens */
 #define RL_TOKENS(b)                                                                                       \
     for (int t = 0; t < NT; t++) {                                                                     \
@@ -1017,28 +1042,18 @@ rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, i
     for (int t = 0; t < NT; t++) { acc[t] = _mm256_setzero_ps(); corr[t] = _mm256_setzero_ps(); }
     for (int i = 0; i < nb; i++) {
         for (int64_t o = i * pfstep; o < (i + 1) * pfstep && o < pfn; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
+        const uint8_t *p[RL];   /* the octet's block i */
+        for (int r = 0; r < RL; r++) p[r] = rows[r] + (int64_t)i * bb;
         if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0) {   /* one run a block */
             __m256i w[8];
-            const uint8_t *p[RL];
-            for (int r = 0; r < RL; r++) p[r] = rows[r] + (int64_t)i * bb;
             if (type == T_Q8_0) {
-                __m256i rr[RL];
-                for (int r = 0; r < RL; r++) rr[r] = _mm256_loadu_si256((const __m256i *)(p[r] + 2));
-                rl_transpose(rr, w);
+                rl_load8(p, 2, w);
                 for (int g = 0; g < 8; g++) w[g] = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
             } else {
                 /* 16 bytes a row: byte l holds element l (low nibble) and l + 16 (high); dword g of
                  * the 8 rows' bytes, transposed, gives groups g (low nibbles) and g + 4 (high) */
-                __m256i y[4], t[4];
-                for (int r = 0; r < 4; r++)
-                    y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p[r] + bb - 16))),
-                                                   _mm_loadu_si128((const __m128i *)(p[r + 4] + bb - 16)), 1);
-                t[0] = _mm256_unpacklo_epi32(y[0], y[1]);
-                t[1] = _mm256_unpackhi_epi32(y[0], y[1]);
-                t[2] = _mm256_unpacklo_epi32(y[2], y[3]);
-                t[3] = _mm256_unpackhi_epi32(y[2], y[3]);
-                const __m256i g4[4] = {_mm256_unpacklo_epi64(t[0], t[2]), _mm256_unpackhi_epi64(t[0], t[2]),
-                                       _mm256_unpacklo_epi64(t[1], t[3]), _mm256_unpackhi_epi64(t[1], t[3])};
+                __m256i g4[4];
+                rl_load4(p, bb - 16, g4);
                 const __m256i m4 = _mm256_set1_epi8(15);
                 for (int g = 0; g < 4; g++) {
                     w[g] = _mm256_and_si256(g4[g], m4);
@@ -1056,27 +1071,20 @@ rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, i
             continue;
         }
         if (type == T_Q4_K || type == T_Q5_K) {   /* all in registers too: 32-byte pieces of the 8 rows transposed */
-            const uint8_t *p[RL];
-            __m256i cr[RL], H[8], QH[8];
-            for (int r = 0; r < RL; r++) p[r] = rows[r] + (int64_t)i * bb;
+            __m256i H[8], QH[8];
             /* the first 32 bytes: dword 0 = d | dmin (fp16), dwords 1-3 = the 12 bytes of packed 6-bit
              * scales and mins; per row in the lanes after the transpose */
-            for (int r = 0; r < RL; r++) cr[r] = _mm256_loadu_si256((const __m256i *)p[r]);
-            rl_transpose(cr, H);
+            rl_load8(p, 0, H);
             const __m256 dv = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(H[0]));
             const __m256 dminv = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(H[0], 16)));
-            if (type == T_Q5_K) {   /* qh: bit j of byte l is element l's fifth bit in sub-block j */
-                for (int r = 0; r < RL; r++) cr[r] = _mm256_loadu_si256((const __m256i *)(p[r] + 16));
-                rl_transpose(cr, QH);
-            }
+            if (type == T_Q5_K) rl_load8(p, 16, QH);   /* qh: bit j of byte l is element l's fifth bit in sub-block j */
             const int q4 = type == T_Q4_K ? 16 : 48;
             const __m256i m4 = _mm256_set1_epi8(15), m63 = _mm256_set1_epi32(63);
             /* scale byte k of each row (scale_min_k4's q[k]) */
 #define RL_QB(k) _mm256_and_si256(_mm256_srli_epi32(H[1 + (k) / 4], 8 * ((k) % 4)), _mm256_set1_epi32(0xff))
             for (int c = 0; c < 4; c++) {   /* 32 bytes: sub-blocks 2c (low nibbles) and 2c + 1 (high) */
                 __m256i G[8];
-                for (int r = 0; r < RL; r++) cr[r] = _mm256_loadu_si256((const __m256i *)(p[r] + q4 + 32 * c));
-                rl_transpose(cr, G);
+                rl_load8(p, q4 + 32 * c, G);
                 for (int half = 0; half < 2; half++) {
                     const int j = 2 * c + half;
                     __m256i w[8];
@@ -1109,35 +1117,19 @@ rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, i
             continue;
         }
         {   /* Q6_K, in registers as well: ql, qh and the int8 scales of the 8 rows transposed */
-            const uint8_t *p[RL];
-            for (int r = 0; r < RL; r++) p[r] = rows[r] + (int64_t)i * bb;
             const __m256 dv = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_setr_epi32(
                 ld16(p[0] + 208), ld16(p[1] + 208), ld16(p[2] + 208), ld16(p[3] + 208), ld16(p[4] + 208),
                 ld16(p[5] + 208), ld16(p[6] + 208), ld16(p[7] + 208))));
             /* the 16 int8 scales: S4[q] dword r = row r's scales 4q .. 4q + 3 */
-            __m256i y[4], t[4], S4[4];
-            for (int r = 0; r < 4; r++)
-                y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p[r] + 192))),
-                                               _mm_loadu_si128((const __m128i *)(p[r + 4] + 192)), 1);
-            t[0] = _mm256_unpacklo_epi32(y[0], y[1]);
-            t[1] = _mm256_unpackhi_epi32(y[0], y[1]);
-            t[2] = _mm256_unpacklo_epi32(y[2], y[3]);
-            t[3] = _mm256_unpackhi_epi32(y[2], y[3]);
-            S4[0] = _mm256_unpacklo_epi64(t[0], t[2]);
-            S4[1] = _mm256_unpackhi_epi64(t[0], t[2]);
-            S4[2] = _mm256_unpacklo_epi64(t[1], t[3]);
-            S4[3] = _mm256_unpackhi_epi64(t[1], t[3]);
+            __m256i S4[4];
+            rl_load4(p, 192, S4);
             /* scale k of each row, sign-extended */
 #define RL_SC(k) _mm256_srai_epi32(_mm256_slli_epi32(S4[(k) / 4], 24 - 8 * ((k) % 4)), 24)
             const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3 << 4), off = _mm256_set1_epi8(96);
             for (int h = 0; h < 2; h++) {
-                __m256i cr[RL], QH[8], L[2][8];
-                for (int r = 0; r < RL; r++) cr[r] = _mm256_loadu_si256((const __m256i *)(p[r] + 128 + 32 * h));
-                rl_transpose(cr, QH);
-                for (int c = 0; c < 2; c++) {
-                    for (int r = 0; r < RL; r++) cr[r] = _mm256_loadu_si256((const __m256i *)(p[r] + 64 * h + 32 * c));
-                    rl_transpose(cr, L[c]);
-                }
+                __m256i QH[8], L[2][8];
+                rl_load8(p, 128 + 32 * h, QH);
+                for (int c = 0; c < 2; c++) rl_load8(p, 64 * h + 32 * c, L[c]);
                 for (int j = 0; j < 4; j++) {
                     __m256i w[8];
                     /* as FOR_EACH_RUN: v = lo | hi << 4, the weight v - 32; unsigned here: (v - 32) ^ 0x80 = v + 96 */
