@@ -56,10 +56,9 @@ GGUF_MAX_TOKENS = {"avx2": 48}
 # 25 model 17, Zen 4, 2 threads), but keep this threshold: a call's arithmetic changes at it (quantized
 # activations vs the float GEMM). At 256, in the e2e suite, a request replayed after a scheduler
 # SIGKILL continued differently from its offline output, and at 48 it did not (one failing run at
-# 256, passing runs at 48): most
-# likely the served stack's batches fell on the other side of 256 than the offline engine's, since
-# the lane kernels' summation order is one for every call size. Calls of 49-256 tokens would take
-# 1.4-2.0x less time than the GEMM there.
+# 256, passing runs at 48): most likely the served stack's batches fell on the other side of 256
+# than the offline engine's, since the lane kernels' summation order is one for every call size.
+# Calls of 49-256 tokens would take 1.4-2.0x less time than the GEMM there.
 
 
 # The small-batch kernel's arithmetic (SARATHI_GGUF_DOT overrides the default):
