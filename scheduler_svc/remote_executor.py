@@ -40,6 +40,11 @@ from shared.config import ModelInfo, rank_address, single_rank_layout
 from shared.messages import Batch, BatchOutput
 from shared.wire import BatchEncoder, pack, unpack
 
+# Each monitor's inproc endpoint gets its own name: pyzmq's default names it after the socket's file
+# descriptor, which a renewed socket can reuse while the closed socket's monitor endpoint is still
+# bound (the ZMQ reaper unbinds it asynchronously): bind then fails with "Address already in use".
+_MONITOR_IDS = itertools.count()
+
 
 class WorkerError(RuntimeError):
     """A worker answered with an error, or did not answer within the timeout."""
@@ -114,7 +119,8 @@ class RemoteExecutor:
             s.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ivl_ms)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_timeout_ms)
             s.setsockopt(zmq.HEARTBEAT_TTL, self.heartbeat_timeout_ms)
-            self.monitors[i] = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            self.monitors[i] = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
+                                                    addr=f"inproc://remote-executor-monitor-{next(_MONITOR_IDS)}")
         self.connected[i] = False
         s.connect(address)
         return s
