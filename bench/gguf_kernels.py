@@ -13,7 +13,8 @@ by token count T, each a full sweep over the weights (more than the L3, as in a 
   path with large="dequant": no fp32 copy kept);
 * int8-native: the older per-row int8 kernel (`--weight-quant int8-bf16`) on the same weights;
 * gguf-int8x2-tiles / gguf-int8-tiles: the same integer dots on the 8-token tile kernels
-  (SARATHI_GGUF_LANES=0; the only ones on builds without AVX-512 VNNI).
+  (SARATHI_GGUF_LANES=0; the serving default on AVX2 builds, where gguf-int8x2 / gguf-int8 time
+  the AVX2 lane kernels that SARATHI_GGUF_LANES=1 serves).
 "gguf_beats_float_up_to_T": the largest T up to which a block kernel beats float32-cached at every
 T (worker_svc/backends/cpu/gguf.py GGUF_MAX_TOKENS records the tile kernels' on Zen 3).
 
@@ -285,13 +286,15 @@ def llama_bench_once(threads: int) -> dict:
 LLAMA_CMDS: dict = {}
 STEPS = {"decode:1": 8, "decode:32": 3, "prefill:512": 1}     # timed consecutive steps per round
 LLAMA = "llama.cpp, same GGUF (llama-bench; decode 32: llama-batched-bench, prompt shared)"
-NEW = "new default (int8x2 dot, lane kernels where built, decode stack)"
+NEW = "new default (int8x2 dot, lane kernels on VNNI builds, decode stack)"
 TILES = "8-token tile kernels (SARATHI_GGUF_LANES=0), int8x2, decode stack"
+LANES = "lane kernels where built (SARATHI_GGUF_LANES=1), int8x2, decode stack"
 # the engine's arms: (tree: None = this one, else --base-tree; environment)
 ARMS = {"base tree (--base-tree)": ("base", {}),
         NEW: (None, {}),
         "layer by layer (SARATHI_NATIVE_STACK=0)": (None, {"SARATHI_NATIVE_STACK": "0"}),
         TILES: (None, {"SARATHI_GGUF_LANES": "0"}),
+        LANES: (None, {"SARATHI_GGUF_LANES": "1"}),
         "int8 dot (llama.cpp's activation quantization), decode stack": (None, {"SARATHI_GGUF_DOT": "int8"})}
 
 
@@ -333,7 +336,8 @@ def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool, base:
                               # the same bytes at the rate a plain read of the K/V blocks reaches here
                               "read_bw_GBps": round(rbw / 1e9, 2), "read_bound_ms": round(read_bound_ms, 2),
                               "ratio_new_default_read": round(med[new]["decode:32"] / read_bound_ms, 2),
-                              "ratio_tiles_read": round(med[TILES]["decode:32"] / read_bound_ms, 2)}}
+                              "ratio_tiles_read": round(med[TILES]["decode:32"] / read_bound_ms, 2),
+                              "ratio_lanes_read": round(med[LANES]["decode:32"] / read_bound_ms, 2)}}
     if llama:
         res["new_default_over_llama"] = {c: round(med[new][c] / med[LLAMA][c], 3) for c in med[LLAMA]}
     return res

@@ -106,25 +106,31 @@ def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qty
 
 
 def test_lane_kernels_are_the_default_where_built(tmp_path, monkeypatch):
-    """The integer dots run on the lane kernels where the build has them (AVX-512 VNNI; the decode
-    stack runs them too; the block kernel's range stays the same); SARATHI_GGUF_LANES=0 keeps the
-    8-token tile kernels; another value is refused. Greedy output is the same either way on a single
+    """The integer dots run on the lane kernels by default on AVX-512 VNNI builds (the decode stack
+    runs them too; the block kernel's range stays the same), on AVX2 builds with
+    SARATHI_GGUF_LANES=1 (gguf.py says why not by default); SARATHI_GGUF_LANES=0 keeps the 8-token
+    tile kernels; another value is refused. Greedy output is the same either way on a single
     request (the two differ in fp32 summation order only)."""
     path = tmp_path / "tiny-Q4_1.gguf"
     write_tiny_gguf(path, Q.Q4_1)
     built = native.gguf_q8_lanes()
+    by_default = built and native.gguf_q8_isa() == "avx512vnni"
     default = make_executor(path, num_blocks=8, weight_quant="auto")
-    assert default.backend.linear.lanes == built and ("lane kernels" in default.backend.linear.name) == built
-    assert default.model.stack is not None and default.model.stack.lanes == built
+    assert default.backend.linear.lanes == by_default
+    assert ("lane kernels" in default.backend.linear.name) == by_default
+    assert default.model.stack is not None and default.model.stack.lanes == by_default
+    monkeypatch.setenv("SARATHI_GGUF_LANES", "1")
+    lanes = make_executor(path, num_blocks=8, weight_quant="auto")
+    assert lanes.backend.linear.lanes == built and lanes.model.stack.lanes == built
     monkeypatch.setenv("SARATHI_GGUF_LANES", "0")
     tiles = make_executor(path, num_blocks=8, weight_quant="auto")
     assert not tiles.backend.linear.lanes and not tiles.model.stack.lanes
     assert default.backend.linear.max_tokens == tiles.backend.linear.max_tokens == gguf_backend.default_max_tokens()
     prompt = list(range(2, 22))
     table = list(range(blocks_for(len(prompt) + 12, 16)))
-    assert greedy_generate(tiles, prompt, 12, table) == greedy_generate(default, prompt, 12, table)
+    assert greedy_generate(tiles, prompt, 12, table) == greedy_generate(lanes, prompt, 12, table)
     monkeypatch.setenv("SARATHI_GGUF_LANES", "yes")
-    with pytest.raises(ValueError, match="SARATHI_GGUF_LANES must be 0 or 1"):
+    with pytest.raises(ValueError, match="SARATHI_GGUF_LANES must be 0, 1 or auto"):
         make_executor(path, num_blocks=8, weight_quant="auto")
 
 

@@ -209,8 +209,9 @@ def test_q8_extreme_quants_do_not_saturate(qtype):
 def test_q8_token_results_do_not_depend_on_the_batch_or_threads(lanes):
     """Activations are quantized per token, rows split over threads: a token's output is bit-identical
     alone, in any batch, at any position, with any thread count (the batch-independence rule), on
-    the lane kernels (AVX-512 VNNI builds, the default: row octets for 1-16 tokens, token-lane tiles
-    of 16 above, one fp32 order) and on the 8-token tile kernels alike."""
+    the lane kernels (the default; AVX-512 VNNI builds: row octets for 1-16 tokens, token-lane tiles
+    of 16 above; AVX2 builds: row octets for 1-8, token-lane tiles of 8 above; one fp32 order) and
+    on the 8-token tile kernels alike."""
     rng = np.random.default_rng(11)
     built = native.gguf_q8_lanes()
     for qtype in TYPES:
@@ -247,10 +248,29 @@ def test_q8_strided_rows_and_rejects_bad_shapes():
         native.gguf_quantize_act(torch.zeros(1, 48))
 
 
+def _lane_cases():
+    """(qtype, blocks, x) of every format at 1, 5, 8, 13 and 21 tokens (both builds' row-lane and
+    token-lane kernels and their splits)."""
+    rng = np.random.default_rng(21)
+    for qtype in TYPES:
+        raw = torch.from_numpy(random_blocks(qtype, 72, 512, rng))
+        for T in (1, 5, 8, 13, 21):
+            yield qtype, raw, torch.from_numpy(rng.standard_normal((T, 512)).astype(np.float32))
+
+
+@pytest.fixture
+def vnni_lane_results():
+    """The default (AVX-512 VNNI) build's lane-kernel outputs of _lane_cases, parts 1 and 2: taken
+    before fresh_native swaps the library."""
+    return [(qtype, raw, x, {p: native.gguf_linear_q8(int(qtype), raw, x, parts=p) for p in (1, 2)})
+            for qtype, raw, x in _lane_cases()]
+
+
 @pytest.mark.skipif(native.gguf_q8_isa() != "avx512vnni", reason="the AVX2 build is the second SIMD path on "
                     "an AVX-512 VNNI machine (elsewhere the default build is the AVX2 or scalar one)")
-def test_avx2_build_on_an_avx512_machine(fresh_native, monkeypatch):
-    """Every SIMD path this machine runs: the AVX2 build (maddubs, no VNNI) of both GGUF paths."""
+def test_avx2_build_on_an_avx512_machine(vnni_lane_results, fresh_native, monkeypatch):
+    """Every SIMD path this machine runs: the AVX2 build (maddubs, no VNNI) of both GGUF paths; its
+    lane kernels give the VNNI lane kernels' bits (the same integer dots, the same fp32 steps)."""
     monkeypatch.setenv("SARATHI_NATIVE_MARCH", "haswell")
     assert native.available() and native.gguf_isa() == "avx2" and native.gguf_q8_isa() == "avx2"
     for qtype in TYPES:
@@ -258,5 +278,9 @@ def test_avx2_build_on_an_avx512_machine(fresh_native, monkeypatch):
         test_linear_matches_float_gemm_on_dequantized(qtype)
         test_q8_linear_equals_float_gemm_on_the_quantized_activations(qtype)
     test_activation_quantization_bit_identical_to_numpy()
-    assert not native.gguf_q8_lanes()                   # no lane kernels: lanes changes nothing
+    assert native.gguf_q8_lanes()
     test_q8_token_results_do_not_depend_on_the_batch_or_threads(lanes=True)
+    for qtype, raw, x, want in vnni_lane_results:
+        for parts, w in want.items():
+            got = native.gguf_linear_q8(int(qtype), raw, x, parts=parts)
+            assert torch.equal(got, w), (qtype.name, x.shape[0], parts, float((got - w).abs().max()))

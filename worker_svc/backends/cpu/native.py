@@ -458,10 +458,11 @@ def gguf_q8_isa() -> str:
 
 
 def gguf_q8_lanes() -> bool:
-    """Whether gguf_linear_q8 has the lane kernels here (AVX-512 VNNI builds; csrc/gguf_linear.c
-    rl_rows for 1-16 tokens, tl_rows above): one fp32 summation order for every call size, another
-    than the 8-token tile kernels' (lanes=False, and every call on builds without them). Either
-    way a token's result does not depend on its batch. False: lanes changes nothing."""
+    """Whether gguf_linear_q8 has the lane kernels here (csrc/gguf_linear.c rl_rows for small
+    calls, tl_rows (AVX-512 VNNI builds) or t8_row (AVX2 builds) above; not the scalar build): one
+    fp32 summation order for every call size and both builds, another than the 8-token tile
+    kernels' (lanes=False). Either way a token's result does not depend on its batch. False:
+    lanes changes nothing."""
     return bool(_lib.gguf_q8_lanes()) if available() else False
 
 

@@ -919,8 +919,10 @@ static void tl_rows_any(int type, int R, int P, const int8_t *wb, const tl_meta 
 #undef TL_RW
 #undef TL_R
 #undef TL_CASE
+#endif   /* the token-lane kernel (AVX-512 VNNI) */
 
-/* Row-lane kernel (AVX-512 VNNI builds), for calls of 1 .. RL_MAX_TOKENS tokens, on the token-lane
+/* Row-lane kernel (AVX-512 VNNI builds: calls of 1 .. RL_MAX_TOKENS tokens; AVX2 builds: 1 .. T8_RL_MAX,
+ * with the AVX2 dots of the second RL_TOKENS below, and Q8_0 on 16-bit pairs), on the token-lane
  * kernel's numbers: the same exact integer dot per run, and per (row, token) the same fp32 steps
  * in the same order, acc = fma(float(dot), scale * da, acc) run after run, corr = corr + cw * sa,
  * result acc + corr. So a token's result is bit-identical whichever of the two kernels its call
@@ -941,6 +943,8 @@ static void tl_rows_any(int type, int R, int P, const int8_t *wb, const tl_meta 
  * short streams (K / 32 runs) that the hardware prefetchers barely start on: the next octet's
  * bytes are prefetched in software while this one runs (without it: ~2x slower at T = 1, one-off
  * runs on Zen 4). bench/gguf_kernels.py times it against the tile kernels. */
+/* groups of 4 weights whose maddubs pair sums fit s16 when added: 2 * max|w| * 127 * groups <= 32767 */
+#define T8_GROUPS(type) ((type) == T_Q8_0 ? 1 : (type) == T_Q5_K || (type) == T_Q6_K ? 4 : 8)
 #define RL 8
 /* calls of up to RL_MAX_TOKENS tokens run here, larger ones on the token-lane kernel, but for a
  * remainder of up to RL_SPLIT tokens past whole 16-token tiles (gguf_linear_q8): 9-16 tokens in two
@@ -993,6 +997,8 @@ static inline __attribute__((always_inline)) void rl_load4(const uint8_t *const 
 }
 
 /* the octet's run b (w[8]: its groups of 4, and s0v, s1v, cwv) against the call's NT tokens */
+#if defined(GG_VNNI)
+#define RL_Q6_OFF 96   /* Q6_K's weights unsigned: (v - 32) ^ 0x80 */
 #define RL_TOKENS(b)                                                                                       \
     for (int t = 0; t < NT; t++) {                                                                     \
         const int8_t *a = qa + t * qs + 32 * b;                                                        \
@@ -1022,6 +1028,60 @@ _Pragma("GCC unroll 8")                                                         
         if (!SG) corr[t] = _mm256_add_ps(corr[t], _mm256_mul_ps(cwv, _mm256_set1_ps(sa[tb])));         \
     }
 
+
+#else
+/* Without VNNI: per group, maddubs of the 8 rows' 4 weight bytes (unsigned formats: the values;
+ * signed ones, Q8_0 and Q6_K: |v|, v's sign moved onto the activation bytes) by the token's 4
+ * activation bytes, broadcast; the s16 pair sums are added over T8_GROUPS(type) groups (no sum
+ * can leave s16, see there), then widened by madd (times 128 for the high part of parts 2): the
+ * same exact integer dot per run as vpdpbusd's above, so the same fp32 steps give the same bits. */
+#define RL_Q6_OFF (-32)   /* Q6_K's weights signed: v - 32 */
+#define RL_TOKENS(b)                                                                                       \
+    {                                                                                                  \
+_Pragma("GCC unroll 1")   /* one token at a time: w[8] and the sums fill AVX2's 16 registers */      \
+        for (int t = 0; t < NT; t++) {                                                                 \
+            const int8_t *a = qa + t * qs + 32 * b;                                                    \
+            __m256i d = _mm256_setzero_si256(), d2 = d, h = d, l = d;                                  \
+_Pragma("GCC unroll 8")                                                                                   \
+            for (int g = 0; g < 8; g++) {                                                              \
+                int32_t a4;                                                                            \
+                memcpy(&a4, a + 4 * g, 4);                                                             \
+                __m256i av = _mm256_set1_epi32(a4);                                                    \
+                const __m256i wu = SG ? _mm256_abs_epi8(w[g]) : w[g];                                \
+                h = _mm256_add_epi16(h, _mm256_maddubs_epi16(wu, SG ? _mm256_sign_epi8(av, w[g]) : av)); \
+                if (P == 2) {                                                                          \
+                    memcpy(&a4, a + lo + 4 * g, 4);                                                    \
+                    av = _mm256_set1_epi32(a4);                                                        \
+                    l = _mm256_add_epi16(l, _mm256_maddubs_epi16(wu, SG ? _mm256_sign_epi8(av, w[g]) : av)); \
+                }                                                                                      \
+                if ((g + 1) % T8_GROUPS(type) == 0) {                                                  \
+                    __m256i s = _mm256_madd_epi16(h, P == 2 ? _mm256_set1_epi16(128) : _mm256_set1_epi16(1)); \
+                    if (P == 2) s = _mm256_add_epi32(s, _mm256_madd_epi16(l, _mm256_set1_epi16(1)));    \
+                    if (Q6 && g >= 4) d2 = _mm256_add_epi32(d2, s);                                    \
+                    else d = _mm256_add_epi32(d, s);                                                   \
+                    h = l = _mm256_setzero_si256();                                                    \
+                }                                                                                      \
+            }                                                                                          \
+            const int64_t tb = (int64_t)t * fs + b;                                                    \
+            const __m256 dav = _mm256_set1_ps(da[tb]);                                                 \
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s0v, dav), acc[t]);          \
+            if (Q6) acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2), _mm256_mul_ps(s1v, dav), acc[t]); \
+            if (!SG) corr[t] = _mm256_add_ps(corr[t], _mm256_mul_ps(cwv, _mm256_set1_ps(sa[tb])));     \
+        }                                                                                              \
+    }
+#endif
+
+/* the low 16 bits of 8 dwords -> 8 words (vpmovdw where AVX-512 VL has it) */
+static inline __m128i rl_words(__m256i x) {
+#if defined(GG_VNNI)
+    return _mm256_cvtepi32_epi16(x);
+#else
+    const __m256i m = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                       0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(x, m), 0x08));
+#endif
+}
+
 static inline int32_t ld32(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 static inline int32_t ld16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
@@ -1048,7 +1108,9 @@ rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, i
             __m256i w[8];
             if (type == T_Q8_0) {
                 rl_load8(p, 2, w);
+#if defined(GG_VNNI)
                 for (int g = 0; g < 8; g++) w[g] = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
+#endif
             } else {
                 /* 16 bytes a row: byte l holds element l (low nibble) and l + 16 (high); dword g of
                  * the 8 rows' bytes, transposed, gives groups g (low nibbles) and g + 4 (high) */
@@ -1063,10 +1125,37 @@ rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, i
             /* the rows' fp16 d (and Q4_1's m), as h16 converts them (exactly) */
             const __m256i hv = _mm256_setr_epi32(ld32(p[0]), ld32(p[1]), ld32(p[2]), ld32(p[3]), ld32(p[4]), ld32(p[5]),
                                                  ld32(p[6]), ld32(p[7]));
-            const __m256 s0v = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(hv));
+            const __m256 s0v = _mm256_cvtph_ps(rl_words(hv));
             const __m256 cwv = type == T_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.0f), s0v)
-                                              : _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(hv, 16)));
+                                              : _mm256_cvtph_ps(rl_words(_mm256_srli_epi32(hv, 16)));
             const __m256 s1v = s0v;   /* (Q6_K's second scale: not these formats) */
+#if !defined(GG_VNNI)
+            if (type == T_Q8_0 && P == 2) {   /* 16-bit dots on pairs of weights (ST: the activations' pairs) */
+                __m256i W2[16];   /* (in L1: 16 registers' worth) */
+                const __m256i sh = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                    0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+                for (int g = 0; g < 8; g++) {   /* W2[2g] dword r = row r's weights 4g, 4g+1 (s16); W2[2g+1]: 4g+2, 4g+3 */
+                    const __m256i q = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w[g], sh), 0xd8);
+                    W2[2 * g] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+                    W2[2 * g + 1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+                }
+_Pragma("GCC unroll 1")   /* tokens in pairs: each pair of weights loaded once for two tokens */
+                for (int t = 0; t < NT; t += 2) {
+                    const int32_t *a0 = ST + t * 16 * fs + 16 * i, *a1 = t + 1 < NT ? a0 + 16 * fs : a0;
+                    __m256i d0 = _mm256_setzero_si256(), d1 = d0;
+                    for (int k = 0; k < 16; k++) {
+                        d0 = _mm256_add_epi32(d0, _mm256_madd_epi16(W2[k], _mm256_set1_epi32(a0[k])));
+                        d1 = _mm256_add_epi32(d1, _mm256_madd_epi16(W2[k], _mm256_set1_epi32(a1[k])));
+                    }
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0v, _mm256_set1_ps(da[(int64_t)t * fs + i])),
+                                             acc[t]);
+                    if (t + 1 < NT)
+                        acc[t + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1),
+                                                     _mm256_mul_ps(s0v, _mm256_set1_ps(da[(int64_t)(t + 1) * fs + i])), acc[t + 1]);
+                }
+                continue;
+            }
+#endif
             RL_TOKENS(i)
             continue;
         }
@@ -1075,8 +1164,8 @@ rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, i
             /* the first 32 bytes: dword 0 = d | dmin (fp16), dwords 1-3 = the 12 bytes of packed 6-bit
              * scales and mins; per row in the lanes after the transpose */
             rl_load8(p, 0, H);
-            const __m256 dv = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(H[0]));
-            const __m256 dminv = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(H[0], 16)));
+            const __m256 dv = _mm256_cvtph_ps(rl_words(H[0]));
+            const __m256 dminv = _mm256_cvtph_ps(rl_words(_mm256_srli_epi32(H[0], 16)));
             if (type == T_Q5_K) rl_load8(p, 16, QH);   /* qh: bit j of byte l is element l's fifth bit in sub-block j */
             const int q4 = type == T_Q4_K ? 16 : 48;
             const __m256i m4 = _mm256_set1_epi8(15), m63 = _mm256_set1_epi32(63);
@@ -1117,7 +1206,7 @@ rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, i
             continue;
         }
         {   /* Q6_K, in registers as well: ql, qh and the int8 scales of the 8 rows transposed */
-            const __m256 dv = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_setr_epi32(
+            const __m256 dv = _mm256_cvtph_ps(rl_words(_mm256_setr_epi32(
                 ld16(p[0] + 208), ld16(p[1] + 208), ld16(p[2] + 208), ld16(p[3] + 208), ld16(p[4] + 208),
                 ld16(p[5] + 208), ld16(p[6] + 208), ld16(p[7] + 208))));
             /* the 16 int8 scales: S4[q] dword r = row r's scales 4q .. 4q + 3 */
@@ -1125,7 +1214,7 @@ rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, i
             rl_load4(p, 192, S4);
             /* scale k of each row, sign-extended */
 #define RL_SC(k) _mm256_srai_epi32(_mm256_slli_epi32(S4[(k) / 4], 24 - 8 * ((k) % 4)), 24)
-            const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3 << 4), off = _mm256_set1_epi8(96);
+            const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3 << 4), off = _mm256_set1_epi8(RL_Q6_OFF);
             for (int h = 0; h < 2; h++) {
                 __m256i QH[8], L[2][8];
                 rl_load8(p, 128 + 32 * h, QH);
@@ -1182,6 +1271,140 @@ static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int
 }
 #undef RL_NT
 #undef RL_CASE
+
+
+#if !defined(GG_TL)
+/* Token-lane kernel for AVX2 builds without AVX-512 VNNI (Zen 3; CPUs or guests without AVX-512),
+ * with GG_Q8_LANES, for calls of more than T8_RL_MAX tokens (smaller calls, and a remainder of up
+ * to T8_SPLIT tokens past whole tiles, run on the row-lane kernel rl_rows with the AVX2 dots of its
+ * second RL_TOKENS): tiles of T8 = 8 tokens, one token per int32 lane of a ymm, on tl_rows's numbers. Per run, each token's exact integer dot is summed in the lanes, then per
+ * (row, token) the same fp32 steps in the same order as tl_rows and rl_rows:
+ *   acc = fma(float(dot), scale * da, acc) run after run (Q6_K: its two 16-element halves one
+ *   after the other), corr = corr + cw * sa, result acc + corr,
+ * so a token's result does not depend on its call's other tokens, and it is the one the AVX-512
+ * VNNI lane kernels give on the same blocks and activations.
+ * The dots without VNNI: per group of 4 weights, maddubs multiplies the group's 4 weight bytes,
+ * broadcast to every lane (unsigned: the unsigned formats' values as they are; the signed ones,
+ * Q8_0 and Q6_K, as |v| with v's sign moved onto the activations, llama.cpp's sign trick), by
+ * the 8 tokens' 4 activation bytes (s8, as quantized), and adds adjacent pairs into 16 s16 lanes.
+ * Those s16 lanes are summed over T8_GROUPS(type) groups (the most for which no sum can leave
+ * s16: 2 * 15 * 127 * 8 = 30480 for the 4-bit formats; 5-bit 4 groups; Q6_K 4; Q8_0 1) before one
+ * madd widens them to int32 (times 128 for the high part of parts 2): about one multiply per
+ * group, token and part instead of tl_rows's vpdpbusd, where the 8-token tile kernels above spend
+ * two multiplies and a convert + fma per token and run. Each row's runs are unpacked once per
+ * call (FOR_EACH_RUN into an L2-resident buffer, a chunk of rows at a time), then swept by every
+ * tile. */
+#define GG_T8 1
+#define T8 8
+#define T8_SPLIT 4   /* a remainder past whole tiles of up to this many tokens: row-lane */
+#ifndef T8_RL_MAX
+#define T8_RL_MAX 8   /* calls of up to this many tokens: row-lane only */
+#endif
+
+typedef struct { float s0, s1, cw; } t8_meta;
+
+/* Q8_0 with two parts: 16-bit operands instead (activations 128 q + q_lo, weights widened; one
+ * madd a pair of weights and 8 tokens), cheaper than Q8_0's one-group 8-bit sums with the sign trick */
+#define T8_W16(type, parts) ((type) == T_Q8_0 && (parts) == 2)
+#define T8_WB(type, parts) (T8_W16(type, parts) ? 64 : 32)   /* unpacked bytes a run */
+
+/* row p's runs -> wb (32 bytes a run: the values, u8 or s8 as FOR_EACH_RUN gives them) and mt */
+static inline __attribute__((always_inline)) void t8_unpack(const int type, const uint8_t *p, int nb, int parts,
+                                                           int8_t *wb, t8_meta *mt) {
+#define T8_UNPACK(v, SGN, s0, s1, Q6, cw, b)                                                       \
+    {                                                                                              \
+        if (T8_W16(type, parts)) {                                                                 \
+            _mm256_store_si256((__m256i *)(wb + 64 * (b)), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v))); \
+            _mm256_store_si256((__m256i *)(wb + 64 * (b) + 32), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1))); \
+        } else _mm256_store_si256((__m256i *)(wb + 32 * (b)), v);                                  \
+        mt[b] = (t8_meta){s0, s1, cw};                                                             \
+    }
+    FOR_EACH_RUN(type, p, nb, T8_UNPACK)
+#undef T8_UNPACK
+}
+
+static void t8_unpack_any(int type, const uint8_t *p, int nb, int parts, int8_t *wb, t8_meta *mt) {
+    switch (type) {
+    case T_Q4_0: t8_unpack(T_Q4_0, p, nb, parts, wb, mt); break;
+    case T_Q4_1: t8_unpack(T_Q4_1, p, nb, parts, wb, mt); break;
+    case T_Q8_0: t8_unpack(T_Q8_0, p, nb, parts, wb, mt); break;
+    case T_Q4_K: t8_unpack(T_Q4_K, p, nb, parts, wb, mt); break;
+    case T_Q5_K: t8_unpack(T_Q5_K, p, nb, parts, wb, mt); break;
+    case T_Q6_K: t8_unpack(T_Q6_K, p, nb, parts, wb, mt); break;
+    }
+}
+
+/* One row (unpacked: wb, T8_WB bytes a run, and mt; nr runs) against a tile of T8 tokens:
+ * activations A by run, then (8-bit) part, group of 4, token: A + ((b * P + part) * 8 + g) * 32, or
+ * (T8_W16) pair of elements, token: A + (b * 16 + k) * 32 (s16 pairs); dT, sT: the tile's da, sa
+ * by run then token (T8 a run). res[t]: token t. (Two or three rows a call, sharing the
+ * activation loads, measured slower in one-off runs: their accumulators leave the 16 ymm registers.) */
+static inline __attribute__((always_inline)) void
+t8_row(const int P, const int TY, const int8_t *wb, const t8_meta *mt, int nr, const int8_t *A, const float *dT,
+       const float *sT, float *res) {
+    const int Q6 = TY == T_Q6_K, SGN = TY == T_Q8_0 || TY == T_Q6_K, NG = T8_GROUPS(TY);
+    const __m256i one = _mm256_set1_epi16(1), c128 = _mm256_set1_epi16(128);
+    __m256 acc = _mm256_setzero_ps(), corr = acc;
+    for (int b = 0; b < nr; b++) {
+        const int8_t *Ab = A + (int64_t)b * P * 8 * 32;
+        const __m256 da = _mm256_load_ps(dT + (int64_t)b * T8);
+        const t8_meta m = mt[b];
+        __m256i d = _mm256_setzero_si256(), h = d, l = d;
+        if (T8_W16(TY, P)) {
+            const int8_t *w2 = wb + (int64_t)b * 64;
+            for (int k = 0; k < 16; k++) {
+                int32_t wk;
+                memcpy(&wk, w2 + 4 * k, 4);
+                d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(Ab + k * 32)),
+                                                          _mm256_set1_epi32(wk)));
+            }
+        } else {
+            const int8_t *w4p = wb + (int64_t)b * 32;
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                const __m256i ah = _mm256_load_si256((const __m256i *)(Ab + g * 32));
+                int32_t w4;
+                memcpy(&w4, w4p + 4 * g, 4);
+                const __m256i wv = _mm256_set1_epi32(w4), u = SGN ? _mm256_abs_epi8(wv) : wv;
+                h = _mm256_add_epi16(h, _mm256_maddubs_epi16(u, SGN ? _mm256_sign_epi8(ah, wv) : ah));
+                if (P == 2) {
+                    const __m256i al = _mm256_load_si256((const __m256i *)(Ab + (8 + g) * 32));
+                    l = _mm256_add_epi16(l, _mm256_maddubs_epi16(u, SGN ? _mm256_sign_epi8(al, wv) : al));
+                }
+                if ((g + 1) % NG == 0) {   /* widen: d += 128 h + l (parts 2), or h */
+                    d = _mm256_add_epi32(d, _mm256_madd_epi16(h, P == 2 ? c128 : one));
+                    if (P == 2) d = _mm256_add_epi32(d, _mm256_madd_epi16(l, one));
+                    h = l = _mm256_setzero_si256();
+                }
+                if (Q6 && g == 3) {   /* Q6_K: the first half, at its own scale */
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(_mm256_set1_ps(m.s0), da), acc);
+                    d = _mm256_setzero_si256();
+                }
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(_mm256_set1_ps(Q6 ? m.s1 : m.s0), da), acc);
+        if (!SGN) corr = _mm256_add_ps(corr, _mm256_mul_ps(_mm256_set1_ps(m.cw), _mm256_load_ps(sT + (int64_t)b * T8)));
+    }
+    _mm256_store_ps(res, _mm256_add_ps(acc, corr));
+}
+
+#define T8_CASE(TY)                                                                                \
+    case TY:                                                                                       \
+        if (P == 2) t8_row(2, TY, wb, mt, nr, A, dT, sT, res);                                     \
+        else t8_row(1, TY, wb, mt, nr, A, dT, sT, res);                                            \
+        break;
+static void t8_row_any(int type, int P, const int8_t *wb, const t8_meta *mt, int nr, const int8_t *A,
+                       const float *dT, const float *sT, float *res) {
+    switch (type) {
+    T8_CASE(T_Q4_0)
+    T8_CASE(T_Q4_1)
+    T8_CASE(T_Q8_0)
+    T8_CASE(T_Q4_K)
+    T8_CASE(T_Q5_K)
+    T8_CASE(T_Q6_K)
+    }
+}
+#undef T8_CASE
 
 #endif
 #undef FOR_EACH_RUN
@@ -1352,6 +1575,9 @@ static int tl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
     return failed ? -2 : 0;
 }
 
+#endif
+
+#if defined(GG_AVX2)
 /* gguf_linear_q8 on the row-lane kernel (see rl_rows): calls of 1 .. RL_MAX_TOKENS tokens, in passes
  * of up to Q8_TILE tokens over each octet of rows */
 static int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, int64_t qs, int64_t lo,
@@ -1359,6 +1585,7 @@ static int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
                      int T, int N, int nb, int parts, int num_threads) {
     /* the signed formats' activation sums by token, run, half (ST[2 (t fs + b) + h]) */
     int32_t *ST = NULL;
+#if defined(GG_VNNI)   /* (the AVX2 dots keep the weights signed: no offset to take back) */
     if (type == T_Q8_0 || type == T_Q6_K) {
         ST = malloc(sizeof(int32_t) * (size_t)(2 * T * fs));
         if (!ST) return -2;
@@ -1370,6 +1597,22 @@ static int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
                 ST[2 * t * fs + e / 16] = s;
             }
     }
+    const int64_t ts = 2 * fs;   /* ST's ints a token */
+#else
+    /* Q8_0 with two parts: the activations as s16 pairs (128 q + q_lo of elements 2k, 2k + 1 in
+     * ST[t * 16 fs + k]) for rl_rows's 16-bit dots */
+    const int64_t ts = 16 * fs;
+    if (type == T_Q8_0 && parts == 2) {
+        ST = malloc(sizeof(int32_t) * (size_t)(ts * T));
+        if (!ST) return -2;
+        for (int t = 0; t < T; t++)
+            for (int64_t e = 0; e < 32 * fs; e += 2) {
+                const int8_t *q = qa + t * qs + e;
+                const int16_t v[2] = {(int16_t)(128 * q[0] + q[lo]), (int16_t)(128 * q[1] + q[1 + lo])};
+                memcpy(ST + t * ts + e / 2, v, 4);
+            }
+    }
+#endif
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         int r0, r1;
@@ -1383,7 +1626,7 @@ static int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
             for (int t0 = 0; t0 < T; t0 += Q8_TILE) {   /* up to Q8_TILE tokens a pass (the octet cached after the first) */
                 const int nt = T - t0 < Q8_TILE ? T - t0 : Q8_TILE;
                 rl_rows_any(type, nt, parts, rows, nb, qa + t0 * qs, qs, lo, da + t0 * fs, sa + t0 * fs, fs,
-                            ST ? ST + 2 * t0 * fs : NULL, w + (int64_t)(n + RL) * row_bytes,
+                            ST ? ST + t0 * ts : NULL, w + (int64_t)(n + RL) * row_bytes,
                             nn > 0 && t0 == 0 ? nn * row_bytes : 0, res);
                 for (int r = 0; r < R; r++) {
                     const float bb = bias ? bias[n + r] : 0.0f;
@@ -1397,11 +1640,83 @@ static int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
 }
 #endif
 
+#if defined(GG_T8)
+/* gguf_linear_q8 on the AVX2 token-lane kernel (see t8_rows), from the quantized activations */
+static int t8_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, int64_t qs, int64_t lo,
+                     const float *da, const float *sa, int64_t fs, const float *bias, float *out, int64_t os,
+                     int T, int N, int nb, int parts, int num_threads) {
+    const int nr = (int)fs;   /* runs of 32 per row */
+    const int ntiles = (T + T8 - 1) / T8;
+    const int64_t tile_a = (int64_t)nr * parts * 8 * 32;   /* activation bytes of a tile */
+    /* the tiles' activations (s8) by run, part, group of 4, token, and da, sa by run then token
+     * (0 past T) */
+    int8_t *A = aligned_alloc(64, (size_t)(ntiles * tile_a));
+    float *dT = aligned_alloc(64, sizeof(float) * (size_t)(2 * ntiles * nr * T8));
+    if (!A || !dT) { free(A); free(dT); return -2; }
+    float *sT = dT + (int64_t)ntiles * nr * T8;
+    memset(A, 0, (size_t)(ntiles * tile_a));   /* tokens past T: q = 0 (their lanes are dropped) */
+    for (int t = 0; t < T; t++) {
+        int8_t *at = A + (int64_t)(t / T8) * tile_a + (t % T8) * 4;
+        for (int b = 0; b < nr; b++) {
+            const int8_t *src = qa + t * qs + 32 * b;
+            if (T8_W16(type, parts))   /* the same bytes: 16 pairs of s16 a run */
+                for (int e = 0; e < 32; e += 2) {
+                    const int16_t v[2] = {(int16_t)(128 * src[e] + src[e + lo]), (int16_t)(128 * src[e + 1] + src[e + 1 + lo])};
+                    memcpy(at + ((int64_t)b * 16 + e / 2) * 32, v, 4);
+                }
+            else
+                for (int pt = 0; pt < parts; pt++)
+                    for (int g = 0; g < 8; g++)
+                        memcpy(at + (((int64_t)b * parts + pt) * 8 + g) * 32, src + pt * lo + 4 * g, 4);
+        }
+    }
+    scales_by_tile(da, sa, T, fs, T8, dT, sT);
+    /* each thread's rows (an even split) in chunks of about Q8_CHUNK_BYTES of blocks: a chunk is
+     * unpacked once (L2 resident), then swept by every tile */
+    int64_t rc = Q8_CHUNK_BYTES / row_bytes;
+    if (rc < 1) rc = 1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int r0, r1;
+        thread_rows(N, &r0, &r1);
+        const int ws = T8_WB(type, parts);
+        int8_t *wb = aligned_alloc(64, (size_t)(rc * nr * ws));
+        t8_meta *mt = malloc(sizeof(t8_meta) * (size_t)(rc * nr));
+        float res[T8] __attribute__((aligned(32)));
+        if (!wb || !mt) {
+#pragma omp atomic write
+            failed = 1;
+        } else
+            for (int n0 = r0; n0 < r1; n0 += (int)rc) {
+                const int n1 = n0 + rc < r1 ? n0 + (int)rc : r1;
+                for (int n = n0; n < n1; n++)
+                    t8_unpack_any(type, w + (int64_t)n * row_bytes, nb, parts, wb + (int64_t)(n - n0) * nr * ws,
+                                  mt + (int64_t)(n - n0) * nr);
+                for (int k = 0; k < ntiles; k++) {
+                    const int nt = T - k * T8 < T8 ? T - k * T8 : T8;
+                    for (int n = n0; n < n1; n++) {
+                        t8_row_any(type, parts, wb + (int64_t)(n - n0) * nr * ws, mt + (int64_t)(n - n0) * nr, nr,
+                                   A + k * tile_a, dT + (int64_t)k * nr * T8, sT + (int64_t)k * nr * T8, res);
+                        const float bb = bias ? bias[n] : 0.0f;
+                        for (int t = 0; t < nt; t++) out[(int64_t)(k * T8 + t) * os + n] = res[t] + bb;
+                    }
+                }
+            }
+        free(wb);
+        free(mt);
+    }
+    free(A);
+    free(dT);
+    return failed ? -2 : 0;
+}
+#endif
+
 /* out [T, N] (row stride os) = x W^T (+ bias) on the integer-dot path (see above); parts 1: 8-bit
  * activations (llama.cpp's), 2: 8 + 7 bits (x ~ d (q + q_lo / 128): two integer dots per run).
  * flags: GG_Q8_SCALAR runs the scalar path; GG_Q8_LANES the lane kernels where the build has them
- * (AVX-512 VNNI: rl_rows for 1 .. RL_MAX_TOKENS tokens, tl_rows above; one fp32 summation order, another
- * than the tile kernels'). Returns 0; -1 for an unsupported type or inconsistent shape; -2 out of
+ * (AVX-512 VNNI: rl_rows for 1 .. RL_MAX_TOKENS tokens, tl_rows above; AVX2: rl_rows for 1 .. T8_RL_MAX,
+ * t8_row above; one fp32 summation order for all, another than the tile kernels'). Returns 0; -1 for an unsupported type or inconsistent shape; -2 out of
  * memory. */
 #define GG_Q8_SCALAR 1
 #define GG_Q8_LANES 2
@@ -1425,6 +1740,21 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
          * row-lane kernel instead of a mostly empty tile (both give every token the same bits) */
         const int r = T % TL, ntl = T <= RL_MAX_TOKENS ? 0 : r && r <= RL_SPLIT ? T - r : T;
         int rc = ntl ? tl_linear(type, w, row_bytes, qa, qs, lo, da, sa, fs, bias, out, os, ntl, N, nb, parts,
+                                 num_threads) : 0;
+        if (rc == 0 && ntl < T)
+            rc = rl_linear(type, w, row_bytes, qa + ntl * qs, qs, lo, da + ntl * fs, sa + ntl * fs, fs, bias,
+                           out + ntl * os, os, T - ntl, N, nb, parts, num_threads);
+        free(qa);
+        free(da);
+        return rc;
+    }
+#endif
+#if defined(GG_T8)
+    if (!force_scalar && (flags & GG_Q8_LANES)) {   /* the AVX2 lane kernels (rl_rows, t8_rows) */
+        /* above RL_MAX_TOKENS: whole 8-token tiles, and a remainder of at most RL_SPLIT tokens on the
+         * row-lane kernel instead of a mostly empty tile (both give every token the same bits) */
+        const int r = T % T8, ntl = T <= T8_RL_MAX ? 0 : r && r <= T8_SPLIT ? T - r : T;
+        int rc = ntl ? t8_linear(type, w, row_bytes, qa, qs, lo, da, sa, fs, bias, out, os, ntl, N, nb, parts,
                                  num_threads) : 0;
         if (rc == 0 && ntl < T)
             rc = rl_linear(type, w, row_bytes, qa + ntl * qs, qs, lo, da + ntl * fs, sa + ntl * fs, fs, bias,
@@ -1507,10 +1837,10 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     return 0;
 }
 
-/* 1: this build has the lane kernels (GG_Q8_LANES: rl_rows, tl_rows); 0: every call runs on the
- * 8-token tile kernels (GG_Q8_LANES changes nothing). */
+/* 1: this build has the lane kernels (GG_Q8_LANES: rl_rows, and tl_rows or t8_row); 0 (the scalar
+ * build): GG_Q8_LANES changes nothing. */
 int gguf_q8_lanes(void) {
-#if defined(GG_TL)
+#if defined(GG_TL) || defined(GG_T8)
     return 1;
 #else
     return 0;
