@@ -185,6 +185,12 @@ class EngineProcess:
         self.proc.stdin.flush()
         return self._json.loads(self.proc.stdout.readline())
 
+    def rss_mb(self) -> float:
+        """The process's resident memory now (MB, /proc VmRSS; Linux)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return round(kb / 1024, 1)
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait()

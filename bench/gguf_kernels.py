@@ -8,7 +8,8 @@ by token count T, each a full sweep over the weights (more than the L3, as in a 
   AVX-512 VNNI builds the lane kernels: rows in a vector's lanes for 1-16 tokens, tokens above);
 * gguf-int8: integer dots, activations in 8 bits (llama.cpp's method);
 * gguf-block: the exact kernel (rows dequantized in cache, fp32 dots; the default before);
-* float32-cached: F.linear on the dequantized fp32 weights kept in memory (the large path, default);
+* float32-cached: F.linear on the dequantized fp32 weights kept in memory (the large path above
+  GGUF_MAX_TOKENS on AVX2 builds; VNNI builds have no large path: gguf.py EVERY_T);
 * dequant+float32: the blocks dequantized into a buffer on every call, then F.linear (the large
   path with large="dequant": no fp32 copy kept);
 * int8-native: the older per-row int8 kernel (`--weight-quant int8-bf16`) on the same weights;
@@ -16,7 +17,8 @@ by token count T, each a full sweep over the weights (more than the L3, as in a 
   (SARATHI_GGUF_LANES=0; the serving default on AVX2 builds, where gguf-int8x2 / gguf-int8 time
   the AVX2 lane kernels that SARATHI_GGUF_LANES=1 serves).
 "gguf_beats_float_up_to_T": the largest T up to which a block kernel beats float32-cached at every
-T (worker_svc/backends/cpu/gguf.py GGUF_MAX_TOKENS records the tile kernels' on Zen 3).
+T (worker_svc/backends/cpu/gguf.py GGUF_MAX_TOKENS records the tile kernels' on Zen 3; up to the
+largest T timed when it never loses).
 
 Part "engine": SmolLM2's real GGUF on the Executor, one process per arm (ARMS: --base-tree's code,
 e.g. main before a change; the default now, with the decode stack; the same with
@@ -25,8 +27,9 @@ activations) stepped in turn
 (bench.common.EngineProcess), cases decode:1 and decode:32 at 1k context, prefill:512; llama.cpp's
 llama-bench between the rounds (same GGUF, same threads: `-p 0 -n 32 -d 1024` = decode at depth
 1024, `-p 512 -n 0` = prefill 512) and llama-batched-bench (32 sequences decoding at depth 1024,
-the prompt shared); and the bytes-read bound of decode:32 (the file's weight bytes
-+ the bf16 KV read, over the copy bandwidth measured in the same run).
+the prompt shared); the bytes-read bound of decode:32 (the file's weight bytes
++ the bf16 KV read, over the copy bandwidth measured in the same run); each arm's resident memory
+after its last step ("rss_MB": weights, KV cache, buffers).
 
 --baseline REV adds "base-int8x2" / "base-int8": gguf_linear_q8 of git revision REV (its
 gguf_linear.c built beside this one with native.py's flags), timed in the same rounds, and the
@@ -322,6 +325,7 @@ def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool, base:
             for c, sec in llama_bench_once(threads).items():
                 times[LLAMA][c].append(sec)
     info = {name: p.info["ready"] for name, p in procs.items()}
+    rss = {name: p.rss_mb() for name, p in procs.items()}   # after every case: weights, KV cache, buffers
     for p in procs.values():
         p.close()
     med = {name: {c: round(1e3 * statistics.median(ts), 2) for c, ts in d.items() if ts} for name, d in times.items()}
@@ -329,7 +333,7 @@ def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool, base:
     bw, rbw = 1e9 * copy_gb_per_s(256, 5, threads), read_bandwidth(threads)
     bound_ms, read_bound_ms = 1e3 * (block_bytes + kv_bytes) / bw, 1e3 * (block_bytes + kv_bytes) / rbw
     new = NEW
-    res = {"ms": med, "backends": info, "block_size": BLOCK_SIZE, "llama_bench_commands": LLAMA_CMDS,
+    res = {"ms": med, "backends": info, "rss_MB": rss, "block_size": BLOCK_SIZE, "llama_bench_commands": LLAMA_CMDS,
            "decode32_bound": {"weight_bytes": block_bytes, "kv_bytes": kv_bytes, "copy_bw_GBps": round(bw / 1e9, 2),
                               "bound_ms": round(bound_ms, 2),
                               "ratio_new_default": round(med[new]["decode:32"] / bound_ms, 2),

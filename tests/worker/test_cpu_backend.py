@@ -339,14 +339,15 @@ def test_float_mode_has_float_weights_and_fp32_kv(tiny_ckpt):
 @pytest.mark.slow
 @needs_native
 def test_smollm2_default_cpu_mode_against_transformers():
-    """The serving default on this CPU (the GGUF's own Q4_1/Q8_0 blocks for small batches, their
-    exact dequantization above, bf16 KV) on the real model, teacher-forced over a chat prompt and
-    HF's own 32-token greedy continuation. Before issue 19 the default re-quantized to per-row
-    int8: top-1 agreement 0.879. Now nothing is re-quantized: the differences left are fp32
-    summation order, the small-batch kernel's activation rounding (int8x2: ~15 bits a value) and
-    the bf16 KV cache. Measured (Zen 4, int8x2 dots): top-1 agreement 1.000, max logit error 0.2%
-    of the logit range (with the 8-bit activations of llama.cpp's method, SARATHI_GGUF_DOT=int8,
-    and fp32 KV: 0.909, bench/results/kernels/weight_quant_agreement.json)."""
+    """The serving default on this CPU (the GGUF's own Q4_1/Q8_0 blocks: for every call on VNNI
+    builds, elsewhere for small batches with their exact dequantization above; bf16 KV) on the real
+    model, teacher-forced over a chat prompt and HF's own 32-token greedy continuation. Before issue
+    19 the default re-quantized to per-row int8: top-1 agreement 0.879. Now nothing is re-quantized:
+    the differences left are fp32 summation order, the small-batch kernel's activation rounding
+    (int8x2: ~15 bits a value) and the bf16 KV cache. Measured (Zen 4, int8x2 dots): top-1 agreement
+    1.000, max logit error 0.2% of the logit range (with the 8-bit activations of llama.cpp's
+    method, SARATHI_GGUF_DOT=int8, and fp32 KV: 0.909,
+    bench/results/kernels/weight_quant_agreement.json)."""
     from shared.model_source import resolve_model
     from shared.tokenizer import load_tokenizer
     from tests.support.engine_helpers import PROMPT, hf_greedy_reference, hf_model_from_gguf
@@ -375,13 +376,14 @@ def test_backend_line_is_in_model_info_and_the_metrics_label(tiny_ckpt):
     ex = make_executor(tiny_ckpt, num_blocks=8, kv_cache_dtype="bfloat16", weight_quant="int8")
     line = ex.model_info.backend
     assert line == ex.backend.describe()
-    from worker_svc.backends.cpu.gguf import default_dot, default_lanes
+    from worker_svc.backends.cpu.gguf import EVERY_T, default_dot, default_lanes, default_max_tokens
 
     dot = default_dot()
     isa = f"{native.gguf_isa()} fp32 dot" if dot == "fp32" else f"{native.gguf_q8_isa()} {dot} dot" + (
         ", lane kernels" if default_lanes() and native.gguf_q8_lanes() else "")
     assert line.startswith(f"device cpu: attention native {native.isa()}, kv bfloat16, linear int8 per 32-column "
-                           f"group (Q8_0 blocks) ({isa}) for <= ")
+                           f"group (Q8_0 blocks) ({isa}) " + (
+                               "at every batch size" if default_max_tokens() == EVERY_T else "for <= "))
     m = SchedulerMetrics(CollectorRegistry())
     m.set_worker(ex.model_info.name, line)
     text = generate_latest(m.registry).decode()

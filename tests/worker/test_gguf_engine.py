@@ -83,8 +83,10 @@ def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qty
     path = tmp_path / f"tiny-{qtype.name}.gguf"
     write_tiny_gguf(path, qtype)
     ex = make_executor(path, num_blocks=24, weight_quant="auto")       # the default, fp32 KV
-    # longer than the block kernel's range: the prefill takes the float GEMM
-    n = max(64, ex.backend.linear.max_tokens + 8)
+    # longer than the block kernel's range, where it has one: the prefill takes the float GEMM (on
+    # VNNI builds the block kernel takes every call)
+    every_t = ex.backend.linear.max_tokens == gguf_backend.EVERY_T
+    n = 64 if every_t else max(64, ex.backend.linear.max_tokens + 8)
     prompt = torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(int(qtype))).tolist()
     hf = hf_model_from_gguf(str(path))
     with torch.no_grad():
@@ -101,13 +103,14 @@ def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qty
     monkeypatch.setattr(native, kernel, lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
     got = greedy_generate(ex, prompt, 16, list(range(blocks_for(len(prompt) + 16, 16))))
     assert got == ref
-    # decodes (1 row) ran the block kernel, the 64-token prefill the float GEMM
-    assert calls and set(calls) == {1}
+    # decodes (1 row) ran the block kernel; the 64-token prefill the float GEMM, or the block kernel
+    # where it has no range
+    assert calls and set(calls) == ({1, n} if every_t else {1})
 
 
 def test_lane_kernels_are_the_default_where_built(tmp_path, monkeypatch):
     """The integer dots run on the lane kernels by default on AVX-512 VNNI builds (the decode stack
-    runs them too; the block kernel's range stays the same), on AVX2 builds with
+    runs them too; there they take every call: no threshold, no float weights), on AVX2 builds with
     SARATHI_GGUF_LANES=1 (gguf.py says why not by default); SARATHI_GGUF_LANES=0 keeps the 8-token
     tile kernels; another value is refused. Greedy output is the same either way on a single
     request (the two differ in fp32 summation order only)."""
@@ -125,7 +128,20 @@ def test_lane_kernels_are_the_default_where_built(tmp_path, monkeypatch):
     monkeypatch.setenv("SARATHI_GGUF_LANES", "0")
     tiles = make_executor(path, num_blocks=8, weight_quant="auto")
     assert not tiles.backend.linear.lanes and not tiles.model.stack.lanes
-    assert default.backend.linear.max_tokens == tiles.backend.linear.max_tokens == gguf_backend.default_max_tokens()
+    # the lane kernels of a VNNI build run every call (no float GEMM, no float weights kept: the
+    # model holds the file's blocks, and the LM head's float weight for the tied embedding)
+    every_t = gguf_backend.EVERY_T
+    assert default.backend.linear.max_tokens == gguf_backend.default_max_tokens(lanes=by_default) == (
+        every_t if by_default else gguf_backend.GGUF_MAX_TOKENS["avx2"])
+    assert tiles.backend.linear.max_tokens == gguf_backend.GGUF_MAX_TOKENS["avx2"]
+    assert lanes.backend.linear.max_tokens == (every_t if by_default else gguf_backend.GGUF_MAX_TOKENS["avx2"])
+    for ex in (default, lanes, tiles):
+        lin = ex.backend.linear
+        assert lin.large == ("dequant" if lin.max_tokens == every_t else "cached")
+        assert ("at every batch size" in lin.name) == (lin.max_tokens == every_t)
+        body = [m for m in ex.model.modules()
+                if hasattr(m, "gguf_data") and not getattr(m, "full_precision_output", False)]
+        assert body and all((m.weight.numel() == 0) == (lin.large == "dequant") for m in body)
     prompt = list(range(2, 22))
     table = list(range(blocks_for(len(prompt) + 12, 16)))
     assert greedy_generate(tiles, prompt, 12, table) == greedy_generate(lanes, prompt, 12, table)

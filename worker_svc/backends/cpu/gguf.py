@@ -2,25 +2,32 @@
 
 A GGUF model is served as the file defines it: no re-quantization. Layers whose weight carries
 the file's blocks (layer.gguf, see worker_svc/model/gguf_blocks.py) in a format with a block
-kernel (csrc/gguf_linear.c: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) run:
-* T <= max_tokens rows (decode-sized batches): a block kernel reading the file's bytes (Q4_1:
-  5 bits a weight, 1/6.4 of fp32). Its arithmetic (`dot`, DOTS below): by default "int8x2",
-  llama.cpp's integer-dot method with a finer activation: each token's activations quantized once
-  per call to blocks of 32 in two 8-bit parts (~15 bits a value), integer dots with the file's
-  quants (AVX-512 VNNI vpdpbusd, or AVX2 maddubs), the file's scales applied in fp32;
-* T > max_tokens (prefill chunks, large hybrid batches): F.linear on the exactly dequantized
-  float weight layer.weight (the loader's dequantization, bit-identical to the kernels').
-Both use the file's weights unchanged; they differ by the small-batch path's activation rounding
-(int8x2: within amax / 32512 per block of 32; "fp32": none, only summation order) and summation
-order. A token's activations are quantized alone, so its output does not depend on the other
-tokens of its batch below the threshold (the threshold switch is the one exception, as it was
-with the exact kernel). The integer dots run on the lane kernels (SARATHI_GGUF_LANES;
-default_lanes): 8 rows in a vector's lanes for small calls (1-16 tokens on AVX-512 VNNI builds,
-1-8 on AVX2 ones), tokens in a vector's lanes above (16 a zmm, 8 a ymm), one fp32 summation order
-for all of them and for both builds, so a token's result stays bit-identical in every batch
-(SmolLM2's linear layers, against the 8-token tile kernels: 1.19x faster at 1 token, 1.3-1.5x at
-2-24, 1.64x at 32 on Zen 4 with VNNI, bench/results/kernels/gguf_kernels_zen4.json; with AVX2
-only: 1.23x at 1-2, 1.0-1.2x at 4-48 but 0.86x at 12, bench/results/kernels/gguf_kernels_zen4_avx2.json).
+kernel (csrc/gguf_linear.c: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) run a block kernel reading the
+file's bytes (Q4_1: 5 bits a weight, 1/6.4 of fp32). Its arithmetic (`dot`, DOTS below): by
+default "int8x2", llama.cpp's integer-dot method with a finer activation: each token's
+activations quantized once per call to blocks of 32 in two 8-bit parts (~15 bits a value),
+integer dots with the file's quants (AVX-512 VNNI vpdpbusd, or AVX2 maddubs), the file's scales
+applied in fp32. Which calls take it (max_tokens, default_max_tokens):
+* AVX-512 VNNI builds, integer dot on the lane kernels (the default there): every call, a
+  512-token prefill chunk too (EVERY_T: the lane kernels beat the fp32 GEMM at every T measured,
+  2.6-3.9x at 32-512 tokens on Zen 5). One arithmetic for all, so a token's result is the same in
+  every batch without exception, and no float weights are kept (large="dequant": the model holds
+  the file's blocks, plus the LM head's float weight where the embedding is tied to it).
+* elsewhere, T <= GGUF_MAX_TOKENS rows (decode-sized batches) the block kernel, T above (prefill
+  chunks, large hybrid batches) F.linear on the exactly dequantized float weight layer.weight (the
+  loader's dequantization, bit-identical to the kernels'). The two use the file's weights
+  unchanged; they differ by the small-batch path's activation rounding (int8x2: within
+  amax / 32512 per block of 32; "fp32": none, only summation order) and summation order: the
+  threshold switch is the one exception to batch independence (a token's activations are
+  quantized alone, so below it its output does not depend on the other tokens of its batch).
+The integer dots run on the lane kernels (SARATHI_GGUF_LANES; default_lanes): 8 rows in a
+vector's lanes for small calls (1-16 tokens on AVX-512 VNNI builds, 1-8 on AVX2 ones), tokens in a
+vector's lanes above (16 a zmm, 8 a ymm), one fp32 summation order for all of them and for both
+builds (the AVX2 build's outputs are the VNNI build's bits: tests/worker/test_gguf_kernels.py), so
+a token's result stays bit-identical in every batch (SmolLM2's linear layers, against the 8-token
+tile kernels: 1.19x faster at 1 token, 1.3-1.5x at 2-24, 1.64x at 32 on Zen 4 with VNNI,
+bench/results/kernels/gguf_kernels_zen4.json; with AVX2 only: 1.23x at 1-2, 1.0-1.2x at 4-48 but
+0.86x at 12, bench/results/kernels/gguf_kernels_zen4_avx2.json).
 By default they run where the build has VNNI; AVX2 builds keep the 8-token tile kernels (their
 own summation order, also batch-independent) unless SARATHI_GGUF_LANES=1: with the AVX2 lanes,
 tests/e2e/test_serving.py's scheduler-SIGKILL replay ended one of its 16 greedy requests with
@@ -28,21 +35,22 @@ another word than the offline run ("a place" for "a land"), in both runs (the su
 on the tile kernels it passes).
 Most likely cause (not traced): the replay recomputes the generated tokens in prefill steps of
 more than GGUF_MAX_TOKENS (16 requests' prompts and tokens), on the float GEMM, where they were
-first decoded on the integer dots: the threshold switch, the one exception to batch independence
-above, which a near-tie in that request turns into another word with these last bits and not
-with the tiles'. SARATHI_GGUF_LANES=0 keeps the tile kernels
-everywhere.
+first decoded on the integer dots: the threshold switch, which a near-tie in that request turns
+into another word with these last bits and not with the tiles'. SARATHI_GGUF_LANES=0 keeps the
+tile kernels (and the threshold) everywhere.
 Measured on SmolLM2's Q4_1 GGUF against Hugging Face (teacher-forced, 33
 positions, bench/results/kernels/weight_quant_agreement.json): int8x2 top-1 agreement 1.000, max
 logit error 0.01% of the logit range; "int8" (llama.cpp's own 8-bit activations) 0.909, 1.5%;
 "fp32" 1.000, 0.
 
-Large path memory: large="cached" (default) keeps the float weight (the model holds it anyway:
-4 bytes a weight beside the file's blocks); large="dequant" drops it and dequantizes the blocks
-into a per-call buffer on every large call (memory of the blocks only, plus one layer's float
-weight at a time; costs a dequantization of every weight per large step: measured in
-bench/gguf_kernels.py, bench/results/kernels/README.md). A tied LM head keeps its float weight in
-both modes: the embedding lookup reads it.
+Large path memory (where there is a threshold): large="cached" (the default there) keeps the
+float weight (the model holds it anyway: 4 bytes a weight beside the file's blocks);
+large="dequant" drops it and dequantizes the blocks into a per-call buffer on every large call
+(memory of the blocks only, plus one layer's float weight at a time; costs a dequantization of
+every weight per large step: measured in bench/gguf_kernels.py, bench/results/kernels/README.md).
+Without a threshold large="dequant" is the default and the per-call dequantization only serves a
+non-fp32 or non-CPU x. A tied LM head keeps its float weight in both modes: the embedding lookup
+reads it.
 
 Layers without blocks (float checkpoints, GGUF tensors stored as F32/F16, formats without a
 kernel, dequantized at load with a log line) run plain F.linear, as does any non-fp32 layer.
@@ -50,6 +58,7 @@ kernel, dequantized at load with a log line) run plain F.linear, as does any non
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -63,14 +72,16 @@ from worker_svc.backends.cpu import native
 # before: 127 ms, a tie), 122 vs 127 at T=48, 164 vs 153 at 64: 48. (Before: 32, from
 # gguf_kernels_amd.json and gguf_kernels_zen4.json with the older kernels.) "scalar": never.
 GGUF_MAX_TOKENS = {"avx2": 48}
-# The VNNI lane kernels (SARATHI_GGUF_LANES: csrc/gguf_linear.c rl_rows, tl_rows) beat
-# F.linear at every T measured up to 256 (bench/results/kernels/gguf_kernels_zen4.json, AMD EPYC family
-# 25 model 17, Zen 4, 2 threads), but keep this threshold: a call's arithmetic changes at it (quantized
-# activations vs the float GEMM). At 256, in the e2e suite, a request replayed after a scheduler
-# SIGKILL continued differently from its offline output, and at 48 it did not (one failing run at
-# 256, passing runs at 48): most likely the served stack's batches fell on the other side of 256
-# than the offline engine's, since the lane kernels' summation order is one for every call size.
-# Calls of 49-256 tokens would take 1.4-2.0x less time than the GEMM there.
+# The VNNI lane kernels (SARATHI_GGUF_LANES: csrc/gguf_linear.c rl_rows, tl_rows) beat F.linear on
+# the float weight at every T measured: 1.4-2.0x at 49-256 on Zen 4 (bench/results/kernels/
+# gguf_kernels_zen4.json, AMD EPYC family 25 model 17), 2.6-3.9x at 32-512 on Zen 5 (gguf_kernels_zen5.json,
+# family 26 model 2), 2 threads. So a VNNI build with an integer dot and the lane kernels has no
+# threshold: every call, a 512-token prefill chunk too, runs on the file's blocks with one arithmetic
+# and one fp32 summation order, and a token's result is the same in every batch without exception
+# (a request replayed after a preemption or a scheduler restart recomputes its tokens in large
+# prefill steps with the very arithmetic that first decoded them). It also needs no float weights
+# (large="dequant" by default there: the model keeps the file's blocks only).
+EVERY_T = sys.maxsize   # max_tokens meaning: the block kernel at every T
 
 
 # The small-batch kernel's arithmetic (SARATHI_GGUF_DOT overrides the default):
@@ -98,10 +109,16 @@ def default_lanes() -> bool:
     return v == "1" or (v == "auto" and native.gguf_q8_isa() == "avx512vnni")
 
 
-def default_max_tokens() -> int:
-    """The block kernel's token limit on this machine."""
+def default_max_tokens(dot: str | None = None, lanes: bool | None = None) -> int:
+    """The block kernel's token limit on this machine for this arithmetic (dot, default
+    default_dot(); lanes, default default_lanes()): EVERY_T on VNNI builds with an integer dot on
+    the lane kernels, GGUF_MAX_TOKENS elsewhere (0 without the native library)."""
     if not native.available():
         return 0
+    dot = default_dot() if dot is None else dot
+    lanes = default_lanes() if lanes is None else lanes
+    if dot in DOT_PARTS and lanes and native.gguf_q8_lanes() and native.gguf_q8_isa() == "avx512vnni":
+        return EVERY_T
     return GGUF_MAX_TOKENS.get(native.gguf_isa(), 0)
 
 
@@ -113,14 +130,15 @@ def default_dot() -> str:
 
 
 class GgufLinearMethod(LinearMethod):
-    """Block kernel for T <= max_tokens, float GEMM above (module docstring). process() keeps
-    layer.gguf's blocks as buffer layer.gguf_data (uint8 [N, row_bytes]) and layer.gguf_type."""
+    """Block kernel for T <= max_tokens (EVERY_T: every call), float GEMM above (module docstring).
+    process() keeps layer.gguf's blocks as buffer layer.gguf_data (uint8 [N, row_bytes]) and
+    layer.gguf_type; large: None = "dequant" without a threshold, "cached" with one."""
 
-    def __init__(self, max_tokens: int | None = None, large: str = "cached", dot: str | None = None,
+    def __init__(self, max_tokens: int | None = None, large: str | None = None, dot: str | None = None,
                  lanes: bool | None = None):
         if not native.available():
             raise ValueError(f"GGUF block kernels need the native library: {native.unavailable_reason()}")
-        if large not in ("cached", "dequant"):
+        if large not in (None, "cached", "dequant"):
             raise ValueError(f"large must be 'cached' or 'dequant', got {large!r}")
         self.dot = default_dot() if dot is None else dot
         if self.dot not in DOTS:
@@ -128,13 +146,18 @@ class GgufLinearMethod(LinearMethod):
         # the lane kernels only where they exist and the dot is an integer one
         self.lanes = bool(default_lanes() if lanes is None else lanes) and self.dot in DOT_PARTS \
             and native.gguf_q8_lanes()
-        self.max_tokens = default_max_tokens() if max_tokens is None else max_tokens
-        self.large = large
+        self.max_tokens = default_max_tokens(self.dot, self.lanes) if max_tokens is None else max_tokens
+        # no threshold: no float weight to keep (the per-call dequantization is the fallback for
+        # a non-fp32 or non-CPU x only)
+        self.large = large or ("dequant" if self.max_tokens == EVERY_T else "cached")
         isa = f"{native.gguf_q8_isa()} {self.dot} dot" if self.dot in DOT_PARTS else native.gguf_isa() + " fp32 dot"
         if self.lanes:
             isa += ", lane kernels"
-        self.name = f"gguf blocks ({isa}) for <= {self.max_tokens} tokens, float GEMM above" + (
-            " (dequantized per call)" if large == "dequant" else "")
+        if self.max_tokens == EVERY_T:
+            self.name = f"gguf blocks ({isa}) at every batch size"
+        else:
+            self.name = f"gguf blocks ({isa}) for <= {self.max_tokens} tokens, float GEMM above" + (
+                " (dequantized per call)" if self.large == "dequant" else "")
 
     def process(self, layer: torch.nn.Module) -> None:
         blocks = getattr(layer, "gguf", None)
@@ -177,8 +200,9 @@ class GroupInt8LinearMethod(GgufLinearMethod):
     """`--weight-quant int8`: every linear weight re-quantized to int8 with one scale per group of
     32 columns, stored as GGUF Q8_0 blocks (llama.cpp's own int8 format: an fp16 scale
     max|w| / 127 per 32 weights, 1.06 bytes a weight, quantized by the gguf package's reference
-    quantizer) and run on the Q8_0 block kernel for small batches, an fp32 GEMM on the
-    dequantized values above (layer.weight is replaced by them: both paths compute one model).
+    quantizer) and run on the Q8_0 block kernel, at every T on VNNI builds (then only the blocks
+    are kept), elsewhere for small batches with an fp32 GEMM on the dequantized values above
+    (layer.weight is replaced by them: both paths compute one model).
     A group of 32 tracks the weights' local range far better than one scale per row (the old
     per-row int8: SmolLM2 top-1 agreement 0.879 with Hugging Face), at the memory of a per-64
     fp32-scale scheme. Layers whose K is not a multiple of 32 keep float weights."""
