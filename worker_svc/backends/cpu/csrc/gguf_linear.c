@@ -38,6 +38,18 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 
+/* The kernels' dispatch: BODY(TY) for the runtime type, TY a compile-time constant in each case
+ * (so each format's code is inlined and specialized); other types do nothing. */
+#define SWITCH_FORMATS(type, BODY)                                                                 \
+    switch (type) {                                                                                \
+    case T_Q4_0: BODY(T_Q4_0) break;                                                               \
+    case T_Q4_1: BODY(T_Q4_1) break;                                                               \
+    case T_Q8_0: BODY(T_Q8_0) break;                                                               \
+    case T_Q4_K: BODY(T_Q4_K) break;                                                               \
+    case T_Q5_K: BODY(T_Q5_K) break;                                                               \
+    case T_Q6_K: BODY(T_Q6_K) break;                                                               \
+    }
+
 /* (block size in elements, bytes per block) of a supported type; 0 for others */
 static int block_elems(int type) {
     switch (type) {
@@ -619,21 +631,12 @@ q8_small_avx2(const int type, const int NT, const int TWO, const uint8_t *p, int
     if (nt == 1) q8_small_avx2(TY, 1, TW, p, nb, qa, qs, lo, da, sa, fs, res);                      \
     else q8_small_avx2(TY, 2, TW, p, nb, qa, qs, lo, da, sa, fs, res);
 #define Q8_CASE_SMALL(TY)                                                                                \
-    case TY:                                                                                       \
-        if (lo) { Q8_NT_SMALL(TY, 1) } else { Q8_NT_SMALL(TY, 0) }                                             \
-        break;
+        if (lo) { Q8_NT_SMALL(TY, 1) } else { Q8_NT_SMALL(TY, 0) }
 
 /* lo: offset of the low parts from the high ones (0: one part) */
 static void q8_small_avx2_any(int type, int nt, const uint8_t *p, int nb, const int8_t *qa, int64_t qs,
                             int64_t lo, const float *da, const float *sa, int64_t fs, float *res) {
-    switch (type) {
-    Q8_CASE_SMALL(T_Q4_0)
-    Q8_CASE_SMALL(T_Q4_1)
-    Q8_CASE_SMALL(T_Q8_0)
-    Q8_CASE_SMALL(T_Q4_K)
-    Q8_CASE_SMALL(T_Q5_K)
-    Q8_CASE_SMALL(T_Q6_K)
-    }
+    SWITCH_FORMATS(type, Q8_CASE_SMALL)
 }
 #undef Q8_NT_SMALL
 #undef Q8_CASE_SMALL
@@ -753,21 +756,12 @@ q8_row_avx2(const int type, const int NT, const int I8, const uint8_t *p, int nb
     default: q8_row_avx2(TY, Q8_TILE, I8, p, nb, qa, dT, sT, res); break;                          \
     }
 #define Q8_CASE(TY)                                                                                \
-    case TY:                                                                                       \
-        if (i8 == 1) { Q8_NT(TY, 1) } else if (i8 == 2) { Q8_NT(TY, 2) } else { Q8_NT(TY, 0) }     \
-        break;
+        if (i8 == 1) { Q8_NT(TY, 1) } else if (i8 == 2) { Q8_NT(TY, 2) } else { Q8_NT(TY, 0) }
 
 /* nt: Q8_SMALL + 1 .. Q8_TILE; i8: the dots (gguf_linear_q8's mode) */
 static void q8_row_avx2_any(int type, int nt, int i8, const uint8_t *p, int nb, const void *qa, const float *dT,
                             const float *sT, float *res) {
-    switch (type) {
-    Q8_CASE(T_Q4_0)
-    Q8_CASE(T_Q4_1)
-    Q8_CASE(T_Q8_0)
-    Q8_CASE(T_Q4_K)
-    Q8_CASE(T_Q5_K)
-    Q8_CASE(T_Q6_K)
-    }
+    SWITCH_FORMATS(type, Q8_CASE)
 }
 #undef Q8_NT
 #undef Q8_CASE
@@ -834,14 +828,9 @@ static inline __attribute__((always_inline)) void tl_unpack(const int type, cons
 }
 
 static void tl_unpack_any(int type, const uint8_t *p, int nb, int parts, int8_t *wb, tl_meta *mt) {
-    switch (type) {
-    case T_Q4_0: tl_unpack(T_Q4_0, p, nb, parts, wb, mt); break;
-    case T_Q4_1: tl_unpack(T_Q4_1, p, nb, parts, wb, mt); break;
-    case T_Q8_0: tl_unpack(T_Q8_0, p, nb, parts, wb, mt); break;
-    case T_Q4_K: tl_unpack(T_Q4_K, p, nb, parts, wb, mt); break;
-    case T_Q5_K: tl_unpack(T_Q5_K, p, nb, parts, wb, mt); break;
-    case T_Q6_K: tl_unpack(T_Q6_K, p, nb, parts, wb, mt); break;
-    }
+#define TL_U(TY) tl_unpack(TY, p, nb, parts, wb, mt);
+    SWITCH_FORMATS(type, TL_U)
+#undef TL_U
 }
 
 /* R rows (unpacked: wb + r * nr * 32, mt + r * nr; nr runs each) against a tile of TL tokens:
@@ -901,20 +890,11 @@ tl_rows(const int R, const int P, const int Q6, const int CW, const int8_t *wb, 
     default: TL_RW(TL_ROWS, TY, PP); break;                                                        \
     }
 #define TL_CASE(TY)                                                                                \
-    case TY:                                                                                       \
-        if (P == 2) { TL_R(TY, 2) } else { TL_R(TY, 1) }                                           \
-        break;
+        if (P == 2) { TL_R(TY, 2) } else { TL_R(TY, 1) }
 /* R: 1 .. TL_ROWS rows */
 static void tl_rows_any(int type, int R, int P, const int8_t *wb, const tl_meta *mt, int nr, const uint8_t *A,
                         const float *dT, const float *sT, float *res) {
-    switch (type) {
-    TL_CASE(T_Q4_0)
-    TL_CASE(T_Q4_1)
-    TL_CASE(T_Q8_0)
-    TL_CASE(T_Q4_K)
-    TL_CASE(T_Q5_K)
-    TL_CASE(T_Q6_K)
-    }
+    SWITCH_FORMATS(type, TL_CASE)
 }
 #undef TL_RW
 #undef TL_R
@@ -1253,21 +1233,12 @@ _Pragma("GCC unroll 1")   /* tokens in pairs: each pair of weights loaded once f
     default: rl_rows(TY, Q8_TILE, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;           \
     }
 #define RL_CASE(TY)                                                                                \
-    case TY:                                                                                       \
-        if (P == 2) { RL_NT(TY, 2) } else { RL_NT(TY, 1) }                                         \
-        break;
+        if (P == 2) { RL_NT(TY, 2) } else { RL_NT(TY, 1) }
 /* nt: 1 .. Q8_TILE tokens */
 static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int nb, const int8_t *qa, int64_t qs,
                         int64_t lo, const float *da, const float *sa, int64_t fs, const int32_t *ST, const uint8_t *pf,
                         int64_t pfn, float *res) {
-    switch (type) {
-    RL_CASE(T_Q4_0)
-    RL_CASE(T_Q4_1)
-    RL_CASE(T_Q8_0)
-    RL_CASE(T_Q4_K)
-    RL_CASE(T_Q5_K)
-    RL_CASE(T_Q6_K)
-    }
+    SWITCH_FORMATS(type, RL_CASE)
 }
 #undef RL_NT
 #undef RL_CASE
@@ -1324,14 +1295,9 @@ static inline __attribute__((always_inline)) void t8_unpack(const int type, cons
 }
 
 static void t8_unpack_any(int type, const uint8_t *p, int nb, int parts, int8_t *wb, t8_meta *mt) {
-    switch (type) {
-    case T_Q4_0: t8_unpack(T_Q4_0, p, nb, parts, wb, mt); break;
-    case T_Q4_1: t8_unpack(T_Q4_1, p, nb, parts, wb, mt); break;
-    case T_Q8_0: t8_unpack(T_Q8_0, p, nb, parts, wb, mt); break;
-    case T_Q4_K: t8_unpack(T_Q4_K, p, nb, parts, wb, mt); break;
-    case T_Q5_K: t8_unpack(T_Q5_K, p, nb, parts, wb, mt); break;
-    case T_Q6_K: t8_unpack(T_Q6_K, p, nb, parts, wb, mt); break;
-    }
+#define T8_U(TY) t8_unpack(TY, p, nb, parts, wb, mt);
+    SWITCH_FORMATS(type, T8_U)
+#undef T8_U
 }
 
 /* One row (unpacked: wb, T8_WB bytes a run, and mt; nr runs) against a tile of T8 tokens:
@@ -1389,20 +1355,11 @@ t8_row(const int P, const int TY, const int8_t *wb, const t8_meta *mt, int nr, c
 }
 
 #define T8_CASE(TY)                                                                                \
-    case TY:                                                                                       \
         if (P == 2) t8_row(2, TY, wb, mt, nr, A, dT, sT, res);                                     \
-        else t8_row(1, TY, wb, mt, nr, A, dT, sT, res);                                            \
-        break;
+        else t8_row(1, TY, wb, mt, nr, A, dT, sT, res);
 static void t8_row_any(int type, int P, const int8_t *wb, const t8_meta *mt, int nr, const int8_t *A,
                        const float *dT, const float *sT, float *res) {
-    switch (type) {
-    T8_CASE(T_Q4_0)
-    T8_CASE(T_Q4_1)
-    T8_CASE(T_Q8_0)
-    T8_CASE(T_Q4_K)
-    T8_CASE(T_Q5_K)
-    T8_CASE(T_Q6_K)
-    }
+    SWITCH_FORMATS(type, T8_CASE)
 }
 #undef T8_CASE
 
