@@ -1531,6 +1531,11 @@ static int tl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
     free(dT);
     return failed ? -2 : 0;
 }
+/* what gguf_linear_q8's lane path routes (with rl_linear for small calls and short remainders) */
+#define LANE_TILE TL
+#define LANE_RL_MAX RL_MAX_TOKENS
+#define LANE_SPLIT RL_SPLIT
+#define lane_linear tl_linear
 
 #endif
 
@@ -1598,7 +1603,7 @@ static int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
 #endif
 
 #if defined(GG_T8)
-/* gguf_linear_q8 on the AVX2 token-lane kernel (see t8_rows), from the quantized activations */
+/* gguf_linear_q8 on the AVX2 token-lane kernel (see t8_row), from the quantized activations */
 static int t8_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, int64_t qs, int64_t lo,
                      const float *da, const float *sa, int64_t fs, const float *bias, float *out, int64_t os,
                      int T, int N, int nb, int parts, int num_threads) {
@@ -1667,6 +1672,11 @@ static int t8_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t
     free(dT);
     return failed ? -2 : 0;
 }
+/* what gguf_linear_q8's lane path routes (with rl_linear for small calls and short remainders) */
+#define LANE_TILE T8
+#define LANE_RL_MAX T8_RL_MAX
+#define LANE_SPLIT T8_SPLIT
+#define lane_linear t8_linear
 #endif
 
 /* out [T, N] (row stride os) = x W^T (+ bias) on the integer-dot path (see above); parts 1: 8-bit
@@ -1691,28 +1701,13 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     float *sa = da + fs * T;
     num_threads = threads_for(num_threads, N, K);
     gguf_quantize_act(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar);
-#if defined(GG_TL)
-    if (!force_scalar && (flags & GG_Q8_LANES)) {   /* the lane kernels (rl_rows, tl_rows) */
-        /* above RL_MAX_TOKENS: whole token-lane tiles, and a remainder of at most RL_SPLIT tokens on the
+#if defined(GG_TL) || defined(GG_T8)
+    if (!force_scalar && (flags & GG_Q8_LANES)) {   /* the lane kernels: rl_rows, then tl_rows or t8_row */
+        /* above LANE_RL_MAX: whole token-lane tiles, and a remainder of at most LANE_SPLIT tokens on the
          * row-lane kernel instead of a mostly empty tile (both give every token the same bits) */
-        const int r = T % TL, ntl = T <= RL_MAX_TOKENS ? 0 : r && r <= RL_SPLIT ? T - r : T;
-        int rc = ntl ? tl_linear(type, w, row_bytes, qa, qs, lo, da, sa, fs, bias, out, os, ntl, N, nb, parts,
-                                 num_threads) : 0;
-        if (rc == 0 && ntl < T)
-            rc = rl_linear(type, w, row_bytes, qa + ntl * qs, qs, lo, da + ntl * fs, sa + ntl * fs, fs, bias,
-                           out + ntl * os, os, T - ntl, N, nb, parts, num_threads);
-        free(qa);
-        free(da);
-        return rc;
-    }
-#endif
-#if defined(GG_T8)
-    if (!force_scalar && (flags & GG_Q8_LANES)) {   /* the AVX2 lane kernels (rl_rows, t8_rows) */
-        /* above RL_MAX_TOKENS: whole 8-token tiles, and a remainder of at most RL_SPLIT tokens on the
-         * row-lane kernel instead of a mostly empty tile (both give every token the same bits) */
-        const int r = T % T8, ntl = T <= T8_RL_MAX ? 0 : r && r <= T8_SPLIT ? T - r : T;
-        int rc = ntl ? t8_linear(type, w, row_bytes, qa, qs, lo, da, sa, fs, bias, out, os, ntl, N, nb, parts,
-                                 num_threads) : 0;
+        const int r = T % LANE_TILE, ntl = T <= LANE_RL_MAX ? 0 : r && r <= LANE_SPLIT ? T - r : T;
+        int rc = ntl ? lane_linear(type, w, row_bytes, qa, qs, lo, da, sa, fs, bias, out, os, ntl, N, nb, parts,
+                                   num_threads) : 0;
         if (rc == 0 && ntl < T)
             rc = rl_linear(type, w, row_bytes, qa + ntl * qs, qs, lo, da + ntl * fs, sa + ntl * fs, fs, bias,
                            out + ntl * os, os, T - ntl, N, nb, parts, num_threads);
