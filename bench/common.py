@@ -1,6 +1,7 @@
 """What the benchmark scripts share, so that none imports another: the record of the machine a
-result was measured on, and the engine benchmarks' batches and executors (SmolLM2-135M on the
-real Executor, KV cache of zeros: attention cost depends on lengths, not on values).
+result was measured on, a process's resident memory (rss_mb), and the engine benchmarks' batches
+and executors (SmolLM2-135M on the real Executor, KV cache of zeros: attention cost depends on
+lengths, not on values).
 
 Batches in the KV cache (a Layout): `decodes` sequences of CONTEXT cached tokens, each on its own
 blocks (CONTEXT // BLOCK_SIZE + 1 of them: room for the decoded token), then one prompt chunk of
@@ -8,6 +9,7 @@ up to `chunk` tokens on the blocks after them. The executor's cache holds exactl
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -158,6 +160,21 @@ for line in sys.stdin:
 """
 
 
+def rss_mb(pid: int) -> float:
+    """Resident set of pid and its descendants, MiB (from /proc)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, AttributeError):
+            continue
+    return total / 1024
+
+
 class EngineProcess:
     """One executor (`make_executor(spec, SMALL)`) of the source tree `tree` in a process of its own,
     stepped on request: `step("decode:32")` runs that batch once and returns {"s": seconds around
@@ -184,12 +201,6 @@ class EngineProcess:
         self.proc.stdin.write(case.replace(":", " ") + "\n")
         self.proc.stdin.flush()
         return self._json.loads(self.proc.stdout.readline())
-
-    def rss_mb(self) -> float:
-        """The process's resident memory now (MB, /proc VmRSS; Linux)."""
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        return round(kb / 1024, 1)
 
     def close(self) -> None:
         self.proc.stdin.close()

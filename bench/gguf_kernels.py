@@ -59,7 +59,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.common import BLOCK_SIZE, CONTEXT, HEAD_DIM, KV_HEADS, LAYERS, EngineProcess, layer_shapes, machine_line
+from bench.common import (
+    BLOCK_SIZE,
+    CONTEXT,
+    HEAD_DIM,
+    KV_HEADS,
+    LAYERS,
+    EngineProcess,
+    layer_shapes,
+    machine_line,
+    rss_mb,
+)
 from bench.membw import copy_gb_per_s
 from worker_svc.backends.cpu import native
 from worker_svc.backends.cpu.quant import quantize_int8
@@ -325,7 +335,8 @@ def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool, base:
             for c, sec in llama_bench_once(threads).items():
                 times[LLAMA][c].append(sec)
     info = {name: p.info["ready"] for name, p in procs.items()}
-    rss = {name: p.rss_mb() for name, p in procs.items()}   # after every case: weights, KV cache, buffers
+    # after every case: weights, KV cache, buffers
+    rss = {name: round(rss_mb(p.proc.pid), 1) for name, p in procs.items()}
     for p in procs.values():
         p.close()
     med = {name: {c: round(1e3 * statistics.median(ts), 2) for c, ts in d.items() if ts} for name, d in times.items()}

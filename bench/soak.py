@@ -36,7 +36,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from bench.common import machine
+from bench.common import machine, rss_mb
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("river stone cloud lamp orange window garden silver engine paper music forest train "
@@ -47,21 +47,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def rss_mb(pid: int) -> float:
-    """Resident set of pid and its descendants, MiB (from /proc)."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError, AttributeError):
-            continue
-    return total / 1024
 
 
 def scrape(url: str) -> dict[str, float]:
