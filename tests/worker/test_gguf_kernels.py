@@ -209,8 +209,8 @@ def test_q8_extreme_quants_do_not_saturate(qtype):
 def test_q8_token_results_do_not_depend_on_the_batch_or_threads(lanes):
     """Activations are quantized per token, rows split over threads: a token's output is bit-identical
     alone, in any batch, at any position, with any thread count (the batch-independence rule), on
-    the lane kernels (the default; AVX-512 VNNI builds: row octets for 1-16 tokens, token-lane tiles
-    of 16 above; AVX2 builds: row octets for 1-8, token-lane tiles of 8 above; one fp32 order) and
+    the lane kernels (the default on AVX-512 VNNI builds: row octets for 1-16 tokens, token-lane tiles
+    of 16 above; AVX2 builds, opt-in: row octets for 1-8, token-lane tiles of 8 above; one fp32 order) and
     on the 8-token tile kernels alike."""
     rng = np.random.default_rng(11)
     built = native.gguf_q8_lanes()
