@@ -7,7 +7,7 @@ PORT    ?= 8000
 # a machine with an NVIDIA driver installs the CUDA stack (torch from the index + the [gpu] extra)
 GPU     ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install serve test generate gpu-check clean
+.PHONY: install serve test generate gpu-bundle gpu-check clean
 
 install: $(STAMP)
 
@@ -40,10 +40,14 @@ test: install
 generate: install
 	$(VENV)/bin/sarathi generate --prompt "$(or $(PROMPT),What is the capital of France?)" --max-tokens 64
 
-# on a CUDA machine: GPU tests + GPU benchmark into bench/results/gpu/ (FLASHINFER=path/to/sdist-or-wheel
-# when there is no package index)
-gpu-check: install
-	$(PY) -m bench.gpu_check $(if $(FLASHINFER),--flashinfer $(FLASHINFER))
+# for a CUDA machine without a package index: the wheels it lacks + FlashInfer + the default model's
+# tokenizer and config, in .gpu_bundle/ (travels with the repository), proven in a Python 3.12 venv
+gpu-bundle: install
+	$(PY) -m bench.gpu_bundle --verify
+
+# on a CUDA machine: install the bundle, GPU tests, serving, benchmarks into bench/results/gpu/
+gpu-check:
+	python3 -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -103,35 +104,85 @@ def test_auto_block_count_on_cpu_reaches_the_scheduler(tmp_path):
     assert llm.engine.scheduler.block_manager.num_blocks == DEFAULT_CPU_BLOCKS
 
 
-def test_gpu_check_plans_install_tests_and_benchmarks(tmp_path, capsys):
+def test_gpu_check_plans_every_step_from_the_bundle(tmp_path, capsys):
     from bench import gpu_check
 
-    sdist = tmp_path / "flashinfer_python-0.3.1.tar.gz"
-    args = gpu_check.parse_args(["--flashinfer", str(sdist), "--rounds", "3"])
-    steps = gpu_check.plan(args, have_flashinfer=False, python="py")
-    names = [n for n, _, _ in steps]
-    assert names[0] == "environment" and names[1] == "install flashinfer (local)"
-    install = steps[1][1]
-    assert install[-1] == str(sdist) and {"--no-index", "--no-deps", "--no-build-isolation"} <= set(install)
-    tests = next(cmd for n, cmd, _ in steps if n == "GPU tests")
+    bundle = tmp_path / "bundle"
+    (bundle / "wheels").mkdir(parents=True)
+    (bundle / "wheels" / "pyzmq-27-cp312-abi3-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    args = gpu_check.parse_args(["--bundle", str(bundle), "--rounds", "3"])
+    plan = gpu_check.steps(args, python="py")
+    assert [s.name for s in plan] == ["install", "environment", "imports", "flashinfer-jit", "baseline",
+                                      "tests", "benchmark", "serve", "load"]
+    install = plan[0].argv({})
+    assert {"--no-index", "--no-deps", "--target"} <= set(install) and install[-1].endswith(".whl")
+    tests = next(s for s in plan if s.name == "tests").argv({})
     assert tests[tests.index("-m", 2) + 1] == "gpu"
-    bench = [cmd for n, cmd, _ in steps if n.startswith("benchmark")]
-    assert len(bench) == 2 and all(c[c.index("--rounds") + 1] == "3" for c in bench)
-    assert "torch" in bench[1] and "--no-cuda-graphs" in bench[1]
-    # flashinfer already there: no install; --skip-*: fewer steps
-    quick = gpu_check.plan(gpu_check.parse_args(["--skip-bench"]), have_flashinfer=True)
-    assert [n for n, _, _ in quick] == ["environment", "GPU tests"]
-    assert gpu_check.main(["--dry-run", "--flashinfer", str(sdist)]) == 0
-    assert "pip install --no-index" in capsys.readouterr().out
+    ctx = {"env": {"copy_tbs": 4.3, "bf16_gemm_tflops": 780.0}}
+    bench = next(s for s in plan if s.name == "benchmark").argv(ctx)
+    base = next(s for s in plan if s.name == "baseline").argv(ctx)
+    assert bench[bench.index("--rounds") + 1] == "3" and bench[bench.index("--hbm-tbs") + 1] == "4.3"
+    assert "torch" in base and "--no-cuda-graphs" in base and base[base.index("--dense-tflops") + 1] == "780.0"
+    jit = next(s for s in plan if s.name == "flashinfer-jit")
+    assert jit.background and jit.cpus == "back" and next(s for s in plan if s.name == "baseline").cpus == "fore"
+    # no wheels in the bundle: nothing to install; --skip leaves steps out; unknown names refused
+    quick = gpu_check.steps(gpu_check.parse_args(["--bundle", str(tmp_path), "--skip", "serve,load"]))
+    assert [s.name for s in quick][:2] == ["environment", "imports"] and "serve" not in {s.name for s in quick}
+    with pytest.raises(SystemExit, match="unknown step"):
+        gpu_check.steps(gpu_check.parse_args(["--skip", "nope"]))
+    assert gpu_check.main(["--dry-run", "--bundle", str(bundle)]) == 0
+    assert "pip install -q --no-index" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        gpu_check.parse_args(["--pip", "--flashinfer", "x"])
+        gpu_check.parse_args(["--budget", "0"])
+
+
+def test_gpu_check_keeps_its_budget_and_packs_what_it_reached(tmp_path, monkeypatch):
+    """The runner with stand-in steps: a background step beside a foreground one, a step killed
+    at its cap, a step skipped for want of time, and an archive after every step."""
+    import tarfile
+
+    from bench import gpu_check
+
+    monkeypatch.setattr(gpu_check, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    py = sys.executable
+
+    def fake_steps(args, python=py):
+        def say(text):
+            return (lambda ctx: [py, "-c", f"print({text!r})"])
+        return [
+            gpu_check.Step("environment", say('{"copy_tbs": 4.0}'), "env.json", 30),
+            gpu_check.Step("flashinfer-jit", lambda ctx: [py, "-c", "import time; time.sleep(1); print('built')"],
+                           "jit.log", 30, background=True, cpus="back"),
+            gpu_check.Step("baseline", lambda ctx: [py, "-c", f"print({ctx['env']['copy_tbs']})"], "base.log", 30,
+                           cpus="fore"),
+            gpu_check.Step("tests", lambda ctx: [py, "-c", "import time; print('started', flush=True); "
+                                                          "time.sleep(60)"], "tests.txt", 2, need=1),
+            gpu_check.Step("load", say("never"), "load.log", 30, need=1000),
+        ]
+    monkeypatch.setattr(gpu_check, "steps", fake_steps)
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    assert gpu_check.main(["--copy-to", str(out), "--budget", "60"]) == 1
+    assert time.monotonic() - t0 < 30                       # the 60 s sleep was cut at its 2 s cap
+    record = json.loads((tmp_path / "results" / "gpu_check.json").read_text())
+    status = {s["name"]: s for s in record["steps"]}
+    assert status["environment"]["rc"] == 0 and status["baseline"]["rc"] == 0
+    assert (tmp_path / "results" / "base.log").read_text().strip() == "4.0"     # the measured rate passed on
+    assert status["flashinfer-jit"]["rc"] == 0 and "built" in (tmp_path / "results" / "jit.log").read_text()
+    assert status["tests"]["rc"] == 124 and "timed out" in status["tests"]["status"]
+    assert status["load"]["rc"] is None and "skipped" in status["load"]["status"]
+    assert record["failed"] == ["tests"] and record["skipped"] == ["load"]
+    with tarfile.open(out / "gpu_check_results.tar.gz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {"gpu_check.json", "env.json", "base.log", "tests.txt"} <= names
 
 
 @no_cuda
 def test_gpu_check_refuses_to_run_without_cuda(capsys):
     from bench import gpu_check
 
-    assert gpu_check.main([]) == 2
+    assert gpu_check.main(["--bundle", "/nonexistent"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
 
 
