@@ -79,23 +79,39 @@ print(json.dumps(info, indent=1))
 """
 
 JIT_WARMUP = r"""
-import time, torch
+import time, torch, threading
+from concurrent.futures import ThreadPoolExecutor
+import flashinfer
 from worker_svc.backends.cuda.backend import FlashInferAttention
 from worker_svc.backends.cuda.flashinfer_meta import build_paged_batch
 t0 = time.perf_counter()
 dev = torch.device("cuda", 0)
 att = FlashInferAttention(dev, torch.bfloat16)
 att.bind(32, 8, 128, torch.bfloat16, 128 ** -0.5, 64)
-k = torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16, device=dev); v = torch.zeros_like(k)
-for seqs in ([(0, 20, [0, 1]), (16, 1, [2, 3])],      # hybrid: the paged prefill kernels
-             [(16, 1, [0, 1]), (5, 1, [2])]):          # decode-only: the decode kernels
+lock = threading.Lock()
+
+def attention(decode):
+    k = torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16, device=dev); v = torch.zeros_like(k)
+    seqs = [(16, 1, [0, 1]), (5, 1, [2])] if decode else [(0, 20, [0, 1]), (16, 1, [2, 3])]
     pb = build_paged_batch(seqs, 16)
-    wrapper = att.decode if pb.decode_only else att.prefill
-    att.plan(wrapper, pb)
-    q = torch.randn(pb.num_tokens, 32, 128, dtype=torch.bfloat16, device=dev)
-    wrapper.run(q, (k, v)); torch.cuda.synchronize()
-    print(("decode" if pb.decode_only else "prefill"), "kernels ready after",
-          round(time.perf_counter() - t0, 1), "s", flush=True)
+    wrapper = att.decode if decode else att.prefill
+    with lock:                       # the two wrappers share one workspace: plan and run one at a time
+        att.plan(wrapper, pb)
+        q = torch.randn(pb.num_tokens, 32, 128, dtype=torch.bfloat16, device=dev)
+        wrapper.run(q, (k, v)); torch.cuda.synchronize()
+    return "decode" if decode else "prefill"
+
+def build(name, get):
+    get()                            # JIT: compile (or find) and load the module
+    return name
+
+jobs = [lambda: attention(False), lambda: attention(True),
+        lambda: build("norm", flashinfer.norm.get_norm_module),
+        lambda: build("silu_and_mul", lambda: flashinfer.activation.get_act_and_mul_module("silu")),
+        lambda: build("rope", flashinfer.rope.get_rope_module)]
+with ThreadPoolExecutor(len(jobs)) as pool:
+    for f in [pool.submit(j) for j in jobs]:
+        print(f.result(), "kernels ready after", round(time.perf_counter() - t0, 1), "s", flush=True)
 """
 
 
@@ -337,6 +353,27 @@ def pack_jit(path: Path) -> int:
     return len(data)
 
 
+def install_jit_cache(archive: Path, python: str = sys.executable) -> list[str]:
+    """An earlier run's compiled kernels (pack_jit) as FlashInfer's prebuilt ("AOT") modules:
+    <package>/data/aot/<name>/<name>.so, which FlashInfer loads without compiling (a JIT build
+    would be redone: the freshly installed sources are newer than the cached objects)."""
+    r = subprocess.run([python, "-c", "import flashinfer, os; print(os.path.dirname(flashinfer.__file__))"],
+                       env=child_env(), capture_output=True, text=True)
+    if r.returncode != 0:
+        return []
+    aot = Path(r.stdout.strip().splitlines()[-1]) / "data" / "aot"
+    names = []
+    with tarfile.open(archive) as tar:
+        for m in tar.getmembers():
+            p = Path(m.name)
+            if m.isfile() and p.suffix == ".so" and p.parent.name == p.stem:
+                dest = aot / p.stem / p.name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(tar.extractfile(m).read())
+                names.append(p.stem)
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = steps(args)
@@ -350,11 +387,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: torch {torch.__version__} sees no CUDA device; run this on a GPU machine", file=sys.stderr)
         return 2
     RESULTS.mkdir(parents=True, exist_ok=True)
-    if args.jit_cache and args.jit_cache.is_file():
-        JIT_BASE.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(args.jit_cache) as tar:
-            tar.extractall(JIT_BASE, filter="data")
-        print(f"gpu_check: FlashInfer kernels from {args.jit_cache}", flush=True)
     r = Runner(args)
     failed: list[str] = []
     baseline = next((s for s in plan if s.name == "baseline"), None)
@@ -373,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
             gone = missing_modules()
             if gone:
                 print(f"gpu_check: still missing after install: {' '.join(gone)}", flush=True)
+        if s.name == "install" and args.jit_cache and args.jit_cache.is_file():
+            names = install_jit_cache(args.jit_cache)
+            r.record["prebuilt_kernels"] = names
+            print(f"gpu_check: {len(names)} prebuilt FlashInfer modules from {args.jit_cache}", flush=True)
         if s.name == "environment" and rc == 0:
             text = (RESULTS / s.log).read_text()          # the JSON object, after any warnings
             try:

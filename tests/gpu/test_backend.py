@@ -188,3 +188,37 @@ def test_offline_api_on_cuda_generates_the_same_greedy_tokens(ckpt, flash):
     llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", num_blocks=64, max_num_seqs=8)
     got = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].token_ids
     assert got == greedy_generate(flash, p, 12, list(range(blocks_for(42, BS))))
+
+
+def test_fused_ops_on_cuda_compute_the_references_functions():
+    """FlashInfer's fused norm / residual / rotary / silu kernels against the torch reference
+    (Ops) on bf16 rows at Llama-3-8B widths, positions to 4095, llama3 rope scaling."""
+    from worker_svc.backends.base import Ops
+    from worker_svc.backends.cuda.ops import FlashInferOps, RopePositions
+    from worker_svc.model.config import ModelConfig
+    from worker_svc.model.rope import RotaryEmbedding
+
+    ops, ref, bf, dev = FlashInferOps(), Ops(), torch.bfloat16, "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    x, res = (torch.randn(37, 4096, generator=g, device=dev).to(bf) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(4096, generator=g, device=dev)).to(bf)
+    assert rel_err(ops.rms_norm(x, w, 1e-5).float(), ref.rms_norm(x, w, 1e-5).float()) < 1e-2
+    want_h, want_r = ref.add_rms_norm(x, res, w, 1e-5)
+    h, r = ops.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    assert rel_err(h.float(), want_h.float()) < 1e-2 and rel_err(r.float(), want_r.float()) < 1e-2
+    gate_up = torch.randn(37, 2 * 14336, generator=g, device=dev).to(bf)
+    assert rel_err(ops.silu_mul(gate_up).float(), ref.silu_mul(gate_up).float()) < 1e-2
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=4096, intermediate_size=14336, num_layers=1,
+                      num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      max_position_embeddings=4096,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
+    rope = RotaryEmbedding(cfg, 4096).to(dev)
+    pos = torch.randint(0, 4096, (37,), generator=g, device=dev)
+    qkv = torch.randn(37, 48, 128, generator=g, device=dev).to(bf)
+    want_q, want_k = ref.rotary(qkv[:, :32], qkv[:, 32:40], ref.rope_inputs(rope, pos, bf))
+    inputs = ops.rope_inputs(rope, pos, bf)
+    assert isinstance(inputs, RopePositions)
+    q, k = ops.rotary(qkv[:, :32], qkv[:, 32:40], inputs)
+    assert q.data_ptr() == qkv.data_ptr()
+    assert rel_err(q.float(), want_q.float()) < 1e-2 and rel_err(k.float(), want_k.float()) < 1e-2

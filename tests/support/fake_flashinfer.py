@@ -76,3 +76,59 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         qo = torch.arange(batch + 1, dtype=torch.int32)
         self._plan(qo, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                    True, q_data_type, kv_data_type, sm_scale)
+
+
+# -- the fused elementwise kernels (worker_svc/backends/cuda/ops.py), as documented: fp32 inside,
+# one rounding at the end; the real library's shape / dtype / layout checks
+def _check_rows(x, weight):
+    assert x.dim() == 2 and x.is_contiguous() and weight.shape == x.shape[1:], (x.shape, weight.shape)
+    assert x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+
+
+def _norm(h, weight, eps):
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+    _check_rows(input, weight)
+    y = _norm(input.float(), weight, eps).to(input.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
+    """residual += input; input = rmsnorm(residual): both in place, returns None."""
+    _check_rows(input, weight)
+    assert residual.shape == input.shape and residual.dtype == input.dtype and residual.is_contiguous()
+    r = input.float() + residual.float()
+    residual.copy_(r)
+    input.copy_(_norm(r, weight, eps))
+
+
+def silu_and_mul(input, out=None, enable_pdl=None):
+    if input.shape[-1] * input.dtype.itemsize % 16 != 0:
+        raise ValueError("The pointers must be multiple of 16 bytes.")
+    gate, up = input.float().chunk(2, dim=-1)
+    y = (torch.nn.functional.silu(gate) * up).to(input.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache, is_neox=True):
+    if cos_sin_cache.dtype != torch.float32:
+        raise ValueError("cos_sin_cache should be float32")
+    assert is_neox, "the model's heads are rotate_half (NeoX) style"
+    assert positions.dtype in (torch.int32, torch.int64) and positions.is_contiguous()
+    q = query.view(query.shape[0], -1, head_size)     # what the real wrapper does: views or fails
+    k = key.view(key.shape[0], -1, head_size)
+    assert q.stride(-1) == 1 and k.stride(-1) == 1
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache[positions.long()]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    for t in (q, k):
+        x1, x2 = t[..., :half].float(), t[..., half:2 * half].float()
+        t[..., :half], t[..., half:2 * half] = (x1 * cos - x2 * sin).to(t.dtype), (x2 * cos + x1 * sin).to(t.dtype)

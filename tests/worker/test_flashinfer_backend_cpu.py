@@ -52,13 +52,15 @@ class EagerGraphRunner(cuda_graphs.CudaGraphRunner):
 def fake_backend(monkeypatch):
     """The CUDA backend as cuda_backend builds it with FlashInfer, on the CPU device."""
     from worker_svc.backends.cuda import CudaBackend, FlashInferAttention
+    from worker_svc.backends.cuda.ops import FlashInferOps
 
     monkeypatch.setitem(__import__("sys").modules, "flashinfer", fake_flashinfer)
     monkeypatch.setattr(FlashInferAttention, "workspace_bytes", 1024)
 
     def select(device, dtype, kv_cache_dtype=None, attention="auto", weight_quant="auto"):
         return CudaBackend(torch.device("cpu"), FlashInferAttention(torch.device("cpu"), dtype),
-                           LinearMethod(), dtype, dtype, scratch_blocks=1, graph_runner_class=EagerGraphRunner)
+                           LinearMethod(), dtype, dtype, scratch_blocks=1, graph_runner_class=EagerGraphRunner,
+                           ops=FlashInferOps())
     monkeypatch.setattr(executor_mod, "select_backend", select)
 
 
@@ -67,8 +69,8 @@ def ckpt(request, tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("fi"), request.param)
 
 
-def flash_executor(path, graphs=True) -> Executor:
-    return Executor(WorkerConfig(model=str(path), dtype="float32", cuda_graphs=graphs, max_num_seqs=8,
+def flash_executor(path, graphs=True, dtype="float32") -> Executor:
+    return Executor(WorkerConfig(model=str(path), dtype=dtype, cuda_graphs=graphs, max_num_seqs=8,
                                  cache=CacheConfig(BS, NUM_BLOCKS)))
 
 
@@ -137,3 +139,59 @@ def test_greedy_through_flashinfer_graphs_and_device_sampling_equals_transformer
     assert flash.device_sampler is not None
     assert greedy_generate(flash, p, 32, BlockPool(NUM_BLOCKS, shuffle_seed=8).take(blocks_for(72, BS)),
                            chunk_size=15) == ref
+
+
+def test_fused_ops_compute_the_references_functions_in_place(monkeypatch):
+    """FlashInferOps on bf16 rows: the reference's results up to one rounding, written where the
+    contract says (residual's and x's storage; q and k as views of the fused qkv output)."""
+    from worker_svc.backends.base import Ops
+    from worker_svc.backends.cuda.ops import FlashInferOps, RopePositions
+    from worker_svc.model.config import ModelConfig
+    from worker_svc.model.rope import RotaryEmbedding
+
+    monkeypatch.setitem(__import__("sys").modules, "flashinfer", fake_flashinfer)
+    ops, ref, bf = FlashInferOps(), Ops(), torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    x, res = (torch.randn(5, 64, generator=g).to(bf) for _ in range(2))
+    w = torch.randn(64, generator=g).to(bf)
+
+    def close(a, b, tol=2e-2):
+        assert a.dtype == b.dtype and (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
+
+    close(ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+    want_h, want_r = ref.add_rms_norm(x, res, w, 1e-5)
+    xs, rs = x.clone(), res.clone()
+    h, r = ops.add_rms_norm(xs, rs, w, 1e-5)
+    assert h.data_ptr() == xs.data_ptr() and r.data_ptr() == rs.data_ptr()
+    close(h, want_h)
+    close(r, want_r)
+    gate_up = torch.randn(5, 128, generator=g).to(bf)
+    close(ops.silu_mul(gate_up), ref.silu_mul(gate_up))
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=256, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    rope = RotaryEmbedding(cfg, 256)
+    pos = torch.tensor([0, 7, 100, 101, 255])
+    qkv = torch.randn(5, 8, 16, generator=g).to(bf)          # 4 q heads, 2 k heads, 2 v heads
+    want_q, want_k = ref.rotary(qkv[:, :4], qkv[:, 4:6], ref.rope_inputs(rope, pos, bf))
+    v = qkv[:, 6:].clone()
+    inputs = ops.rope_inputs(rope, pos, bf)
+    assert isinstance(inputs, RopePositions) and inputs.cos_sin_cache.dtype == torch.float32
+    q, k = ops.rotary(qkv[:, :4], qkv[:, 4:6], inputs)
+    assert q.data_ptr() == qkv.data_ptr() and torch.equal(qkv[:, 6:], v)     # in place; v untouched
+    close(q, want_q)
+    close(k, want_k)
+    # fp32 (the CPU reference dtype) keeps the reference path
+    assert isinstance(ops.rope_inputs(rope, pos, torch.float32), tuple) and \
+        not isinstance(ops.rope_inputs(rope, pos, torch.float32), RopePositions)
+
+
+def test_bf16_model_on_the_fused_ops_gives_the_torch_paths_logits(fake_backend, ckpt):
+    flash = flash_executor(ckpt, dtype="bfloat16")
+    assert flash.backend.ops.name == "flashinfer"
+    ref = make_executor(ckpt, dtype="bfloat16", num_blocks=NUM_BLOCKS)
+    pool = BlockPool(NUM_BLOCKS, shuffle_seed=3)
+    p, t = prompt(40, 7), pool.take(blocks_for(42, BS))
+    for b in (Batch(0, [chunk("r", p, 0, t, True)]), Batch(1, [chunk("r", [5], 40, t, True)])):
+        got, want = flash.compute_logits(b), ref.compute_logits(b)
+        assert (got["r"] - want["r"]).norm() / want["r"].norm() < 0.03, b.batch_id

@@ -98,15 +98,22 @@ class Ops:
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """r = residual + x (in x's dtype, as HF adds the residual); returns (rms_norm(r), r).
-        An implementation may store r into residual's storage: callers use the returned r and
-        never the residual they passed."""
+        An implementation may store r into residual's storage and rms_norm(r) into x's: callers
+        use the returned tensors and never the x or residual they passed."""
         r = residual + x
         return self.rms_norm(r, weight, eps), r
+
+    def rope_inputs(self, rope, positions: torch.Tensor, dtype: torch.dtype):
+        """What rotary() takes for a batch at positions [T] (int64), computed once per batch:
+        the reference's cos, sin [T, 1, D] in `dtype` (rope: the model's RotaryEmbedding). A
+        backend whose rotary kernel reads the table itself returns its own (positions + table)."""
+        return rope.tables(positions, dtype)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor,
                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(q * cos + rotate_half(q) * sin, the same for k); rotate_half(x) = cat(-x2, x1) of
-        the two halves of a head (HF convention). An implementation may rotate in place."""
+        the two halves of a head (HF convention); cos_sin: what rope_inputs() returned. An
+        implementation may rotate in place."""
         cos, sin = cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 

@@ -134,7 +134,7 @@ class LlamaForCausalLM(torch.nn.Module):
             x = F.embedding(input_ids, self.embed)
         else:
             x = par.embed(input_ids, self.embed, self.cfg.vocab_size)
-        cos_sin = self.rope.tables(positions, self.dtype)    # once per batch, not per layer
+        cos_sin = self.ops.rope_inputs(self.rope, positions, self.dtype)   # once per batch, not per layer
         residual = None
         stacked = self.stack(x, cos_sin, cache, meta) if self.stack is not None else None
         if stacked is not None:

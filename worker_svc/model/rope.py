@@ -53,6 +53,16 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)             # [P, D]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._cos_sin_cache: torch.Tensor | None = None
+
+    def cos_sin_cache(self) -> torch.Tensor:
+        """The same tables as one [max_positions, head_dim] float32 tensor, cos of the head's
+        first half then sin of it (the layout vLLM's and FlashInfer's rotary kernels read); made
+        on first use, on the tables' device, and kept."""
+        if self._cos_sin_cache is None:
+            half = self.cos.shape[1] // 2
+            self._cos_sin_cache = torch.cat([self.cos[:, :half], self.sin[:, :half]], dim=-1).contiguous()
+        return self._cos_sin_cache
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D] in `dtype` for positions [T] (int64)."""

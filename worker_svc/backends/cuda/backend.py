@@ -9,6 +9,9 @@ attention="torch" picks the torch path on purpose (the reference the GPU tests c
 FlashInfer is imported here, lazily, only when a CUDA backend is built: the CPU install and
 the CPU test suite never import it (tests/gpu/test_optional.py).
 
+The layers' elementwise glue (RMSNorm with the residual add, rotary, silu * up) runs on
+FlashInfer's fused kernels too (ops.py: FlashInferOps) on the FlashInfer path.
+
 Per batch: flashinfer_meta.py builds qo/kv indptr, page indices, last-page lengths and
 the slot mapping on the host from the block tables, and one wrapper's plan() runs (the decode
 wrapper, tensor-core kernels, for decode-only batches; the paged prefill wrapper, causal, for
@@ -36,6 +39,7 @@ from worker_svc.backends.cuda import kv_sizing
 from worker_svc.backends.cuda.cuda_graphs import CudaGraphRunner, capture_sizes
 from worker_svc.backends.cuda.device_sampler import DeviceFirstSampler
 from worker_svc.backends.cuda.flashinfer_meta import PagedBatch, build_paged_batch
+from worker_svc.backends.cuda.ops import FlashInferOps
 from worker_svc.backends.torch_attention import TorchAttention
 
 log = logging.getLogger("sarathi.worker")
@@ -202,4 +206,4 @@ def cuda_backend(device: torch.device, compute_dtype: torch.dtype | None = None,
         return CudaBackend(device, TorchAttention(), LinearMethod(), kv, compute_dtype,
                            note=f"fallback: {reason}" if reason else "")
     return CudaBackend(device, FlashInferAttention(device, kv), LinearMethod(), kv, compute_dtype,
-                       scratch_blocks=1, graph_runner_class=CudaGraphRunner)
+                       scratch_blocks=1, graph_runner_class=CudaGraphRunner, ops=FlashInferOps())
