@@ -353,24 +353,40 @@ def pack_jit(path: Path) -> int:
     return len(data)
 
 
-def install_jit_cache(archive: Path, python: str = sys.executable) -> list[str]:
-    """An earlier run's compiled kernels (pack_jit) as FlashInfer's prebuilt ("AOT") modules:
-    <package>/data/aot/<name>/<name>.so, which FlashInfer loads without compiling (a JIT build
-    would be redone: the freshly installed sources are newer than the cached objects)."""
+def aot_dir(python: str = sys.executable) -> Path | None:
+    """FlashInfer's folder of prebuilt modules (<package>/data/aot), None without FlashInfer."""
     r = subprocess.run([python, "-c", "import flashinfer, os; print(os.path.dirname(flashinfer.__file__))"],
                        env=child_env(), capture_output=True, text=True)
-    if r.returncode != 0:
+    return Path(r.stdout.strip().splitlines()[-1]) / "data" / "aot" if r.returncode == 0 else None
+
+
+def install_jit_cache(source: Path, python: str = sys.executable) -> list[str]:
+    """Compiled kernels, from an earlier run's archive (pack_jit) or from this run's JIT folder,
+    as FlashInfer's prebuilt ("AOT") modules: <package>/data/aot/<name>/<name>.so, which every
+    later process loads as they are. A JIT module is otherwise rechecked by ninja in every new
+    process, and rebuilt there whenever the installed sources look newer than the object (seen
+    on the GPU machine: ~20-35 s per module at each worker start)."""
+    aot = aot_dir(python)
+    if aot is None:
         return []
-    aot = Path(r.stdout.strip().splitlines()[-1]) / "data" / "aot"
     names = []
-    with tarfile.open(archive) as tar:
-        for m in tar.getmembers():
-            p = Path(m.name)
-            if m.isfile() and p.suffix == ".so" and p.parent.name == p.stem:
-                dest = aot / p.stem / p.name
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes(tar.extractfile(m).read())
-                names.append(p.stem)
+
+    def put(name: str, data: bytes) -> None:
+        dest = aot / name / f"{name}.so"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(data)
+        names.append(name)
+
+    if source.is_dir():
+        for p in sorted(source.rglob("*.so")):
+            if p.parent.name == p.stem:
+                put(p.stem, p.read_bytes())
+    else:
+        with tarfile.open(source) as tar:
+            for m in tar.getmembers():
+                p = Path(m.name)
+                if m.isfile() and p.suffix == ".so" and p.parent.name == p.stem:
+                    put(p.stem, tar.extractfile(m).read())
     return names
 
 
@@ -439,7 +455,11 @@ def _jit_and_baseline(r: Runner, jit: Step, baseline: Step | None, args: argpars
     if running is not None:
         if r.finish(running) != 0:
             failed.append("flashinfer-jit")
-        elif args.copy_to:
+            return failed
+        built = install_jit_cache(JIT_BASE) if JIT_BASE.is_dir() else []
+        if built:
+            print(f"gpu_check: {len(built)} compiled modules installed as prebuilt: {', '.join(built)}", flush=True)
+        if args.copy_to:
             size = pack_jit(args.copy_to / "flashinfer_jit.tar.gz")
             if size:
                 print(f"gpu_check: compiled kernels packed ({size / 2**20:.1f} MiB)", flush=True)

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        shutil.copy2(log_path, out.with_suffix(".log"))
+        shutil.copy2(log_path, f"{out}_server.log")
         shutil.rmtree(tmp, ignore_errors=True)
     if "checks" in result:
         gaps = result["checks"].get("concurrent_streams_finish", {})

@@ -81,6 +81,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
 # -- the fused elementwise kernels (worker_svc/backends/cuda/ops.py), as documented: fp32 inside,
 # one rounding at the end; the real library's shape / dtype / layout checks
 def _check_rows(x, weight):
+    if x.shape[0] == 0:     # the real kernels fail a zero-sized launch ("invalid argument")
+        raise RuntimeError("RMSNorm failed with error code invalid argument")
     assert x.dim() == 2 and x.is_contiguous() and weight.shape == x.shape[1:], (x.shape, weight.shape)
     assert x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
 
@@ -108,6 +110,8 @@ def fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
 
 
 def silu_and_mul(input, out=None, enable_pdl=None):
+    if input.shape[0] == 0:
+        raise RuntimeError("act_and_mul failed with error code invalid argument")
     if input.shape[-1] * input.dtype.itemsize % 16 != 0:
         raise ValueError("The pointers must be multiple of 16 bytes.")
     gate, up = input.float().chunk(2, dim=-1)
@@ -123,6 +127,8 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
         raise ValueError("cos_sin_cache should be float32")
     assert is_neox, "the model's heads are rotate_half (NeoX) style"
     assert positions.dtype in (torch.int32, torch.int64) and positions.is_contiguous()
+    if positions.shape[0] == 0:
+        raise RuntimeError("BatchQKApplyRotaryPosIdsCosSinCache failed with error code invalid argument")
     q = query.view(query.shape[0], -1, head_size)     # what the real wrapper does: views or fails
     k = key.view(key.shape[0], -1, head_size)
     assert q.stride(-1) == 1 and k.stride(-1) == 1

@@ -47,7 +47,9 @@ class FlashInferOps(Ops):
         self.fi = flashinfer
 
     def _fits(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return (x.dtype in self.dtypes and x.dim() == 2 and x.is_contiguous()
+        # no rows (a batch with no row due a token reaches the final norm empty): the kernels
+        # refuse a zero-sized launch, the reference returns the empty result
+        return (x.dtype in self.dtypes and x.dim() == 2 and x.shape[0] > 0 and x.is_contiguous()
                 and weight.dtype == x.dtype and weight.shape == x.shape[1:])
 
     def rms_norm(self, x, weight, eps):
@@ -69,7 +71,7 @@ class FlashInferOps(Ops):
 
     def rotary(self, q, k, cos_sin):
         if isinstance(cos_sin, RopePositions):
-            if q.stride(-1) == 1 and k.stride(-1) == 1 and q.dtype == k.dtype:
+            if q.shape[0] > 0 and q.stride(-1) == 1 and k.stride(-1) == 1 and q.dtype == k.dtype:
                 self.fi.apply_rope_with_cos_sin_cache_inplace(
                     cos_sin.positions, q, k, q.shape[-1], cos_sin.cos_sin_cache, is_neox=True)
                 return q, k
@@ -77,7 +79,7 @@ class FlashInferOps(Ops):
         return super().rotary(q, k, cos_sin)
 
     def silu_mul(self, gate_up):
-        if gate_up.dtype in self.dtypes and gate_up.dim() == 2 and gate_up.is_contiguous() \
+        if gate_up.dtype in self.dtypes and gate_up.dim() == 2 and gate_up.shape[0] > 0 and gate_up.is_contiguous() \
                 and (gate_up.shape[1] * gate_up.element_size()) % 32 == 0:
             return self.fi.silu_and_mul(gate_up)
         return super().silu_mul(gate_up)
