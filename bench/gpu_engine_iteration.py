@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -262,6 +263,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="a tiny model (smoke test; CPU works)")
     ap.add_argument("--out", default="bench/results/gpu/gpu_engine_iteration")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--ops", choices=("torch", "flashinfer"), default=None,
+                    help="the layers' elementwise ops on CUDA (SARATHI_CUDA_OPS; default: the backend's)")
     ap.add_argument("--hbm-tbs", type=float, default=HBM_BYTES_PER_S / 1e12,
                     help="copy bandwidth for the bounds, TB/s (default: the H100's; gpu_check measures it)")
     ap.add_argument("--dense-tflops", type=float, default=DENSE_FLOPS / 1e12,
@@ -273,6 +276,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
+    if args.ops:
+        os.environ["SARATHI_CUDA_OPS"] = args.ops
     ex, cfg = build_executor(args.tiny, args.device, args.cuda_graphs, args.attention)
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * ex.cache.k[0].element_size()
     hbm, flops = args.hbm_tbs * 1e12, args.dense_tflops * 1e12

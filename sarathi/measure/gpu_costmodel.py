@@ -116,8 +116,11 @@ class Device:
 DEVICES = {d.name: d for d in (
     # A100-SXM4-80GB: 312 TFLOP/s bf16, 2.039 TB/s; the profile's 4096-token MLP runs ~233 TFLOP/s
     Device("a100", 312.0, 2.039, 80.0, 233.0, 1.86, 600.0),
-    # H100-SXM5-80GB: 989 TFLOP/s bf16 dense, 3.35 TB/s; measured (GPU.md) ~650 TFLOP/s, 3.0 TB/s
+    # H100-SXM5-80GB: 989 TFLOP/s bf16 dense, 3.35 TB/s; measured ~650 TFLOP/s, 3.0 TB/s
     Device("h100", 989.0, 3.35, 80.0, 650.0, 3.0, 900.0),
+    # H200-SXM-141GB: the H100's compute, 4.8 TB/s stated; copy measured 4.24-4.27 TB/s
+    # (bench/results/gpu/), GEMM rate as the H100's (same chip)
+    Device("h200", 989.0, 4.8, 141.0, 650.0, 4.25, 900.0),
 )}
 TOPOLOGIES = ("a100_dgx", "a100_pairwise_nvlink")
 

@@ -113,7 +113,7 @@ def test_gpu_check_plans_every_step_from_the_bundle(tmp_path, capsys):
     args = gpu_check.parse_args(["--bundle", str(bundle), "--rounds", "3"])
     plan = gpu_check.steps(args, python="py")
     assert [s.name for s in plan] == ["install", "environment", "imports", "flashinfer-jit", "baseline",
-                                      "tests", "benchmark", "serve", "load"]
+                                      "tests", "benchmark", "benchmark-fused-ops", "serve", "load"]
     install = plan[0].argv({})
     assert {"--no-index", "--no-deps", "--target"} <= set(install) and install[-1].endswith(".whl")
     tests = next(s for s in plan if s.name == "tests").argv({})
@@ -222,3 +222,34 @@ def test_random_weights_are_deterministic_and_in_the_target_dtype():
     name = "model.layers.0.self_attn.q_proj.weight"
     assert a[name].dtype == torch.bfloat16 and torch.equal(a[name], b[name])
     assert not torch.equal(a[name], a["model.layers.1.self_attn.q_proj.weight"])
+
+
+def test_gpu_load_point_and_its_calibration_run_on_a_tiny_model(tmp_path):
+    """The load point's own code (real engine per policy, the simulator beside it, every batch's
+    shapes and seconds recorded) at tiny size on the CPU; then the calibration reads it back and
+    recovers a host term it is given: iterations made 2 ms + 10 us a sequence slower than the
+    model's GPU terms fit back to those figures."""
+    from bench import gpu_load_point, gpu_sim_calibration
+    from sarathi.measure.gpu_costmodel import GPUCostModel
+
+    out = tmp_path / "lp"
+    result = gpu_load_point.main(["--tiny", "--qps", "20", "--num-requests", "4", "--out", str(out)])
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert set(saved["policies"]) == {"sarathi", "vllm"} and out.with_suffix(".png").stat().st_size > 0
+    for entry in saved["policies"].values():
+        assert entry["real"]["summary"]["finished"] == 4 and entry["simulated"]["summary"]["finished"] == 4
+        assert len(entry["real"]["batches"]) == entry["real"]["summary"]["iterations"] > 0
+    assert result["policies"]["sarathi"]["cost_model_per_iteration"]["iterations"] > 0
+    # a synthetic run whose times are the 8B model's GPU terms + a known host term
+    model = GPUCostModel("llama-3-8b", "h200")
+    shapes = [[[1000 + i, 1, True] for i in range(n)] + ([[0, 256, False]] if n % 2 else []) for n in range(1, 40)]
+    gpu = [model.predict_shapes([tuple(s) for s in b]) - model.cpu_fixed_s - model.cpu_per_seq_s * len(b)
+           for b in shapes]
+    batches = [[b, g + 2e-3 + 10e-6 * len(b)] for b, g in zip(shapes, gpu)]
+    run = tmp_path / "synthetic.json"
+    run.write_text(json.dumps({"gpu": "synthetic", "backend": "-", "policies": {
+        "sarathi": {"real": {"summary": {}, "batches": batches}}}}))
+    cal = gpu_sim_calibration.main([str(run), "--out", str(tmp_path / "cal")])
+    fit = cal["runs"]["synthetic:sarathi"]["fitted_host"]
+    assert abs(fit["cpu_fixed_s"] - 2e-3) < 1e-5 and abs(fit["cpu_per_seq_s"] - 10e-6) < 1e-7
+    assert abs(fit["pred_over_real_p50"] - 1) < 1e-6 and (tmp_path / "cal.png").stat().st_size > 0
