@@ -1,4 +1,4 @@
-"""Goodput and capacity of colocated, disaggregated and conditional (auto) serving (issue 16).
+"""Goodput and capacity of colocated, disaggregated and conditional (auto) serving, on this machine.
 
 Three deployments of the same model on the same machine, with the same worker count, threads
 per worker and KV blocks per worker, each a real `sarathi serve` stack driven over HTTP:

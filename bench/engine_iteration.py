@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench/results/engine_cpu/engine_iteration")
     ap.add_argument("--note", default="", help="free text stored with the results (e.g. machine load)")
     ap.add_argument("--targets-only", action="store_true",
-                    help="only the cases the issue's targets name (quick run in a quiet moment)")
+                    help="only the target cases: decode batch 1 and 32, prefill 512, 32 decodes + a 512 chunk")
     ap.add_argument("--variants", default="", help="NAME=DTYPE:KV:WEIGHTS:ATTENTION,... (see module doc)")
     ap.add_argument("--membw", default="", help="bench.membw JSON: add each case's bandwidth bound")
     ap.add_argument("--profile", action="store_true",

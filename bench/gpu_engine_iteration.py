@@ -198,7 +198,7 @@ def plot(summary: dict, path: Path) -> None:
             sel = [p for p in pts if p["series"] == series]
             ax.plot([p["size"] for p in sel], [p["median_s"] * 1e3 for p in sel], "o-", label=v)
         sel = [p for p in next(iter(summary.values())) if p["series"] == series]
-        ax.plot([p["size"] for p in sel], [p["bound_s"] * 1e3 for p in sel], "k--", label="bound (GPU.md)")
+        ax.plot([p["size"] for p in sel], [p["bound_s"] * 1e3 for p in sel], "k--", label="bound (measured rates)")
         ax.set(xscale="log", yscale="log", xlabel="decodes" if series == "decode" else "chunk tokens",
                ylabel="iteration (ms, median)", title={"decode": "decode-only batch",
                                                        "prefill": "prefill chunk alone",

@@ -1,5 +1,5 @@
-"""Colocated vs disaggregated vs conditional (auto) serving at GPU scale, simulated (issue 16's
-comparison; issue 17's result 5). Results: bench/results/sim/disagg_*.
+"""Colocated vs disaggregated vs conditional (auto) serving at GPU scale, simulated.
+The comparison of bench/results/disagg/ on simulated A100s. Results: bench/results/sim/disagg_*.
 
 Llama-3-8B on A100s (the GPU cost model's measured shape), two GPUs in every configuration, all
 three run by the SAME coordinator code (scheduler_svc.pools.PoolSet + Router on the virtual clock,

@@ -211,7 +211,7 @@ def _sim_device_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     from sarathi.measure.gpu_costmodel import DEVICES, MODELS, TOPOLOGIES
 
     _add(p, "device", "a100" if required else None, "simulated GPU (operator profiles measured on A100; "
-         "H100 scaled from ../shared/GPU.md's figures)", choices=list(DEVICES))
+         "H100 and H200 scaled by roofline from measured GEMM rates and copy bandwidths)", choices=list(DEVICES))
     _add(p, "model", "llama-3-8b", "model shape (others than the profiled Llama-2-7B / Llama-3-8B are "
          "scaled from them by weight size)", choices=list(MODELS))
     _add(p, "tp", 1, "tensor-parallel degree (1, 2, 4, 8)")
