@@ -38,6 +38,7 @@ SOURCE = CSRC / "paged_decode.c"
 SOURCES = [SOURCE, CSRC / "int8_linear.c", CSRC / "cpu_ops.c",     # cpu_ops: see the fused-ops section
            CSRC / "gguf_linear.c",                                  # gguf: see the GGUF section
            CSRC / "decode_stack.c"]                                 # see the decode stack section
+HEADERS = sorted(CSRC.glob("*.h"))         # internal headers: part of the build's key
 MAX_D, MAX_G = 256, 64                      # MAX_D and MAX_ROWS of the kernel
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}                        # q and out
 _KV_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the KV cache
@@ -79,7 +80,7 @@ def _flags() -> list[str]:
 def library_path() -> Path:
     """Where the library for the current source/compiler/flags/CPU lives (built or not)."""
     h = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in SOURCES), _compiler().encode(), " ".join(_flags()).encode(),
+    for part in (*(p.read_bytes() for p in (*SOURCES, *HEADERS)), _compiler().encode(), " ".join(_flags()).encode(),
                  _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
