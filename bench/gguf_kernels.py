@@ -66,6 +66,7 @@ from bench.common import (
     KV_HEADS,
     LAYERS,
     EngineProcess,
+    kernel_sources_at,
     layer_shapes,
     machine_line,
     rss_mb,
@@ -133,12 +134,11 @@ def bench_formats(rounds: int, sizes: list[int], baseline: str, n: int = 8192, k
 
 
 def build_baseline(rev: str) -> ctypes.CDLL:
-    """gguf_linear.c of git revision rev, built with native.py's compiler and flags into a temp dir."""
+    """The native kernels of git revision rev (the GGUF kernels span several sources since the split
+    of gguf_linear.c), built with native.py's compiler and flags into a temp dir."""
     tmp = Path(tempfile.mkdtemp(prefix="gguf_bench_"))
-    shown = subprocess.run(["git", "show", f"{rev}:worker_svc/backends/cpu/csrc/gguf_linear.c"],
-                           capture_output=True, text=True, check=True)
-    (tmp / "base.c").write_text(shown.stdout)
-    subprocess.run([native._compiler(), *native._flags(), "-o", str(tmp / "base.so"), str(tmp / "base.c"), "-lm"],
+    sources = sorted(kernel_sources_at(rev, tmp / "csrc").glob("*.c"))
+    subprocess.run([native._compiler(), *native._flags(), "-o", str(tmp / "base.so"), *map(str, sources), "-lm"],
                    check=True)
     lib = ctypes.CDLL(str(tmp / "base.so"))
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -148,7 +148,7 @@ def build_baseline(rev: str) -> ctypes.CDLL:
 
 
 def base_q8(lib: ctypes.CDLL, qtype: int, blocks: torch.Tensor, x: torch.Tensor, parts: int) -> torch.Tensor:
-    """The baseline library's gguf_linear_q8 (same call as native.gguf_linear_q8_unchecked)."""
+    """The baseline library's gguf_linear_q8 (the call native.gguf_linear_q8 makes)."""
     T, K = x.shape
     out = torch.empty(T, blocks.shape[0])
     rc = lib.gguf_linear_q8(qtype, blocks.data_ptr(), blocks.shape[1], x.data_ptr(), x.stride(0), None,

@@ -34,10 +34,11 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCE = CSRC / "paged_decode.c"
-SOURCES = [SOURCE, CSRC / "int8_linear.c", CSRC / "cpu_ops.c",     # cpu_ops: see the fused-ops section
-           CSRC / "gguf_linear.c",                                  # gguf: see the GGUF section
-           CSRC / "decode_stack.c"]                                 # see the decode stack section
+SOURCES = [CSRC / name for name in (
+    "paged_decode.c", "int8_linear.c", "cpu_ops.c",
+    "gguf_linear.c", "gguf_scalar.c", "gguf_q8.c", "gguf_q8_tiles.c", "gguf_q8_rowlane.c",
+    "gguf_q8_toklane_avx2.c", "gguf_q8_toklane_avx512.c",
+    "decode_stack.c")]
 HEADERS = sorted(CSRC.glob("*.h"))         # internal headers: part of the build's key
 MAX_D, MAX_G = 256, 64                      # MAX_D and MAX_ROWS of the kernel
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}                        # q and out
