@@ -126,7 +126,7 @@ class NativeCpuAttention(TorchAttention):
         # k, v are views of the qkv output: heads contiguous ([T, Hkv, D] with stride(1) == D)
         if ok and k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2] \
                 and k.shape == v.shape and kc.shape[2:] == k.shape[1:]:
-            native.write_kv_unchecked(k, v, kc, vc, meta.slot_mapping)
+            native.write_kv(k, v, kc, vc, meta.slot_mapping, check=False)
         else:
             cache.write(layer, meta.slot_mapping, k, v)
 
@@ -149,20 +149,21 @@ class NativeCpuOps(Ops):
         self.name = f"native {native.ops_isa()}"
 
     # The guards below check what the kernels need (dtype, element layout, matching sizes) in
-    # the fewest tensor attribute reads: the full checks of native.rms_norm etc. cost about as
-    # much as the kernel at decode sizes. Tensors are CPU tensors on a CPU backend.
+    # the fewest tensor attribute reads, then call them with check=False: native's full checks
+    # would cost about as much as the kernel at decode sizes. Tensors are CPU tensors on a CPU
+    # backend.
 
     def rms_norm(self, x, weight, eps):
         if x.dtype in _NATIVE_OPS_DTYPES and x.dim() == 2 and x.stride(1) == 1 \
                 and weight.dtype == x.dtype and weight.shape == x.shape[1:] and weight.stride(0) == 1:
-            return native.rms_norm_unchecked(x, weight, eps)[0]
+            return native.rms_norm(x, weight, eps, check=False)[0]
         return super().rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
         if x.dtype in _NATIVE_OPS_DTYPES and x.dim() == 2 and x.stride(1) == 1 \
                 and residual.dtype == x.dtype and residual.shape == x.shape and residual.stride(1) == 1 \
                 and weight.dtype == x.dtype and weight.shape == x.shape[1:] and weight.stride(0) == 1:
-            return native.rms_norm_unchecked(x, weight, eps, residual)
+            return native.rms_norm(x, weight, eps, residual, check=False)
         return super().add_rms_norm(x, residual, weight, eps)
 
     def rotary(self, q, k, cos_sin):
@@ -173,14 +174,14 @@ class NativeCpuOps(Ops):
                 and q.stride(2) == 1 and q.stride(1) == D and k.stride(2) == 1 and k.stride(1) == D \
                 and k.shape[0] == q.shape[0] and k.shape[2] == D \
                 and cos.shape == sin.shape == (q.shape[0], 1, D) and cos.is_contiguous() and sin.is_contiguous():
-            native.rotary_unchecked(q, k, cos, sin)
+            native.rotary_(q, k, cos, sin, check=False)
             return q, k
         return super().rotary(q, k, cos_sin)
 
     def silu_mul(self, gate_up):
         if gate_up.dtype in _NATIVE_OPS_DTYPES and gate_up.dim() == 2 and gate_up.stride(1) == 1 \
                 and gate_up.shape[1] % 2 == 0:
-            return native.silu_mul_unchecked(gate_up)
+            return native.silu_mul(gate_up, check=False)
         return super().silu_mul(gate_up)
 
 

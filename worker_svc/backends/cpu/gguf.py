@@ -190,10 +190,10 @@ class GgufLinearMethod(LinearMethod):
             b = layer.bias_f32 if bias is layer.bias else bias.float().contiguous()
         xf = rows if rows.stride(-1) == 1 else rows.contiguous()
         if self.dot == "fp32":
-            y = native.gguf_linear_unchecked(layer.gguf_type, data, xf, b)
+            y = native.gguf_linear(layer.gguf_type, data, xf, b, check=False)
         else:
-            y = native.gguf_linear_q8_unchecked(layer.gguf_type, data, xf, b, parts=DOT_PARTS[self.dot],
-                                                lanes=self.lanes)
+            y = native.gguf_linear_q8(layer.gguf_type, data, xf, b, parts=DOT_PARTS[self.dot], lanes=self.lanes,
+                                      check=False)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 

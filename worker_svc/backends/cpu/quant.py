@@ -130,7 +130,7 @@ class Int8LinearMethod(LinearMethod):
         if xf.stride(-1) != 1:
             xf = xf.contiguous()
         # qweight, wscale, bias_f32 were made contiguous fp32/int8 by process()
-        y = native.int8_linear_unchecked(xf, layer.qweight, layer.wscale, b)
+        y = native.int8_linear(xf, layer.qweight, layer.wscale, b, check=False)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])

@@ -106,11 +106,11 @@ class NativeDecodeStack:
             return None
         fields = self._table(cache)
         residual = torch.empty_like(x)
-        native.decode_stack_unchecked(fields, x, residual, cos, sin, meta.slot_mapping,
-                                      cache.k[self.layers[0].index].dtype, cache.num_slots, cache.block_size,
-                                      nd.tables, nd.lens, nd.rows,
-                                      self.heads, self.intermediate, self.eps, self.scale, self.parts,
-                                      lanes=self.lanes)
+        native.decode_stack(fields, x, residual, cos, sin, meta.slot_mapping,
+                            cache.k[self.layers[0].index].dtype, cache.num_slots, cache.block_size,
+                            nd.tables, nd.lens, nd.rows,
+                            self.heads, self.intermediate, self.eps, self.scale, self.parts,
+                            lanes=self.lanes)
         return x, residual
 
 
