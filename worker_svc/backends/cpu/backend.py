@@ -46,6 +46,7 @@ import torch
 from shared.config import DEFAULT_CPU_BLOCKS
 from worker_svc.backends.base import DeviceBackend, LinearMethod, Ops, SeqSpec
 from worker_svc.backends.cpu import native
+from worker_svc.backends.cpu.stack import decode_stack
 from worker_svc.backends.torch_attention import AttentionMetadata, TorchAttention, build_metadata, pad_tables
 
 # native kernel SIMD paths measured faster than the torch decode path (bench/attention_kernel.py:
@@ -73,8 +74,9 @@ class CpuBackend(DeviceBackend):
     def layer_stack(self, layers):
         """Decode-only steps through all layers in one native call, where the layers run on
         the native kernels (cpu/stack.py); None otherwise."""
-        from worker_svc.backends.cpu.stack import decode_stack
-        return decode_stack(layers, self)
+        return decode_stack(layers, self.linear, self.compute_dtype, native_ops=isinstance(self.ops, NativeCpuOps),
+                            native_kv_write=isinstance(self.attention, NativeCpuAttention)
+                            and self.attention.fused_write)
 
 
 @dataclass

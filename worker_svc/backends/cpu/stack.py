@@ -23,7 +23,9 @@ import os
 
 import torch
 
+from worker_svc.backends.base import LinearMethod
 from worker_svc.backends.cpu import native
+from worker_svc.backends.cpu.gguf import DOT_PARTS, GgufLinearMethod
 
 
 class NativeDecodeStack:
@@ -114,16 +116,15 @@ class NativeDecodeStack:
         return x, residual
 
 
-def decode_stack(layers, backend) -> NativeDecodeStack | None:
-    """The stack for these layers on this CPU backend, or None (see the module docstring)."""
-    from worker_svc.backends.cpu.backend import NativeCpuAttention, NativeCpuOps
-    from worker_svc.backends.cpu.gguf import DOT_PARTS, GgufLinearMethod
-
-    lin = backend.linear
+def decode_stack(layers, linear: LinearMethod, compute_dtype: torch.dtype, native_ops: bool,
+                 native_kv_write: bool) -> NativeDecodeStack | None:
+    """The stack for these layers, or None (see the module docstring), on a CPU backend with this
+    linear method and compute dtype; native_ops: its elementwise ops run the fused native kernels
+    (NativeCpuOps); native_kv_write: its attention is the native one and writes K/V itself
+    (NativeCpuAttention with fused_write)."""
     if (os.environ.get("SARATHI_NATIVE_STACK", "1") == "0" or not native.available()
-            or not isinstance(backend.ops, NativeCpuOps) or not isinstance(backend.attention, NativeCpuAttention)
-            or not backend.attention.fused_write or not isinstance(lin, GgufLinearMethod)
-            or lin.dot not in DOT_PARTS or lin.max_tokens < 1 or backend.compute_dtype != torch.float32
+            or not native_ops or not native_kv_write or not isinstance(linear, GgufLinearMethod)
+            or linear.dot not in DOT_PARTS or linear.max_tokens < 1 or compute_dtype != torch.float32
             or not NativeDecodeStack.eligible(layers)):
         return None
-    return NativeDecodeStack(layers, DOT_PARTS[lin.dot], lin.max_tokens, lin.lanes)
+    return NativeDecodeStack(layers, DOT_PARTS[linear.dot], linear.max_tokens, linear.lanes)
