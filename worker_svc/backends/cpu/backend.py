@@ -1,5 +1,5 @@
-"""The CPU backend: torch matmuls (or weight-only int8 for small batches); decode attention on
-the native kernel when it is built and faster than the torch path on this CPU; a 16-bit KV cache.
+"""The CPU backend: torch matmuls (or linear layers on quantized weights for small batches);
+decode attention on the native kernel where it is built with SIMD; a 16-bit KV cache.
 
 Chunks (more than one query) always run the torch path (worker_svc.backends.torch_attention):
 they are compute-bound and SDPA is good at them. Decodes run the native paged kernel
@@ -7,33 +7,36 @@ they are compute-bound and SDPA is good at them. Decodes run the native paged ke
 shapes/dtypes; otherwise the torch grouped path.
 
 The three choices, each made once per worker and printed by the executor:
-* attention "auto": native when the kernel's SIMD path is in NATIVE_FASTER (recorded by
-  bench/attention_kernel.py: AVX-512 and AVX2 beat the torch path; the scalar fallback is slower
-  than torch, so it never runs by default);
+* attention "auto": native when the kernel's SIMD path is in NATIVE_FASTER, the paths measured
+  faster than the torch path (bench/attention_kernel.py); the scalar fallback is slower than
+  torch, so it never runs by default;
 * KV cache dtype "auto" (None): 16-bit, AUTO_KV_DTYPE. Decode attention is bound by reading the
-  cache, so half the bytes is up to 2x. bf16 rather than fp16: widening either costs about the
-  same inside the kernel (bf16: zero-extend + shift; fp16: F16C vcvtph2ps; Zen 3 AVX2, 32 x 1k
-  context: 15.9 vs 14.9 ms per layer), the torch fallback path casts bf16 faster (25 vs 38 ms;
-  a contended run, ratios only: bench/results/engine_cpu/engine_cpu_amd.md), and bf16 keeps fp32's
-  exponent range (fp16 overflows at 65504); fp16's 3 extra mantissa bits remain available as
+  cache, so half the bytes is up to 2x. bf16 rather than fp16: the kernel widens either at about
+  the same cost, the torch fallback path casts bf16 faster, and bf16 keeps fp32's exponent range
+  (fp16 overflows at 65504); fp16's 3 extra mantissa bits remain available as
   --kv-cache-dtype float16;
 * weight quantization "auto": the model as its files define it. A GGUF's quantized matrices run
-  on the file's own blocks for small batches (cpu/gguf.py, csrc/gguf_linear.c: integer dots with
-  each token's activations quantized to ~15 bits, "int8x2"; SARATHI_GGUF_DOT=int8 / fp32 pick
-  llama.cpp's 8-bit activations or the exact fp32-dot kernel) and a float GEMM on their exact
-  dequantization above; a float checkpoint stays float. "none": float weights
-  everywhere (a GGUF exactly dequantized). Explicit, lossy choices: "int8", re-quantized to int8
-  with a scale per 32 columns (Q8_0 blocks on the same kernels: cpu/gguf.py GroupInt8LinearMethod);
-  "int8-bf16", per-row int8 for small batches and a bf16 GEMM above (cpu/quant.py).
+  on the file's own blocks (cpu/gguf.py, csrc/gguf_*.c: integer dots with each token's
+  activations quantized to ~15 bits, "int8x2"; SARATHI_GGUF_DOT=int8 / fp32 pick llama.cpp's
+  8-bit activations or the exact fp32-dot kernel), and where the build has a token threshold a
+  float GEMM on their exact dequantization above it; a float checkpoint stays float. "none":
+  float weights everywhere (a GGUF exactly dequantized). Explicit, lossy choices: "int8",
+  re-quantized to int8 with a scale per 32 columns (Q8_0 blocks on the same kernels: cpu/gguf.py
+  GroupInt8LinearMethod); "int8-bf16", per-row int8 for small batches and a bf16 GEMM above
+  (cpu/quant.py).
 
 Besides: the layers' elementwise glue (RMSNorm + residual add, rotary, silu * up) runs fused
 native ops (NativeCpuOps, csrc/cpu_ops.c) when the library has their AVX2 path, and the native
 attention writes each layer's K/V to the paged cache in one native call. SARATHI_NATIVE_OPS=0
-keeps both on the torch reference (worker_svc/backends/base.py Ops; for A/B measurements).
+keeps both on the torch reference (worker_svc/backends/base.py Ops; for A/B measurements). With
+both, a GGUF model's decode steps run through every layer in one native call (cpu/stack.py,
+CpuBackend.layer_stack).
 
 What the executor asks of a backend (CpuBackend): compute dtype "auto" is float32, the KV cache
 holds DEFAULT_CPU_BLOCKS blocks when none were given, tokens are drawn by the host sampler, no
 graphs, and ranks talk over gloo.
+
+Measurements behind these choices: bench/results/kernels/README.md.
 """
 from __future__ import annotations
 
@@ -49,9 +52,8 @@ from worker_svc.backends.cpu import native
 from worker_svc.backends.cpu.stack import decode_stack
 from worker_svc.backends.torch_attention import AttentionMetadata, TorchAttention, build_metadata, pad_tables
 
-# native kernel SIMD paths measured faster than the torch decode path (bench/attention_kernel.py:
-# avx512 on Sapphire Rapids 1.7-2x, attention_kernel.json; avx2 on Zen 3 1.6-2.6x,
-# attention_kernel_amd_contended.json). The scalar path lost to torch (issue 11: 93 vs 77 ms).
+# the native decode kernel's SIMD paths measured faster than the torch decode path
+# (bench/attention_kernel.py); its scalar path is slower than torch
 NATIVE_FASTER = ("avx512", "avx2")
 AUTO_KV_DTYPE = torch.bfloat16
 
@@ -60,10 +62,9 @@ AUTO_KV_DTYPE = torch.bfloat16
 class CpuBackend(DeviceBackend):
     """The CPU's answers to the executor's questions (see DeviceBackend)."""
 
-    # float32 for dtype "auto" (bench/results/engine_cpu/engine_iteration.md): this machine's CPUs have
-    # avx512_bf16 but no AMX, so torch's bf16 matmuls run at about half the fp32 rate; prefill
-    # chunks and hybrid batches are 1.4-1.8x slower in bf16, single decodes are no faster, and
-    # bf16 wins only on long-context decode-only batches (half the KV bytes to read)
+    # float32 for dtype "auto": without AMX, torch's bf16 matmuls run slower than its fp32 ones,
+    # so prefill chunks and hybrid batches are slower in bf16 and single decodes no faster; bf16
+    # wins only on long-context decode-only batches (half the KV bytes to read)
     default_dtype: ClassVar[torch.dtype] = torch.float32
     dist_backend: ClassVar[str] = "gloo"
 

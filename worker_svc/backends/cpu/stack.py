@@ -1,10 +1,9 @@
 """The CPU backend's layer stack: a decode-only step through every decoder layer in one native
 call (csrc/decode_stack.c), instead of ten Python-driven native calls a layer.
 
-The per-layer path's Python side (module dispatch, argument marshalling, a new tensor per op)
-cost about 5.5 ms of a 14.3 ms SmolLM2 decode step at batch 1 and 1k context on a 2-core Zen 3
-(8.71 ms with the stack, same run: bench/results/kernels/gguf_kernels_zen3.json); the native loop
-calls the same kernels with the same arguments, so its output is bit-identical (tests/worker/
+At decode sizes the per-layer path's Python side (module dispatch, argument marshalling, a new
+tensor per op) costs about as much as its kernels. The native loop calls the same kernels with
+the same arguments, so its output is bit-identical to the per-layer path's (tests/worker/
 test_decode_stack.py). It is the CPU's answer to DeviceBackend.layer_stack, as CUDA graphs are
 the GPU's answer to the same per-op cost.
 
@@ -12,10 +11,13 @@ It runs a step when (checked per call, else the model runs its layers as before)
 * every query of the batch is a decode on the native attention kernel (no prefill chunk);
 * T <= the linear method's max_tokens (the block kernel's range);
 * x is fp32 and the cache's dtype is one the KV write and the attention kernel take.
-It is built (DeviceBackend.layer_stack returns one) only for a single-rank model whose every
-linear layer runs on GGUF blocks with the integer-dot kernel (GgufLinearMethod with dot int8 or
-int8x2, or GroupInt8LinearMethod), with the native ops and native attention, fp32 compute.
-SARATHI_NATIVE_STACK=0 turns it off (A/B measurements).
+It is built (decode_stack returns one) only for a single-rank model whose every linear layer runs
+on GGUF blocks with the integer-dot kernel (GgufLinearMethod with dot int8 or int8x2, or
+GroupInt8LinearMethod), on a backend with the fused native ops and the native attention writing
+K/V itself, fp32 compute. SARATHI_NATIVE_STACK=0 turns it off (A/B measurements).
+
+The backend (cpu/backend.py) builds the stack and tells decode_stack what it runs: this module
+does not import the backend.
 """
 from __future__ import annotations
 
