@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import machine_line
+from bench.common import kernel_sources_at, machine_line
 from worker_svc.backends import torch_attention as attention
 from worker_svc.backends.cpu import native
 
@@ -113,14 +113,7 @@ def build_extra(baseline: str | None) -> tuple[ctypes.CDLL | None, ctypes.CDLL]:
     tmp = Path(tempfile.mkdtemp(prefix="attn_bench_"))
     base = None
     if baseline:
-        src = tmp / "base.c"
-        # the kernel's path at that revision: worker_svc/csrc/ before it moved under backends/cpu/
-        for path in ("worker_svc/backends/cpu/csrc/paged_decode.c", "worker_svc/csrc/paged_decode.c"):
-            shown = subprocess.run(["git", "show", f"{baseline}:{path}"], capture_output=True, text=True)
-            if shown.returncode == 0:
-                break
-        shown.check_returncode()
-        src.write_text(shown.stdout)
+        src = kernel_sources_at(baseline, tmp / "csrc") / "paged_decode.c"   # with the headers it includes
         subprocess.run([native._compiler(), *native._flags(), "-o", str(tmp / "base.so"), str(src), "-lm"],
                        check=True)   # the flags native.py builds with ($SARATHI_NATIVE_MARCH included)
         base = ctypes.CDLL(str(tmp / "base.so"))

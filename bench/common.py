@@ -10,6 +10,7 @@ up to `chunk` tokens on the blocks after them. The executor's cache holds exactl
 from __future__ import annotations
 
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -129,6 +130,25 @@ def layer_shapes() -> list[tuple[int, int]]:
     qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     per_layer = [(qkv, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
     return per_layer * LAYERS + [(VOCAB, HIDDEN)]
+
+
+def kernel_sources_at(rev: str, dest: Path) -> Path:
+    """The native CPU kernels' sources (the .c and .h files of csrc/) of git revision rev, written
+    into the folder dest (created); returns dest. csrc/ was worker_svc/csrc/ before it moved under
+    worker_svc/backends/cpu/; until the split of gguf_linear.c it held one .c file per kernel and
+    no headers."""
+    for folder in ("worker_svc/backends/cpu/csrc", "worker_svc/csrc"):
+        listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{folder}"], capture_output=True, text=True)
+        if listed.returncode == 0:
+            break
+    listed.check_returncode()
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in listed.stdout.split():
+        if name.endswith((".c", ".h")):
+            shown = subprocess.run(["git", "show", f"{rev}:{folder}/{name}"], capture_output=True, text=True,
+                                   check=True)
+            (dest / name).write_text(shown.stdout)
+    return dest
 
 
 # -- the engine in a process of its own: A/B of two source trees (or two settings) interleaved ---

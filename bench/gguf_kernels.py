@@ -1,4 +1,4 @@
-"""GGUF block kernels (worker_svc/backends/cpu/csrc/gguf_linear.c) against the other linear paths,
+"""GGUF block kernels (worker_svc/backends/cpu/csrc/gguf_*.c) against the other linear paths,
 and the engine's small-batch GGUF arithmetics against each other and against llama.cpp.
 
 Part "layers": every linear layer of one SmolLM2-135M step (30 x qkv, o, gate_up, down in Q4_1, the
@@ -32,7 +32,7 @@ the prompt shared); the bytes-read bound of decode:32 (the file's weight bytes
 after its last step ("rss_MB": weights, KV cache, buffers).
 
 --baseline REV adds "base-int8x2" / "base-int8": gguf_linear_q8 of git revision REV (its
-gguf_linear.c built beside this one with native.py's flags), timed in the same rounds, and the
+kernel sources built beside this tree's with native.py's flags), timed in the same rounds, and the
 largest difference of its outputs from this tree's ("max_abs_diff_vs_base", 0 = bit-identical);
 --variants picks the layer variants to time (comma-separated; default all). --formats (with
 --baseline) adds part "formats": gguf_linear_q8 against the baseline's on one [8192, 1536] weight of
@@ -66,6 +66,7 @@ from bench.common import (
     KV_HEADS,
     LAYERS,
     EngineProcess,
+    kernel_sources_at,
     layer_shapes,
     machine_line,
     rss_mb,
@@ -104,9 +105,9 @@ def bench_formats(rounds: int, sizes: list[int], baseline: str, n: int = 8192, k
     for qtype, name in FORMAT_NAMES.items():
         blocks = random_blocks(qtype, n, k, g)
         xs = {T: torch.randn(T, k) for T in sizes}
-        fns = {"gguf-int8x2": lambda x: native.gguf_linear_q8_unchecked(qtype, blocks, x, parts=2),
+        fns = {"gguf-int8x2": lambda x: native.gguf_linear_q8(qtype, blocks, x, parts=2, check=False),
                "base-int8x2": lambda x: base_q8(base, qtype, blocks, x, 2),
-               "gguf-int8": lambda x: native.gguf_linear_q8_unchecked(qtype, blocks, x, parts=1),
+               "gguf-int8": lambda x: native.gguf_linear_q8(qtype, blocks, x, parts=1, check=False),
                "base-int8": lambda x: base_q8(base, qtype, blocks, x, 1)}
         times: dict = {v: {T: [] for T in sizes} for v in fns}
         for T in sizes:                               # warm-up: first calls, buffers
@@ -133,12 +134,11 @@ def bench_formats(rounds: int, sizes: list[int], baseline: str, n: int = 8192, k
 
 
 def build_baseline(rev: str) -> ctypes.CDLL:
-    """gguf_linear.c of git revision rev, built with native.py's compiler and flags into a temp dir."""
+    """The native kernels of git revision rev (the GGUF kernels span several sources since the split
+    of gguf_linear.c), built with native.py's compiler and flags into a temp dir."""
     tmp = Path(tempfile.mkdtemp(prefix="gguf_bench_"))
-    shown = subprocess.run(["git", "show", f"{rev}:worker_svc/backends/cpu/csrc/gguf_linear.c"],
-                           capture_output=True, text=True, check=True)
-    (tmp / "base.c").write_text(shown.stdout)
-    subprocess.run([native._compiler(), *native._flags(), "-o", str(tmp / "base.so"), str(tmp / "base.c"), "-lm"],
+    sources = sorted(kernel_sources_at(rev, tmp / "csrc").glob("*.c"))
+    subprocess.run([native._compiler(), *native._flags(), "-o", str(tmp / "base.so"), *map(str, sources), "-lm"],
                    check=True)
     lib = ctypes.CDLL(str(tmp / "base.so"))
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -148,7 +148,7 @@ def build_baseline(rev: str) -> ctypes.CDLL:
 
 
 def base_q8(lib: ctypes.CDLL, qtype: int, blocks: torch.Tensor, x: torch.Tensor, parts: int) -> torch.Tensor:
-    """The baseline library's gguf_linear_q8 (same call as native.gguf_linear_q8_unchecked)."""
+    """The baseline library's gguf_linear_q8 (the call native.gguf_linear_q8 makes)."""
     T, K = x.shape
     out = torch.empty(T, blocks.shape[0])
     rc = lib.gguf_linear_q8(qtype, blocks.data_ptr(), blocks.shape[1], x.data_ptr(), x.stride(0), None,
@@ -169,15 +169,15 @@ def bench_layers(rounds: int, sizes: list[int], names: list[str] | None = None, 
         layers.append((qtype, blocks, w, q, s))
     scratch = torch.empty(max(w.numel() for _, _, w, _, _ in layers))
     variants = {
-        "gguf-int8x2": lambda L, x: native.gguf_linear_q8_unchecked(L[0], L[1], x, parts=2),
-        "gguf-int8": lambda L, x: native.gguf_linear_q8_unchecked(L[0], L[1], x, parts=1),
-        "gguf-block": lambda L, x: native.gguf_linear_unchecked(L[0], L[1], x),
+        "gguf-int8x2": lambda L, x: native.gguf_linear_q8(L[0], L[1], x, parts=2, check=False),
+        "gguf-int8": lambda L, x: native.gguf_linear_q8(L[0], L[1], x, parts=1, check=False),
+        "gguf-block": lambda L, x: native.gguf_linear(L[0], L[1], x, check=False),
         "float32-cached": lambda L, x: F.linear(x, L[2]),
         "dequant+float32": lambda L, x: F.linear(x, native.gguf_dequantize(
             L[0], L[1], L[2].shape[1], out=scratch[:L[2].numel()].view(L[2].shape))),
-        "int8-native": lambda L, x: native.int8_linear_unchecked(x, L[3], L[4], None),
-        "gguf-int8x2-tiles": lambda L, x: native.gguf_linear_q8_unchecked(L[0], L[1], x, parts=2, lanes=False),
-        "gguf-int8-tiles": lambda L, x: native.gguf_linear_q8_unchecked(L[0], L[1], x, parts=1, lanes=False),
+        "int8-native": lambda L, x: native.int8_linear(x, L[3], L[4], None, check=False),
+        "gguf-int8x2-tiles": lambda L, x: native.gguf_linear_q8(L[0], L[1], x, parts=2, lanes=False, check=False),
+        "gguf-int8-tiles": lambda L, x: native.gguf_linear_q8(L[0], L[1], x, parts=1, lanes=False, check=False),
     }
     base = build_baseline(baseline) if baseline else None
     if base:
@@ -199,14 +199,14 @@ def bench_layers(rounds: int, sizes: list[int], names: list[str] | None = None, 
     # the lane kernels against the tile kernels: the same integer dots, another fp32 summation order
     extra["max_abs_diff_lanes_vs_tiles"] = {
         f"int8x{parts}" if parts == 2 else "int8": max(
-            (native.gguf_linear_q8_unchecked(L[0], L[1], xs[T][L[2].shape[1]], parts=parts)
-             - native.gguf_linear_q8_unchecked(L[0], L[1], xs[T][L[2].shape[1]], parts=parts, lanes=False))
+            (native.gguf_linear_q8(L[0], L[1], xs[T][L[2].shape[1]], parts=parts, check=False)
+             - native.gguf_linear_q8(L[0], L[1], xs[T][L[2].shape[1]], parts=parts, lanes=False, check=False))
             .abs().max().item() for T in sizes for L in layers) for parts in (2, 1)}
     if base:       # this tree's outputs against the baseline's, every layer and T
         for lanes in (True, False):
             extra["max_abs_diff_vs_base" + ("" if lanes else "_tiles")] = {
                 f"int8x{parts}" if parts == 2 else "int8": max(
-                    (native.gguf_linear_q8_unchecked(L[0], L[1], xs[T][L[2].shape[1]], parts=parts, lanes=lanes)
+                    (native.gguf_linear_q8(L[0], L[1], xs[T][L[2].shape[1]], parts=parts, lanes=lanes, check=False)
                      - base_q8(base, L[0], L[1], xs[T][L[2].shape[1]], parts)).abs().max().item()
                     for T in sizes for L in layers) for parts in (2, 1)}
         extra["speedup_vs_base"] = {

@@ -252,8 +252,8 @@ def test_int8_method_switches_by_token_count_and_both_paths_agree(monkeypatch, l
     layer = ColumnParallelLinear([w], [b], TensorParallel(), torch.float32, method)
     assert method.name.startswith("int8 for <= 4 tokens" + (", bf16 GEMM above" if large == torch.bfloat16 else ""))
     calls = []
-    real = native.int8_linear_unchecked
-    monkeypatch.setattr(native, "int8_linear_unchecked", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    real = native.int8_linear
+    monkeypatch.setattr(native, "int8_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     x = torch.randn(9, 24, generator=g)
     small, large_out = layer(x[:4]), layer(x)
     assert calls == [4]                                     # 9 rows: the dense GEMM

@@ -98,7 +98,7 @@ def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qty
     assert len(lin) == 4 * LAYERS + 1                                  # qkv, o, gate_up, down; the head
     assert all(getattr(m, "gguf_type", None) == int(qtype) for m in lin), qtype.name
     calls = []
-    kernel = "gguf_linear_unchecked" if ex.backend.linear.dot == "fp32" else "gguf_linear_q8_unchecked"
+    kernel = "gguf_linear" if ex.backend.linear.dot == "fp32" else "gguf_linear_q8"
     real = getattr(native, kernel)
     monkeypatch.setattr(native, kernel, lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
     got = greedy_generate(ex, prompt, 16, list(range(blocks_for(len(prompt) + 16, 16))))

@@ -1,4 +1,4 @@
-"""GGUF block kernels (worker_svc/backends/cpu/csrc/gguf_linear.c) against the `gguf` package:
+"""GGUF block kernels (worker_svc/backends/cpu/csrc/gguf_*.c) against the `gguf` package:
 dequantization bit-identical to gguf.quants.dequantize, and the linear layer equal to F.linear
 on those weights up to fp32 summation order, on random blocks, odd shapes, every SIMD path."""
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """The CPU backend (backend.py) and what only it uses: the native kernels (native.py, built from
-csrc/ on first use) and the weight-only int8 linear layers (quant.py)."""
+csrc/ on first use), the linear layers on GGUF blocks (gguf.py) and on weight-only int8
+(quant.py), and the decode stack (stack.py). Imports run one way: backend.py imports stack.py,
+gguf.py and quant.py (stack.py imports gguf.py); all of them import native.py."""
 from worker_svc.backends.cpu.backend import (
                                              AUTO_KV_DTYPE,
                                              NATIVE_FASTER,

@@ -1,5 +1,5 @@
-"""The CPU backend: torch matmuls (or weight-only int8 for small batches); decode attention on
-the native kernel when it is built and faster than the torch path on this CPU; a 16-bit KV cache.
+"""The CPU backend: torch matmuls (or linear layers on quantized weights for small batches);
+decode attention on the native kernel where it is built with SIMD; a 16-bit KV cache.
 
 Chunks (more than one query) always run the torch path (worker_svc.backends.torch_attention):
 they are compute-bound and SDPA is good at them. Decodes run the native paged kernel
@@ -7,33 +7,36 @@ they are compute-bound and SDPA is good at them. Decodes run the native paged ke
 shapes/dtypes; otherwise the torch grouped path.
 
 The three choices, each made once per worker and printed by the executor:
-* attention "auto": native when the kernel's SIMD path is in NATIVE_FASTER (recorded by
-  bench/attention_kernel.py: AVX-512 and AVX2 beat the torch path; the scalar fallback is slower
-  than torch, so it never runs by default);
+* attention "auto": native when the kernel's SIMD path is in NATIVE_FASTER, the paths measured
+  faster than the torch path (bench/attention_kernel.py); the scalar fallback is slower than
+  torch, so it never runs by default;
 * KV cache dtype "auto" (None): 16-bit, AUTO_KV_DTYPE. Decode attention is bound by reading the
-  cache, so half the bytes is up to 2x. bf16 rather than fp16: widening either costs about the
-  same inside the kernel (bf16: zero-extend + shift; fp16: F16C vcvtph2ps; Zen 3 AVX2, 32 x 1k
-  context: 15.9 vs 14.9 ms per layer), the torch fallback path casts bf16 faster (25 vs 38 ms;
-  a contended run, ratios only: bench/results/engine_cpu/engine_cpu_amd.md), and bf16 keeps fp32's
-  exponent range (fp16 overflows at 65504); fp16's 3 extra mantissa bits remain available as
+  cache, so half the bytes is up to 2x. bf16 rather than fp16: the kernel widens either at about
+  the same cost, the torch fallback path casts bf16 faster, and bf16 keeps fp32's exponent range
+  (fp16 overflows at 65504); fp16's 3 extra mantissa bits remain available as
   --kv-cache-dtype float16;
 * weight quantization "auto": the model as its files define it. A GGUF's quantized matrices run
-  on the file's own blocks for small batches (cpu/gguf.py, csrc/gguf_linear.c: integer dots with
-  each token's activations quantized to ~15 bits, "int8x2"; SARATHI_GGUF_DOT=int8 / fp32 pick
-  llama.cpp's 8-bit activations or the exact fp32-dot kernel) and a float GEMM on their exact
-  dequantization above; a float checkpoint stays float. "none": float weights
-  everywhere (a GGUF exactly dequantized). Explicit, lossy choices: "int8", re-quantized to int8
-  with a scale per 32 columns (Q8_0 blocks on the same kernels: cpu/gguf.py GroupInt8LinearMethod);
-  "int8-bf16", per-row int8 for small batches and a bf16 GEMM above (cpu/quant.py).
+  on the file's own blocks (cpu/gguf.py, csrc/gguf_*.c: integer dots with each token's
+  activations quantized to ~15 bits, "int8x2"; SARATHI_GGUF_DOT=int8 / fp32 pick llama.cpp's
+  8-bit activations or the exact fp32-dot kernel), and where the build has a token threshold a
+  float GEMM on their exact dequantization above it; a float checkpoint stays float. "none":
+  float weights everywhere (a GGUF exactly dequantized). Explicit, lossy choices: "int8",
+  re-quantized to int8 with a scale per 32 columns (Q8_0 blocks on the same kernels: cpu/gguf.py
+  GroupInt8LinearMethod); "int8-bf16", per-row int8 for small batches and a bf16 GEMM above
+  (cpu/quant.py).
 
 Besides: the layers' elementwise glue (RMSNorm + residual add, rotary, silu * up) runs fused
 native ops (NativeCpuOps, csrc/cpu_ops.c) when the library has their AVX2 path, and the native
 attention writes each layer's K/V to the paged cache in one native call. SARATHI_NATIVE_OPS=0
-keeps both on the torch reference (worker_svc/backends/base.py Ops; for A/B measurements).
+keeps both on the torch reference (worker_svc/backends/base.py Ops; for A/B measurements). With
+both, a GGUF model's decode steps run through every layer in one native call (cpu/stack.py,
+CpuBackend.layer_stack).
 
 What the executor asks of a backend (CpuBackend): compute dtype "auto" is float32, the KV cache
 holds DEFAULT_CPU_BLOCKS blocks when none were given, tokens are drawn by the host sampler, no
 graphs, and ranks talk over gloo.
+
+Measurements behind these choices: bench/results/kernels/README.md.
 """
 from __future__ import annotations
 
@@ -46,11 +49,11 @@ import torch
 from shared.config import DEFAULT_CPU_BLOCKS
 from worker_svc.backends.base import DeviceBackend, LinearMethod, Ops, SeqSpec
 from worker_svc.backends.cpu import native
+from worker_svc.backends.cpu.stack import decode_stack
 from worker_svc.backends.torch_attention import AttentionMetadata, TorchAttention, build_metadata, pad_tables
 
-# native kernel SIMD paths measured faster than the torch decode path (bench/attention_kernel.py:
-# avx512 on Sapphire Rapids 1.7-2x, attention_kernel.json; avx2 on Zen 3 1.6-2.6x,
-# attention_kernel_amd_contended.json). The scalar path lost to torch (issue 11: 93 vs 77 ms).
+# the native decode kernel's SIMD paths measured faster than the torch decode path
+# (bench/attention_kernel.py); its scalar path is slower than torch
 NATIVE_FASTER = ("avx512", "avx2")
 AUTO_KV_DTYPE = torch.bfloat16
 
@@ -59,10 +62,9 @@ AUTO_KV_DTYPE = torch.bfloat16
 class CpuBackend(DeviceBackend):
     """The CPU's answers to the executor's questions (see DeviceBackend)."""
 
-    # float32 for dtype "auto" (bench/results/engine_cpu/engine_iteration.md): this machine's CPUs have
-    # avx512_bf16 but no AMX, so torch's bf16 matmuls run at about half the fp32 rate; prefill
-    # chunks and hybrid batches are 1.4-1.8x slower in bf16, single decodes are no faster, and
-    # bf16 wins only on long-context decode-only batches (half the KV bytes to read)
+    # float32 for dtype "auto": without AMX, torch's bf16 matmuls run slower than its fp32 ones,
+    # so prefill chunks and hybrid batches are slower in bf16 and single decodes no faster; bf16
+    # wins only on long-context decode-only batches (half the KV bytes to read)
     default_dtype: ClassVar[torch.dtype] = torch.float32
     dist_backend: ClassVar[str] = "gloo"
 
@@ -73,8 +75,9 @@ class CpuBackend(DeviceBackend):
     def layer_stack(self, layers):
         """Decode-only steps through all layers in one native call, where the layers run on
         the native kernels (cpu/stack.py); None otherwise."""
-        from worker_svc.backends.cpu.stack import decode_stack
-        return decode_stack(layers, self)
+        return decode_stack(layers, self.linear, self.compute_dtype, native_ops=isinstance(self.ops, NativeCpuOps),
+                            native_kv_write=isinstance(self.attention, NativeCpuAttention)
+                            and self.attention.fused_write)
 
 
 @dataclass
@@ -126,7 +129,7 @@ class NativeCpuAttention(TorchAttention):
         # k, v are views of the qkv output: heads contiguous ([T, Hkv, D] with stride(1) == D)
         if ok and k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2] \
                 and k.shape == v.shape and kc.shape[2:] == k.shape[1:]:
-            native.write_kv_unchecked(k, v, kc, vc, meta.slot_mapping)
+            native.write_kv(k, v, kc, vc, meta.slot_mapping, check=False)
         else:
             cache.write(layer, meta.slot_mapping, k, v)
 
@@ -149,20 +152,21 @@ class NativeCpuOps(Ops):
         self.name = f"native {native.ops_isa()}"
 
     # The guards below check what the kernels need (dtype, element layout, matching sizes) in
-    # the fewest tensor attribute reads: the full checks of native.rms_norm etc. cost about as
-    # much as the kernel at decode sizes. Tensors are CPU tensors on a CPU backend.
+    # the fewest tensor attribute reads, then call them with check=False: native's full checks
+    # would cost about as much as the kernel at decode sizes. Tensors are CPU tensors on a CPU
+    # backend.
 
     def rms_norm(self, x, weight, eps):
         if x.dtype in _NATIVE_OPS_DTYPES and x.dim() == 2 and x.stride(1) == 1 \
                 and weight.dtype == x.dtype and weight.shape == x.shape[1:] and weight.stride(0) == 1:
-            return native.rms_norm_unchecked(x, weight, eps)[0]
+            return native.rms_norm(x, weight, eps, check=False)[0]
         return super().rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
         if x.dtype in _NATIVE_OPS_DTYPES and x.dim() == 2 and x.stride(1) == 1 \
                 and residual.dtype == x.dtype and residual.shape == x.shape and residual.stride(1) == 1 \
                 and weight.dtype == x.dtype and weight.shape == x.shape[1:] and weight.stride(0) == 1:
-            return native.rms_norm_unchecked(x, weight, eps, residual)
+            return native.rms_norm(x, weight, eps, residual, check=False)
         return super().add_rms_norm(x, residual, weight, eps)
 
     def rotary(self, q, k, cos_sin):
@@ -173,14 +177,14 @@ class NativeCpuOps(Ops):
                 and q.stride(2) == 1 and q.stride(1) == D and k.stride(2) == 1 and k.stride(1) == D \
                 and k.shape[0] == q.shape[0] and k.shape[2] == D \
                 and cos.shape == sin.shape == (q.shape[0], 1, D) and cos.is_contiguous() and sin.is_contiguous():
-            native.rotary_unchecked(q, k, cos, sin)
+            native.rotary_(q, k, cos, sin, check=False)
             return q, k
         return super().rotary(q, k, cos_sin)
 
     def silu_mul(self, gate_up):
         if gate_up.dtype in _NATIVE_OPS_DTYPES and gate_up.dim() == 2 and gate_up.stride(1) == 1 \
                 and gate_up.shape[1] % 2 == 0:
-            return native.silu_mul_unchecked(gate_up)
+            return native.silu_mul(gate_up, check=False)
         return super().silu_mul(gate_up)
 
 

@@ -1,60 +1,51 @@
 """Linear layers on the GGUF file's own quantized blocks (CPU), behind the LinearMethod seam.
 
-A GGUF model is served as the file defines it: no re-quantization. Layers whose weight carries
+A GGUF model is served as the file defines it: no re-quantization. A layer whose weight carries
 the file's blocks (layer.gguf, see worker_svc/model/gguf_blocks.py) in a format with a block
-kernel (csrc/gguf_linear.c: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) run a block kernel reading the
-file's bytes (Q4_1: 5 bits a weight, 1/6.4 of fp32). Its arithmetic (`dot`, DOTS below): by
-default "int8x2", llama.cpp's integer-dot method with a finer activation: each token's
-activations quantized once per call to blocks of 32 in two 8-bit parts (~15 bits a value),
-integer dots with the file's quants (AVX-512 VNNI vpdpbusd, or AVX2 maddubs), the file's scales
-applied in fp32. Which calls take it (max_tokens, default_max_tokens):
-* AVX-512 VNNI builds, integer dot on the lane kernels (the default there): every call, a
-  512-token prefill chunk too (EVERY_T: the lane kernels beat the fp32 GEMM at every T measured,
-  2.6-3.9x at 32-512 tokens on Zen 5). One arithmetic for all, so a token's result is the same in
-  every batch without exception, and no float weights are kept (large="dequant": the model holds
-  the file's blocks, plus the LM head's float weight where the embedding is tied to it).
-* elsewhere, T <= GGUF_MAX_TOKENS rows (decode-sized batches) the block kernel, T above (prefill
-  chunks, large hybrid batches) F.linear on the exactly dequantized float weight layer.weight (the
-  loader's dequantization, bit-identical to the kernels'). The two use the file's weights
-  unchanged; they differ by the small-batch path's activation rounding (int8x2: within
-  amax / 32512 per block of 32; "fp32": none, only summation order) and summation order: the
-  threshold switch is the one exception to batch independence (a token's activations are
-  quantized alone, so below it its output does not depend on the other tokens of its batch).
-The integer dots run on the lane kernels (SARATHI_GGUF_LANES; default_lanes): 8 rows in a
-vector's lanes for small calls (1-16 tokens on AVX-512 VNNI builds, 1-8 on AVX2 ones), tokens in a
-vector's lanes above (16 a zmm, 8 a ymm), one fp32 summation order for all of them and for both
-builds (the AVX2 build's outputs are the VNNI build's bits: tests/worker/test_gguf_kernels.py), so
-a token's result stays bit-identical in every batch (SmolLM2's linear layers, against the 8-token
-tile kernels: 1.19x faster at 1 token, 1.3-1.5x at 2-24, 1.64x at 32 on Zen 4 with VNNI,
-bench/results/kernels/gguf_kernels_zen4.json; with AVX2 only: 1.23x at 1-2, 1.0-1.2x at 4-48 but
-0.86x at 12, bench/results/kernels/gguf_kernels_zen4_avx2.json).
-By default they run where the build has VNNI; AVX2 builds keep the 8-token tile kernels (their
-own summation order, also batch-independent) unless SARATHI_GGUF_LANES=1: with the AVX2 lanes,
-tests/e2e/test_serving.py's scheduler-SIGKILL replay ended one of its 16 greedy requests with
-another word than the offline run ("a place" for "a land"), in both runs (the suite, then alone;
-on the tile kernels it passes).
-Most likely cause (not traced): the replay recomputes the generated tokens in prefill steps of
-more than GGUF_MAX_TOKENS (16 requests' prompts and tokens), on the float GEMM, where they were
-first decoded on the integer dots: the threshold switch, which a near-tie in that request turns
-into another word with these last bits and not with the tiles'. SARATHI_GGUF_LANES=0 keeps the
-tile kernels (and the threshold) everywhere.
-Measured on SmolLM2's Q4_1 GGUF against Hugging Face (teacher-forced, 33
-positions, bench/results/kernels/weight_quant_agreement.json): int8x2 top-1 agreement 1.000, max
-logit error 0.01% of the logit range; "int8" (llama.cpp's own 8-bit activations) 0.909, 1.5%;
-"fp32" 1.000, 0. With every call on the lane kernels (Zen 5, weight_quant_agreement_zen5.json):
-int8x2 1.000, 0.013%; int8 0.970, 2.1%.
-
-Large path memory (where there is a threshold): large="cached" (the default there) keeps the
-float weight (the model holds it anyway: 4 bytes a weight beside the file's blocks);
-large="dequant" drops it and dequantizes the blocks into a per-call buffer on every large call
-(memory of the blocks only, plus one layer's float weight at a time; costs a dequantization of
-every weight per large step: measured in bench/gguf_kernels.py, bench/results/kernels/README.md).
-Without a threshold large="dequant" is the default and the per-call dequantization only serves a
-non-fp32 or non-CPU x. A tied LM head keeps its float weight in both modes: the embedding lookup
-reads it.
-
-Layers without blocks (float checkpoints, GGUF tensors stored as F32/F16, formats without a
+kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K: csrc/gguf_*.c) runs a kernel that reads the file's
+bytes. Layers without blocks (float checkpoints, GGUF tensors stored as F32/F16, formats without a
 kernel, dequantized at load with a log line) run plain F.linear, as does any non-fp32 layer.
+
+Arithmetic (`dot`, DOTS, SARATHI_GGUF_DOT). All three read the file's weights unchanged and differ
+in the activations' precision only:
+* "int8x2" (the default): each token's activations quantized once per call to blocks of 32 in
+  two 8-bit parts (~15 bits a value), integer dots with the file's quants, the file's scales
+  applied in fp32 (within amax / 32512 per block of F.linear on the exact dequantization);
+* "int8": llama.cpp's method, one 8-bit part;
+* "fp32": the exact kernel, F.linear on the dequantized weights up to fp32 summation order.
+A token's activations are quantized alone, so its output never depends on the other tokens of
+its call (batch independence).
+
+Which calls take the block kernel (max_tokens, default_max_tokens):
+* on AVX-512 VNNI builds with an integer dot on the lane kernels: every call (EVERY_T), a
+  prefill chunk too. One arithmetic for every batch size, so a token's result is the same in
+  every batch without exception, and no float weight is kept (large="dequant");
+* elsewhere, calls of at most GGUF_MAX_TOKENS tokens (decode-sized batches); larger ones (prefill
+  chunks, large hybrid batches) run F.linear on the exactly dequantized float weight, where the
+  float GEMM is the faster one. The two paths differ by the small-batch path's activation
+  rounding and summation order: this threshold is the one exception to batch independence.
+
+Kernels (`lanes`, default_lanes, SARATHI_GGUF_LANES): the integer dots run on the lane kernels
+(rows in a vector's lanes for small calls, tokens above) or on the 8-token tile kernels. Both keep
+a token's result independent of its batch; each has its own fp32 summation order, and the lane
+kernels have one order for every call size and both SIMD builds (the AVX2 build's outputs are the
+VNNI build's bits). By default the lanes run where the build has VNNI and AVX2 builds keep the
+tile kernels: there the threshold stays, and with the AVX2 lanes a replayed request
+(tests/e2e/test_serving.py, the scheduler-SIGKILL replay) ended with another word than the
+offline run. The likely cause: the replay recomputes the generated tokens in prefill steps above
+GGUF_MAX_TOKENS, on the float GEMM, where they were first decoded on the integer dots, and a
+near-tie in that request turns the threshold switch into another word with the lanes' last bits.
+SARATHI_GGUF_LANES=0 keeps the tile kernels (and the threshold) everywhere.
+
+Memory of the large path (where there is a threshold): large="cached" (the default there) keeps
+the float weight (the model holds it anyway: 4 bytes a weight beside the file's blocks);
+large="dequant" drops it and dequantizes the blocks into a per-call buffer on every large call
+(memory of the blocks only, plus one layer's float weight at a time, at the cost of a
+dequantization of every weight per large step). Without a threshold large="dequant" is the
+default and the per-call dequantization only serves a non-fp32 or non-CPU x. A tied LM head keeps
+its float weight in both modes: the embedding lookup reads it.
+
+Accuracy against Hugging Face and the kernels' timings: bench/results/kernels/README.md.
 """
 from __future__ import annotations
 
@@ -67,33 +58,19 @@ import torch.nn.functional as F
 from worker_svc.backends.base import LinearMethod
 from worker_svc.backends.cpu import native
 
-# largest T at which the block kernel beats F.linear on the float weight at every T over a SmolLM2
-# (Q4_1) step. The int8x2 kernel with 8-token tiles (bench/results/kernels/gguf_tile_zen3.json,
-# AMD EPYC family 25 model 1, Zen 3, 2 threads): 81.5 vs 127 ms at T=32 (the 4-token-tile kernel
-# before: 127 ms, a tie), 122 vs 127 at T=48, 164 vs 153 at 64: 48. (Before: 32, from
-# gguf_kernels_amd.json and gguf_kernels_zen4.json with the older kernels.) "scalar": never.
+# By the block kernels' SIMD path: the largest call (tokens) at which the block kernel beats F.linear
+# on the float weight at every T of a whole step. Recorded per CPU class, not measured at start-up
+# (that would make the numerics depend on the machine's load then); "scalar": never.
 GGUF_MAX_TOKENS = {"avx2": 48}
-# The VNNI lane kernels (SARATHI_GGUF_LANES: csrc/gguf_linear.c rl_rows, tl_rows) beat F.linear on
-# the float weight at every T measured: 1.4-2.0x at 49-256 on Zen 4 (bench/results/kernels/
-# gguf_kernels_zen4.json, AMD EPYC family 25 model 17), 2.6-3.9x at 32-512 on Zen 5 (gguf_kernels_zen5.json,
-# family 26 model 2), 2 threads. So a VNNI build with an integer dot and the lane kernels has no
-# threshold: every call, a 512-token prefill chunk too, runs on the file's blocks with one arithmetic
-# and one fp32 summation order, and a token's result is the same in every batch without exception
-# (a request replayed after a preemption or a scheduler restart recomputes its tokens in large
-# prefill steps with the very arithmetic that first decoded them). It also needs no float weights
-# (large="dequant" by default there: the model keeps the file's blocks only).
+# VNNI builds with an integer dot on the lane kernels have no threshold: those kernels beat F.linear
+# on the float weight at every T measured, and one arithmetic and one fp32 summation order for
+# every call means a request replayed after a preemption or a scheduler restart recomputes its
+# tokens in large prefill steps with the arithmetic that first decoded them
 EVERY_T = sys.maxsize   # max_tokens meaning: the block kernel at every T
 
 
-# The small-batch kernel's arithmetic (SARATHI_GGUF_DOT overrides the default):
-# * "int8" = llama.cpp's method: each token's activations quantized once per call to 8-bit blocks
-#   of 32 (scale amax / 127), integer dots with the file's blocks (vpdpbusd / maddubs;
-#   csrc/gguf_linear.c gguf_linear_q8), fp32 scales;
-# * "int8x2": the same plus a second 8-bit part holding the rounding remainder in 1/128 steps
-#   (x ~ d (q + q_lo / 128): ~15-bit activations), two integer dots per run of 32;
-# * "fp32": the exact path (each row dequantized in cache, fp32 dots: F.linear on the file's
-#   dequantized weights up to summation order).
-# All three read the file's own blocks; they differ in the activations' precision only.
+# The small-batch kernel's arithmetic (module docstring; SARATHI_GGUF_DOT overrides the default):
+# "int8x2" (csrc/gguf_q8.c gguf_linear_q8, parts 2), "int8" (parts 1), "fp32" (csrc/gguf_linear.c)
 DOTS = ("int8x2", "int8", "fp32")
 DEFAULT_DOT = "int8x2"
 DOT_PARTS = {"int8": 1, "int8x2": 2}   # integer-dot arithmetics: 8-bit parts per activation
@@ -190,10 +167,10 @@ class GgufLinearMethod(LinearMethod):
             b = layer.bias_f32 if bias is layer.bias else bias.float().contiguous()
         xf = rows if rows.stride(-1) == 1 else rows.contiguous()
         if self.dot == "fp32":
-            y = native.gguf_linear_unchecked(layer.gguf_type, data, xf, b)
+            y = native.gguf_linear(layer.gguf_type, data, xf, b, check=False)
         else:
-            y = native.gguf_linear_q8_unchecked(layer.gguf_type, data, xf, b, parts=DOT_PARTS[self.dot],
-                                                lanes=self.lanes)
+            y = native.gguf_linear_q8(layer.gguf_type, data, xf, b, parts=DOT_PARTS[self.dot], lanes=self.lanes,
+                                      check=False)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -204,9 +181,9 @@ class GroupInt8LinearMethod(GgufLinearMethod):
     quantizer) and run on the Q8_0 block kernel, at every T on VNNI builds (then only the blocks
     are kept), elsewhere for small batches with an fp32 GEMM on the dequantized values above
     (layer.weight is replaced by them: both paths compute one model).
-    A group of 32 tracks the weights' local range far better than one scale per row (the old
-    per-row int8: SmolLM2 top-1 agreement 0.879 with Hugging Face), at the memory of a per-64
-    fp32-scale scheme. Layers whose K is not a multiple of 32 keep float weights."""
+    A group of 32 tracks the weights' local range far better than one scale per row, at the
+    memory of a per-64 fp32-scale scheme. Layers whose K is not a multiple of 32 keep float
+    weights."""
 
     def __init__(self, max_tokens: int | None = None, dot: str | None = None):
         super().__init__(max_tokens, dot=dot)

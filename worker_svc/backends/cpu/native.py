@@ -1,21 +1,42 @@
-"""The native CPU kernels, built on first use into one library: paged decode attention
-(csrc/paged_decode.c, beside this file) and the weight-only int8 linear layer (csrc/int8_linear.c).
+"""The native CPU kernels: the C sources in csrc/ (beside this file), built on first use into one
+shared library, and their Python entry points.
 
-Build: `$SARATHI_CC` (default gcc) -O3 -march=native -fopenmp -shared -fPIC (-march=$SARATHI_NATIVE_MARCH
-when set: tests build the scalar path with x86-64), into
-`$SARATHI_CACHE_DIR` (default `$XDG_CACHE_HOME/sarathi` or `~/.cache/sarathi`) under a name
-keyed by a hash of the source, compiler, flags and this CPU's flags, so a changed kernel or
-another machine never reuses a stale library. The library is written to a temporary name and
-renamed into place, so concurrent processes (parallel tests, several workers) may race to
-build it safely: the loser's rename replaces an identical file.
+The sources, each bound in one place (EXPORTS: the functions it exports and their C types):
+  paged_decode.c      decode attention on the paged KV cache (paged_decode_attention)
+  int8_linear.c       the weight-only int8 linear layer (int8_linear)
+  cpu_ops.c           the fused elementwise ops of a layer (rms_norm, rotary_, silu_mul, write_kv)
+  gguf_linear.c       linear layers on GGUF blocks, fp32 dots (gguf_linear, gguf_dequantize)
+  gguf_q8.c           the same with integer dots, llama.cpp's method (gguf_linear_q8,
+                      gguf_quantize_act), run by its kernel families: gguf_scalar.c (the scalar
+                      reference of both GGUF paths), gguf_q8_tiles.c, gguf_q8_rowlane.c,
+                      gguf_q8_toklane_avx2.c and gguf_q8_toklane_avx512.c (their own C
+                      interface, hidden in the library)
+  decode_stack.c      a decode step through every layer in one call (decode_stack)
+common.h holds what the sources share (exp's polynomial, horizontal sums, the threads' split);
+gguf_blocks.h and gguf_q8.h what the GGUF sources share.
+
+Arguments: every entry point checks what the C side cannot (dtypes, devices, layouts, shapes)
+and raises ValueError before calling it. The checks are Python attribute reads, as costly as a
+small kernel at decode sizes, so the entry points a layer calls per step take check=False: the
+caller then guarantees the documented contract, having checked it once (the weights when a layer
+is processed; the activations' layout by the backend's own cheaper guard). An argument outside
+the contract with check=False is undefined behaviour (memory).
+
+Build: `$SARATHI_CC` (default gcc) -O3 -march=native -fopenmp -fPIC, one compiler process per
+source, in parallel, linked with -shared (-march=$SARATHI_NATIVE_MARCH when set: tests build the
+scalar path with x86-64), into `$SARATHI_CACHE_DIR` (default `$XDG_CACHE_HOME/sarathi` or
+`~/.cache/sarathi`) under a name keyed by a hash of the sources and headers, compiler, flags and
+this CPU's flags, so a changed kernel or another machine never reuses a stale library. The library
+is built in a temporary folder and renamed into place, so concurrent processes (parallel tests,
+several workers) may race to build it safely: the loser's rename replaces an identical file.
 
 OpenMP: the library needs libgomp.so.1; torch's wheel bundles one with the same soname and is
 imported first, so the dynamic loader reuses torch's runtime: one thread pool, no two runtimes
-spinning against each other on the 2 cores.
+spinning against each other.
 
 Fallback: with no compiler, a failed build or load, or SARATHI_NATIVE_ATTENTION=0,
 available() returns False (the reason is logged once, and kept in unavailable_reason()) and
-callers stay on the pure-torch attention path. Nothing here raises at import time.
+callers stay on the pure-torch paths. Nothing here raises at import time.
 """
 from __future__ import annotations
 
@@ -27,27 +48,70 @@ import platform
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
+_P, _I, _L, _F, _S = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_char_p
+# Each C source, in link order, and the functions it exports: name -> (argument types, result
+# type). The GGUF kernel families export nothing: gguf_linear_q8 calls them inside the library.
+EXPORTS: dict[str, dict[str, tuple[list, type]]] = {
+    "paged_decode.c": {
+        "paged_decode_attention_split": ([_P, _I, _L, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P, _I,
+                                          _L, _I, _I], _I),
+        "paged_decode_isa": ([], _S),
+    },
+    "int8_linear.c": {
+        "int8_linear": ([_P, _L, _P, _P, _P, _P, _L, _I, _I, _I, _I], _I),
+        "int8_linear_isa": ([], _S),
+    },
+    "cpu_ops.c": {
+        "cpu_rms_norm": ([_P, _L, _P, _L, _P, _L, _P, _L, _P, _I, _I, _F, _I, _I], _I),
+        "cpu_rotary": ([_P, _L, _P, _L, _P, _P, _I, _I, _I, _I, _I, _I], _I),
+        "cpu_silu_mul": ([_P, _L, _P, _L, _I, _I, _I, _I], _I),
+        "cpu_write_kv": ([_P, _L, _P, _L, _I, _P, _P, _I, _P, _L, _I, _I, _I], _I),
+        "cpu_write_kv_supports": ([_I, _I], _I),
+        "cpu_ops_isa": ([], _S),
+    },
+    "gguf_linear.c": {
+        "gguf_linear": ([_I, _P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I, _I], _I),
+        "gguf_dequantize": ([_I, _P, _L, _P, _I, _I, _I, _I], _I),
+        "gguf_linear_supports": ([_I], _I),
+        "gguf_linear_isa": ([], _S),
+    },
+    "gguf_scalar.c": {},
+    "gguf_q8.c": {
+        "gguf_linear_q8": ([_I, _P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I, _I, _I], _I),
+        "gguf_quantize_act": ([_P, _L, _I, _I, _P, _L, _L, _P, _P, _I, _I], _I),
+        "gguf_q8_lanes": ([], _I),
+        "gguf_q8_isa": ([], _S),
+    },
+    "gguf_q8_tiles.c": {},
+    "gguf_q8_rowlane.c": {},
+    "gguf_q8_toklane_avx2.c": {},
+    "gguf_q8_toklane_avx512.c": {},
+    "decode_stack.c": {
+        "cpu_decode_stack_fields": ([], _I),
+        "cpu_decode_stack": ([_P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _I, _L, _I, _P, _I, _P, _P, _F,
+                              _I, _I, _I, _P], _I),
+    },
+}
 CSRC = Path(__file__).parent / "csrc"
-SOURCE = CSRC / "paged_decode.c"
-SOURCES = [SOURCE, CSRC / "int8_linear.c", CSRC / "cpu_ops.c",     # cpu_ops: see the fused-ops section
-           CSRC / "gguf_linear.c",                                  # gguf: see the GGUF section
-           CSRC / "decode_stack.c"]                                 # see the decode stack section
-MAX_D, MAX_G = 256, 64                      # MAX_D and MAX_ROWS of the kernel
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}                        # q and out
-_KV_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the KV cache
+SOURCES = [CSRC / name for name in EXPORTS]
+HEADERS = sorted(CSRC.glob("*.h"))          # internal headers: part of the build's key
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_reason: str | None = None                  # why the kernel is unavailable; None = not tried yet
+_reason: str | None = None                  # why the library is unavailable; None = not tried yet
 _tried = False
 
 
+# ---------------------------------------------------------------------------------------------
+# Build and load
+# ---------------------------------------------------------------------------------------------
 def _cache_dir() -> Path:
     if os.environ.get("SARATHI_CACHE_DIR"):
         return Path(os.environ["SARATHI_CACHE_DIR"])
@@ -72,34 +136,40 @@ def _compiler() -> str:
 
 
 def _flags() -> list[str]:
+    """The compiler's flags, for compiling a source (with -c) and for linking the library (the
+    flags of a one-command build of the sources into a library)."""
     return ["-O3", f"-march={os.environ.get('SARATHI_NATIVE_MARCH', 'native')}", "-fopenmp",
             "-shared", "-fPIC"]
 
 
 def library_path() -> Path:
-    """Where the library for the current source/compiler/flags/CPU lives (built or not)."""
+    """Where the library for the current sources/compiler/flags/CPU lives (built or not)."""
     h = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in SOURCES), _compiler().encode(), " ".join(_flags()).encode(),
+    for part in (*(p.read_bytes() for p in (*SOURCES, *HEADERS)), _compiler().encode(), " ".join(_flags()).encode(),
                  _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
     return _cache_dir() / f"paged_decode-{h.hexdigest()[:16]}.so"
 
 
+def _compile(cmd: list[str]) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
+
+
 def _build(target: Path) -> None:
-    """Compile SOURCE to target atomically; raises with the compiler's message on failure."""
+    """Compile SOURCES (a compiler process each, as many at once as there are cores) and link them
+    into target atomically; raises with the compiler's message on failure."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        cmd = [_compiler(), *_flags(), "-o", tmp, *map(str, SOURCES)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(prefix=target.name + ".", suffix=".tmp", dir=target.parent) as tmp:
+        objects = [os.path.join(tmp, src.stem + ".o") for src in SOURCES]
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(_compile, ([_compiler(), *_flags(), "-c", "-o", obj, str(src)]
+                                     for src, obj in zip(SOURCES, objects))))
+        lib = os.path.join(tmp, target.name)
+        _compile([_compiler(), *_flags(), "-o", lib, *objects])
+        os.replace(lib, target)
 
 
 def _load() -> ctypes.CDLL:
@@ -107,34 +177,15 @@ def _load() -> ctypes.CDLL:
     if not path.exists():
         _build(path)
     lib = ctypes.CDLL(str(path))    # CDLL releases the GIL during calls
-    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn = lib.paged_decode_attention_split
-    fn.argtypes = [P, I, L, P, P, I, P, I, P, P, I, I, I, I, I, ctypes.c_float, P, I, L, I, I]
-    fn.restype = I
-    for name in ("paged_decode_isa", "int8_linear_isa"):
-        getattr(lib, name).restype = ctypes.c_char_p
-    fn = lib.int8_linear
-    fn.argtypes = [P, L, P, P, P, P, L, I, I, I, I]
-    fn.restype = I
-    _bind_cpu_ops(lib)
-    _bind_gguf(lib)
-    _bind_stack(lib)
+    for exports in EXPORTS.values():
+        for name, (argtypes, restype) in exports.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
     return lib
 
 
-def isa() -> str:
-    """The SIMD path the loaded decode kernel runs: "avx512", "avx2" or "scalar" (or "" when
-    the library is not available)."""
-    return _lib.paged_decode_isa().decode() if available() else ""
-
-
-def int8_isa() -> str:
-    """The path the loaded int8 linear kernel runs: "avx2" or "scalar" ("" when unavailable)."""
-    return _lib.int8_linear_isa().decode() if available() else ""
-
-
 def available() -> bool:
-    """True when the kernel is built and loaded (first call builds; later calls are free)."""
+    """True when the library is built and loaded (first call builds; later calls are free)."""
     global _lib, _reason, _tried
     if _tried:
         return _lib is not None
@@ -162,6 +213,29 @@ def _reset() -> None:
     global _lib, _reason, _tried
     with _lock:
         _lib, _reason, _tried = None, None, False
+
+
+def _require() -> None:
+    if not available():
+        raise RuntimeError(f"native kernels unavailable: {_reason}")
+
+
+def _threads(num_threads: int | None) -> int:
+    return num_threads or torch.get_num_threads()
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged decode attention (csrc/paged_decode.c)
+# ---------------------------------------------------------------------------------------------
+MAX_D, MAX_G = 256, 64                      # MAX_D and MAX_ROWS of the kernel
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}                        # q and out
+_KV_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the KV cache
+
+
+def isa() -> str:
+    """The SIMD path the loaded decode kernel runs: "avx512", "avx2" or "scalar" (or "" when
+    the library is not available)."""
+    return _lib.paged_decode_isa().decode() if available() else ""
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -229,12 +303,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None, num_threads: int | None = None) -> torch.Tensor:
-    """x [T, K] fp32 (rows may be strided, K contiguous) @ (qweight [N, K] int8 * scale [N, 1]).T
-    (+ bias [N] fp32) -> [T, N] fp32 new tensor; fp32 accumulation (csrc/int8_linear.c)."""
-    if not available():
-        raise RuntimeError(f"native kernels unavailable: {_reason}")
+# ---------------------------------------------------------------------------------------------
+# Weight-only int8 linear layer (csrc/int8_linear.c)
+# ---------------------------------------------------------------------------------------------
+def int8_isa() -> str:
+    """The path the loaded int8 linear kernel runs: "avx2" or "scalar" ("" when unavailable)."""
+    return _lib.int8_linear_isa().decode() if available() else ""
+
+
+def _check_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    _require()
     if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or x.device.type != "cpu":
         raise ValueError(f"x must be a CPU fp32 [T, K] tensor with contiguous rows, got "
                          f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
@@ -245,43 +323,30 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                          f"{tuple(qweight.shape)} {qweight.dtype}, {tuple(scale.shape)} {scale.dtype}")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous fp32 [{N}]")
-    return int8_linear_unchecked(x, qweight, scale, bias, num_threads)
 
 
-def int8_linear_unchecked(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                          bias: torch.Tensor | None = None, num_threads: int | None = None) -> torch.Tensor:
-    """int8_linear without the argument checks (~15 us of Python per call, a tenth of a small
-    layer's time): for callers that checked qweight/scale/bias once (cpu/quant.py) and pass
-    an fp32 x [T, K] with x.stride(1) == 1."""
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                num_threads: int | None = None, *, check: bool = True) -> torch.Tensor:
+    """x [T, K] fp32 (rows may be strided, K contiguous) @ (qweight [N, K] int8 * scale [N, 1]).T
+    (+ bias [N] fp32) -> [T, N] fp32 new tensor; fp32 accumulation (csrc/int8_linear.c).
+    check=False: the caller guarantees that contract (cpu/quant.py: the weights made so by process())."""
+    if check:
+        _check_int8(x, qweight, scale, bias)
     N, K = qweight.shape
     out = torch.empty(x.shape[0], N, dtype=torch.float32)
     _lib.int8_linear(x.data_ptr(), x.stride(0), qweight.data_ptr(), scale.data_ptr(),
                      bias.data_ptr() if bias is not None else None, out.data_ptr(), N,
-                     x.shape[0], N, K, num_threads or torch.get_num_threads())
+                     x.shape[0], N, K, _threads(num_threads))
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Fused CPU ops (csrc/cpu_ops.c): RMSNorm (+ residual add), rotary in place, silu(gate) * up,
-# the paged KV write. Used through worker_svc.backends.cpu.NativeCpuOps; each function equals
-# the torch reference in worker_svc.backends.base.Ops (see cpu_ops.c for the exact numerics).
-# Arguments are checked here (dtypes, layouts, shapes) at a few hundred ns per call; the C side
-# trusts them.
+# the paged KV write. Used through worker_svc.backends.cpu.NativeCpuOps and NativeCpuAttention;
+# each function equals the torch reference in worker_svc.backends.base.Ops (see cpu_ops.c for
+# the exact numerics).
 # ---------------------------------------------------------------------------------------------
-
 _OPS_DTYPE = {torch.float32: 0, torch.bfloat16: 1}      # compute dtypes of the ops
-
-
-def _bind_cpu_ops(lib: ctypes.CDLL) -> None:
-    P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    lib.cpu_ops_isa.restype = ctypes.c_char_p
-    for name, args in (("cpu_rms_norm", [P, L, P, L, P, L, P, L, P, I, I, F, I, I]),
-                       ("cpu_rotary", [P, L, P, L, P, P, I, I, I, I, I, I]),
-                       ("cpu_silu_mul", [P, L, P, L, I, I, I, I]),
-                       ("cpu_write_kv", [P, L, P, L, I, P, P, I, P, L, I, I, I]),
-                       ("cpu_write_kv_supports", [I, I])):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, I
 
 
 def ops_isa() -> str:
@@ -298,14 +363,8 @@ def _rows(t: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> None:
                          f"strides {t.stride()}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             num_threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [T, H] fp32/bf16 (contiguous rows, any row stride), weight [H] contiguous, same dtype.
-    Without residual: (rmsnorm(x) * weight, None). With residual [T, H]: r = residual + x is
-    written into residual (in place) and the result is (rmsnorm(r) * weight, residual).
-    rmsnorm(r) = r / sqrt(mean(r^2) + eps), computed in fp32 like HF. Returns a new [T, H]."""
-    if not available():
-        raise RuntimeError(f"native kernels unavailable: {_reason}")
+def _check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    _require()
     _rows(x, "x")
     T, H = x.shape
     if weight.dtype != x.dtype or weight.shape != (H,) or not weight.is_contiguous():
@@ -314,33 +373,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rows(residual, "residual", x.dtype)
         if residual.shape != x.shape:
             raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
-    return rms_norm_unchecked(x, weight, float(eps), residual, num_threads)
 
 
-def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                       residual: torch.Tensor | None = None, num_threads: int | None = None):
-    """rms_norm without the argument checks (each costs a few hundred ns; together about half
-    of a decode-size call): for callers whose tensors are what rms_norm accepts by construction
-    (NativeCpuOps, after checking dtype and layout)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             num_threads: int | None = None, *, check: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, H] fp32/bf16 (contiguous rows, any row stride), weight [H] contiguous, same dtype.
+    Without residual: (rmsnorm(x) * weight, None). With residual [T, H]: r = residual + x is
+    written into residual (in place) and the result is (rmsnorm(r) * weight, residual).
+    rmsnorm(r) = r / sqrt(mean(r^2) + eps), computed in fp32 like HF. Returns a new [T, H].
+    check=False: the caller guarantees that contract (NativeCpuOps, after its own guard)."""
+    if check:
+        _check_rms_norm(x, weight, residual)
+        eps = float(eps)
     T, H = x.shape
     out = torch.empty(T, H, dtype=x.dtype)
     if residual is None:
         _lib.cpu_rms_norm(x.data_ptr(), x.stride(0), None, 0, None, 0, out.data_ptr(), H,
-                          weight.data_ptr(), T, H, eps, _OPS_DTYPE[x.dtype], num_threads or torch.get_num_threads())
+                          weight.data_ptr(), T, H, eps, _OPS_DTYPE[x.dtype], _threads(num_threads))
         return out, None
     rp, rs = residual.data_ptr(), residual.stride(0)
     _lib.cpu_rms_norm(x.data_ptr(), x.stride(0), rp, rs, rp, rs, out.data_ptr(), H,
-                      weight.data_ptr(), T, H, eps, _OPS_DTYPE[x.dtype], num_threads or torch.get_num_threads())
+                      weight.data_ptr(), T, H, eps, _OPS_DTYPE[x.dtype], _threads(num_threads))
     return out, residual
 
 
-def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            num_threads: int | None = None) -> None:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (HF rotate_half: q * cos + rotate_half(q) *
-    sin), heads and dims contiguous (any row stride); cos, sin [T, D] or [T, 1, D] contiguous of
-    q's dtype (fp32/bf16), D even."""
-    if not available():
-        raise RuntimeError(f"native kernels unavailable: {_reason}")
+def _check_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    _require()
     T, hq, D = q.shape
     for name, t in (("q", q), ("k", k)):
         if (t.dim() != 3 or t.device.type != "cpu" or t.dtype != q.dtype or q.dtype not in _OPS_DTYPE
@@ -352,34 +410,32 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
             raise ValueError(f"{name} must be contiguous [T, D] {q.dtype}, got {tuple(t.shape)} {t.dtype}")
     if D % 2:
         raise ValueError(f"rotary needs an even head dim, got {D}")
-    rotary_unchecked(q, k, cos, sin, num_threads)
 
 
-def rotary_unchecked(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     num_threads: int | None = None) -> None:
-    """rotary_ without the argument checks (see rms_norm_unchecked)."""
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            num_threads: int | None = None, *, check: bool = True) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (HF rotate_half: q * cos + rotate_half(q) *
+    sin), heads and dims contiguous (any row stride); cos, sin [T, D] or [T, 1, D] contiguous of
+    q's dtype (fp32/bf16), D even. check=False: the caller guarantees that contract."""
+    if check:
+        _check_rotary(q, k, cos, sin)
     T, hq, D = q.shape
     _lib.cpu_rotary(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(), sin.data_ptr(),
-                    T, hq, k.shape[1], D, _OPS_DTYPE[q.dtype], num_threads or torch.get_num_threads())
+                    T, hq, k.shape[1], D, _OPS_DTYPE[q.dtype], _threads(num_threads))
 
 
-def silu_mul(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
-    """x [T, 2 * I] fp32/bf16 (contiguous rows) -> silu(x[:, :I]) * x[:, I:], a new [T, I]."""
-    if not available():
-        raise RuntimeError(f"native kernels unavailable: {_reason}")
-    _rows(x, "x")
-    T, two_i = x.shape
-    if two_i % 2:
-        raise ValueError(f"x must have an even number of columns (gate, up), got {two_i}")
-    return silu_mul_unchecked(x, num_threads)
-
-
-def silu_mul_unchecked(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
-    """silu_mul without the argument checks (see rms_norm_unchecked)."""
+def silu_mul(x: torch.Tensor, num_threads: int | None = None, *, check: bool = True) -> torch.Tensor:
+    """x [T, 2 * I] fp32/bf16 (contiguous rows) -> silu(x[:, :I]) * x[:, I:], a new [T, I].
+    check=False: the caller guarantees that contract."""
+    if check:
+        _require()
+        _rows(x, "x")
+        if x.shape[1] % 2:
+            raise ValueError(f"x must have an even number of columns (gate, up), got {x.shape[1]}")
     T, two_i = x.shape
     out = torch.empty(T, two_i // 2, dtype=x.dtype)
     _lib.cpu_silu_mul(x.data_ptr(), x.stride(0), out.data_ptr(), two_i // 2, T, two_i // 2,
-                      _OPS_DTYPE[x.dtype], num_threads or torch.get_num_threads())
+                      _OPS_DTYPE[x.dtype], _threads(num_threads))
     return out
 
 
@@ -389,12 +445,8 @@ def write_kv_supports(src_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
             and bool(_lib.cpu_write_kv_supports(_OPS_DTYPE[src_dtype], _KV_DTYPE_CODE[cache_dtype])))
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor) -> None:
-    """k_cache.view(-1, Hkv, D)[slots] = k.to(cache dtype), same for v (PagedKVCache.write):
-    k, v [T, Hkv, D] fp32/bf16 with contiguous heads (any row stride); caches contiguous
-    [num_blocks, bs, Hkv, D] fp32/bf16/fp16; slots [T] int64 contiguous. A slot outside the
-    cache raises ValueError before anything is written."""
+def _check_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slots: torch.Tensor) -> None:
     if not write_kv_supports(k.dtype, k_cache.dtype):
         raise ValueError(f"write_kv does not cast {k.dtype} to {k_cache.dtype} here")
     T, hkv, D = k.shape
@@ -409,13 +461,17 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             raise ValueError(f"{name} must be contiguous [blocks, bs, {hkv}, {D}], got {tuple(c.shape)}")
     if slots.dtype != torch.int64 or slots.shape != (T,) or not slots.is_contiguous():
         raise ValueError(f"slots must be contiguous int64 [{T}]")
-    write_kv_unchecked(k, v, k_cache, v_cache, slots)
 
 
-def write_kv_unchecked(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots: torch.Tensor) -> None:
-    """write_kv without the layout checks (see rms_norm_unchecked); the slots are still checked
-    (in C, before anything is written)."""
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor, *, check: bool = True) -> None:
+    """k_cache.view(-1, Hkv, D)[slots] = k.to(cache dtype), same for v (PagedKVCache.write):
+    k, v [T, Hkv, D] fp32/bf16 with contiguous heads (any row stride); caches contiguous
+    [num_blocks, bs, Hkv, D] fp32/bf16/fp16; slots [T] int64 contiguous. A slot outside the
+    cache raises ValueError before anything is written (checked in C, with check=False too).
+    check=False: the caller guarantees the rest of that contract (NativeCpuAttention)."""
+    if check:
+        _check_write_kv(k, v, k_cache, v_cache, slots)
     T, hkv, D = k.shape
     rc = _lib.cpu_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), _OPS_DTYPE[k.dtype],
                            k_cache.data_ptr(), v_cache.data_ptr(), _KV_DTYPE_CODE[k_cache.dtype],
@@ -427,25 +483,8 @@ def write_kv_unchecked(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF block kernels (csrc/gguf_linear.c): linear layers on the file's own quantized blocks
+# GGUF block kernels (csrc/gguf_*.c): linear layers on the file's own quantized blocks
 # ---------------------------------------------------------------------------------------------
-def _bind_gguf(lib: ctypes.CDLL) -> None:
-    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.gguf_linear_isa.restype = ctypes.c_char_p
-    lib.gguf_linear.argtypes = [I, P, L, P, L, P, P, L, I, I, I, I, I]
-    lib.gguf_linear.restype = I
-    lib.gguf_dequantize.argtypes = [I, P, L, P, I, I, I, I]
-    lib.gguf_dequantize.restype = I
-    lib.gguf_linear_supports.argtypes = [I]
-    lib.gguf_linear_supports.restype = I
-    lib.gguf_linear_q8.argtypes = [I, P, L, P, L, P, P, L, I, I, I, I, I, I]
-    lib.gguf_linear_q8.restype = I
-    lib.gguf_quantize_act.argtypes = [P, L, I, I, P, L, L, P, P, I, I]
-    lib.gguf_quantize_act.restype = I
-    lib.gguf_q8_isa.restype = ctypes.c_char_p
-    lib.gguf_q8_lanes.restype = ctypes.c_int
-
-
 def gguf_isa() -> str:
     """The fastest path of the GGUF block kernels here: "avx2" or "scalar" ("" when unavailable)."""
     return _lib.gguf_linear_isa().decode() if available() else ""
@@ -458,11 +497,11 @@ def gguf_q8_isa() -> str:
 
 
 def gguf_q8_lanes() -> bool:
-    """Whether gguf_linear_q8 has the lane kernels here (csrc/gguf_linear.c rl_rows for small
-    calls, tl_rows (AVX-512 VNNI builds) or t8_row (AVX2 builds) above; not the scalar build): one
-    fp32 summation order for every call size and both builds, another than the 8-token tile
-    kernels' (lanes=False). Either way a token's result does not depend on its batch. False:
-    lanes changes nothing."""
+    """Whether gguf_linear_q8 has the lane kernels here (the row-lane kernel for small calls, a
+    token-lane kernel above: AVX-512 VNNI or AVX2 builds, not the scalar one): one fp32 summation
+    order for every call size and both builds, another than the 8-token tile kernels'
+    (lanes=False). Either way a token's result does not depend on its batch. False: lanes changes
+    nothing."""
     return bool(_lib.gguf_q8_lanes()) if available() else False
 
 
@@ -471,43 +510,44 @@ def gguf_supports(ggml_type: int) -> bool:
     return available() and bool(_lib.gguf_linear_supports(int(ggml_type)))
 
 
-def _check_blocks(ggml_type: int, w: torch.Tensor, K: int) -> None:
-    if not available():
-        raise RuntimeError(f"native kernels unavailable: {_reason}")
+def _check_blocks(ggml_type: int, w: torch.Tensor) -> None:
+    _require()
     if not gguf_supports(ggml_type):
         raise ValueError(f"no GGUF block kernel for ggml type {ggml_type}")
     if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous() or w.device.type != "cpu":
         raise ValueError(f"w must be contiguous uint8 [N, row_bytes] on the CPU, got {tuple(w.shape)} {w.dtype}")
 
 
-def _check_linear(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check_linear(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
+                  out: torch.Tensor | None = None) -> None:
     """What both GGUF linear kernels take: x a CPU fp32 [T, K] with contiguous rows, the blocks,
-    bias None or contiguous fp32 [N]."""
+    bias None or contiguous fp32 [N], out None or a CPU fp32 [T, N] with contiguous rows."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or x.device.type != "cpu":
         raise ValueError(f"x must be a CPU fp32 [T, K] tensor with contiguous rows, got {tuple(x.shape)} {x.dtype}")
-    _check_blocks(ggml_type, w, x.shape[1])
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.shape[0],) or not bias.is_contiguous()):
-        raise ValueError(f"bias must be contiguous fp32 [{w.shape[0]}]")
+    _check_blocks(ggml_type, w)
+    N = w.shape[0]
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous fp32 [{N}]")
+    if out is not None and (out.dtype != torch.float32 or out.shape != (x.shape[0], N) or out.stride(1) != 1
+                            or out.device.type != "cpu"):
+        raise ValueError(f"out must be a CPU fp32 [{x.shape[0]}, {N}] tensor with contiguous rows")
 
 
 def gguf_linear(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
-                num_threads: int | None = None, force_scalar: bool = False) -> torch.Tensor:
+                num_threads: int | None = None, force_scalar: bool = False, *, check: bool = True) -> torch.Tensor:
     """x [T, K] fp32 (contiguous elements) @ W.T (+ bias [N] fp32) -> [T, N] fp32, W the GGUF
     blocks w [N, row_bytes] uint8 of ggml type `ggml_type` (see csrc/gguf_linear.c): F.linear on
-    gguf.quants.dequantize(w) up to fp32 summation order. force_scalar runs the scalar path."""
-    _check_linear(ggml_type, w, x, bias)
-    return gguf_linear_unchecked(ggml_type, w, x, bias, num_threads, force_scalar)
-
-
-def gguf_linear_unchecked(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
-                          num_threads: int | None = None, force_scalar: bool = False) -> torch.Tensor:
-    """gguf_linear without the argument checks (callers whose tensors are valid by construction)."""
+    gguf.quants.dequantize(w) up to fp32 summation order. force_scalar runs the scalar path.
+    check=False: the caller guarantees the tensors' part of that contract (cpu/gguf.py: the
+    blocks kept by process()); the kernel still checks the type against w's shape and K."""
+    if check:
+        _check_linear(ggml_type, w, x, bias)
     T, K = x.shape
     N = w.shape[0]
     out = torch.empty(T, N, dtype=torch.float32)
     rc = _lib.gguf_linear(ggml_type, w.data_ptr(), w.shape[1], x.data_ptr(), x.stride(0),
                           None if bias is None else bias.data_ptr(), out.data_ptr(), N, T, N, K,
-                          num_threads or torch.get_num_threads(), int(force_scalar))
+                          _threads(num_threads), int(force_scalar))
     if rc != 0:
         raise ValueError(f"gguf_linear rejected type {ggml_type}, w {tuple(w.shape)}, K={K} (rc={rc})")
     return out
@@ -517,52 +557,47 @@ def gguf_dequantize(ggml_type: int, w: torch.Tensor, K: int, num_threads: int | 
                     force_scalar: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """The GGUF blocks w [N, row_bytes] as fp32 [N, K]: bit-identical to gguf.quants.dequantize.
     out: an fp32 [N, K] contiguous tensor to write into (None: a new one)."""
-    _check_blocks(ggml_type, w, K)
+    _check_blocks(ggml_type, w)
     N = w.shape[0]
     if out is None:
         out = torch.empty(N, K, dtype=torch.float32)
     elif out.dtype != torch.float32 or out.shape != (N, K) or not out.is_contiguous():
         raise ValueError(f"out must be contiguous fp32 [{N}, {K}]")
     rc = _lib.gguf_dequantize(ggml_type, w.data_ptr(), w.shape[1], out.data_ptr(), N, K,
-                              num_threads or torch.get_num_threads(), int(force_scalar))
+                              _threads(num_threads), int(force_scalar))
     if rc != 0:
         raise ValueError(f"gguf_dequantize rejected type {ggml_type}, w {tuple(w.shape)}, K={K} (rc={rc})")
     return out
 
 
 def _q8_flags(force_scalar: bool, lanes: bool) -> int:
-    """gguf_linear_q8's flags (csrc/gguf_linear.c: GG_Q8_SCALAR 1, GG_Q8_LANES 2)."""
+    """gguf_linear_q8's flags (csrc/gguf_q8.c: GG_Q8_SCALAR 1, GG_Q8_LANES 2)."""
     return int(bool(force_scalar)) | (2 if lanes else 0)
 
 
 def gguf_linear_q8(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
                    num_threads: int | None = None, force_scalar: bool = False, parts: int = 1,
-                   lanes: bool = True) -> torch.Tensor:
-    """gguf_linear on the integer-dot path (csrc/gguf_linear.c, gguf_linear_q8): each token's x
+                   lanes: bool = True, out: torch.Tensor | None = None, *, check: bool = True) -> torch.Tensor:
+    """gguf_linear on the integer-dot path (csrc/gguf_q8.c, gguf_linear_q8): each token's x
     quantized to 8-bit blocks of 32 (gguf_quantize_act; parts=2: a second 7-bit part of the
     rounding remainder, two integer dots per run), integer dots with the file's blocks, fp32
     scales. F.linear on the exact dequantization up to the activation rounding. lanes: the lane
-    kernels where built (gguf_q8_lanes; the serving default), else the 8-token tile kernels."""
-    _check_linear(ggml_type, w, x, bias)
-    if parts not in (1, 2):
-        raise ValueError(f"parts must be 1 or 2, got {parts}")
-    return gguf_linear_q8_unchecked(ggml_type, w, x, bias, num_threads, force_scalar, parts=parts,
-                                    lanes=lanes)
-
-
-def gguf_linear_q8_unchecked(ggml_type: int, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
-                             num_threads: int | None = None, force_scalar: bool = False,
-                             out: torch.Tensor | None = None, parts: int = 1,
-                             lanes: bool = True) -> torch.Tensor:
-    """gguf_linear_q8 without the argument checks; out: an fp32 [T, N] tensor with contiguous rows
-    to write into (None: a new one)."""
+    kernels where built (gguf_q8_lanes; the serving default), else the 8-token tile kernels.
+    out: an fp32 [T, N] tensor with contiguous rows to write into (None: a new one).
+    check=False: the caller guarantees the tensors' part of that contract and parts in (1, 2)
+    (cpu/gguf.py: the blocks kept by process()); the kernel still checks the type against w's
+    shape and K."""
+    if check:
+        _check_linear(ggml_type, w, x, bias, out)
+        if parts not in (1, 2):
+            raise ValueError(f"parts must be 1 or 2, got {parts}")
     T, K = x.shape
     N = w.shape[0]
     if out is None:
         out = torch.empty(T, N, dtype=torch.float32)
     rc = _lib.gguf_linear_q8(ggml_type, w.data_ptr(), w.shape[1], x.data_ptr(), x.stride(0),
                              None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), T, N, K,
-                             num_threads or torch.get_num_threads(), parts, _q8_flags(force_scalar, lanes))
+                             _threads(num_threads), parts, _q8_flags(force_scalar, lanes))
     if rc != 0:
         raise ValueError(f"gguf_linear_q8 rejected type {ggml_type}, w {tuple(w.shape)}, K={K} (rc={rc})")
     return out
@@ -573,8 +608,7 @@ def gguf_quantize_act(x: torch.Tensor, force_scalar: bool = False, parts: int = 
     block of 32 with v = x * (127 / amax) (fp32): parts=1 -> (q = rint(v) int8 [T, K],
     d = amax / 127, s = d * sum(q)) with d, s fp32 [T, K/32]; parts=2 -> (q, q_lo = rint((v - q) * 128),
     d = amax / 127 / 128, s = d * sum(128 q + q_lo)), so x ~ d (128 q + q_lo)."""
-    if not available():
-        raise RuntimeError(f"native kernels unavailable: {_reason}")
+    _require()
     if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or x.shape[1] % 32 or parts not in (1, 2):
         raise ValueError(f"x must be fp32 [T, K] with contiguous rows and K % 32 == 0, got {tuple(x.shape)}")
     T, K = x.shape
@@ -590,13 +624,6 @@ def gguf_quantize_act(x: torch.Tensor, force_scalar: bool = False, parts: int = 
 # The decode stack (csrc/decode_stack.c): a decode-only step through all decoder layers in one
 # call, the same kernels as the per-layer path (used by worker_svc.backends.cpu.stack)
 # ---------------------------------------------------------------------------------------------
-def _bind_stack(lib: ctypes.CDLL) -> None:
-    P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    lib.cpu_decode_stack_fields.restype = I
-    lib.cpu_decode_stack.argtypes = [P, I, I, I, I, I, I, I, F, P, P, P, P, P, I, L, I, P, I, P, P, F, I, I, I, P]
-    lib.cpu_decode_stack.restype = I
-
-
 # cpu_decode_stack's error codes (STACK_NOMEM, STACK_STEP in csrc/decode_stack.c) and its calls a
 # layer, by the index an error code carries
 _STACK_NOMEM, _STACK_STEP = -1000, 10000
@@ -609,16 +636,17 @@ def decode_stack_fields() -> int:
     return _lib.cpu_decode_stack_fields()
 
 
-def decode_stack_unchecked(fields: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
-                           cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, kv_dtype: torch.dtype,
-                           num_slots: int, block_size: int, tables: torch.Tensor, lens: torch.Tensor,
-                           rows: torch.Tensor, heads: tuple[int, int, int], intermediate: int, eps: float,
-                           scale: float, parts: int, num_threads: int | None = None, lanes: bool = True) -> None:
-    """cpu_decode_stack (csrc/decode_stack.c) without argument checks: fields int64 [L, fields]
-    (the layer table), x / residual fp32 [T, H] contiguous (x: input, then the last MLP output;
-    residual: written), cos / sin fp32 [T, D] contiguous, slots int64 [T], tables / lens / rows
-    int32 as paged_decode_attention takes them, heads = (Hq, Hkv, D). Raises MemoryError when its
-    buffer cannot be allocated, ValueError naming the layer and kernel that rejected the step."""
+def decode_stack(fields: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, kv_dtype: torch.dtype,
+                 num_slots: int, block_size: int, tables: torch.Tensor, lens: torch.Tensor,
+                 rows: torch.Tensor, heads: tuple[int, int, int], intermediate: int, eps: float,
+                 scale: float, parts: int, num_threads: int | None = None, lanes: bool = True) -> None:
+    """cpu_decode_stack (csrc/decode_stack.c): fields int64 [L, fields] (the layer table: raw
+    pointers), x / residual fp32 [T, H] contiguous (x: input, then the last MLP output; residual:
+    written), cos / sin fp32 [T, D] contiguous, slots int64 [T], tables / lens / rows int32 as
+    paged_decode_attention takes them, heads = (Hq, Hkv, D). Nothing is checked here: the caller
+    (cpu/stack.py) builds every argument. Raises MemoryError when the kernel's buffer cannot be
+    allocated, ValueError naming the layer and kernel that rejected the step."""
     T, H = x.shape
     hq, hkv, d = heads
     failed = ctypes.c_int(-1)
@@ -626,7 +654,7 @@ def decode_stack_unchecked(fields: torch.Tensor, x: torch.Tensor, residual: torc
                                x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                slots.data_ptr(), _KV_DTYPE_CODE[kv_dtype], num_slots, block_size,
                                tables.data_ptr(), tables.shape[1], lens.data_ptr(), rows.data_ptr(),
-                               scale, parts, _q8_flags(False, lanes), num_threads or torch.get_num_threads(),
+                               scale, parts, _q8_flags(False, lanes), _threads(num_threads),
                                ctypes.byref(failed))
     if rc == 0:
         return

@@ -6,7 +6,7 @@ kernel (csrc/int8_linear.c, beside this file) widens int8 to fp32 and accumulate
 
 Which path runs is chosen per call by the token count T of the batch:
 * T <= max_tokens: the int8 kernel. It reads a quarter of the fp32 weight bytes, and decode-
-  sized batches are weight-bandwidth bound, so it is ~3x faster there;
+  sized batches are weight-bandwidth bound, so it is the faster one there;
 * T > max_tokens: a dense GEMM on the *dequantized* weight (q * scale), where the step is
   compute-bound (prefill chunks, Sarathi's budget-sized hybrid batches). Its dtype (`large`):
   - float32 by default: F.linear on a float copy of the dequantized weight, the same function
@@ -14,21 +14,19 @@ Which path runs is chosen per call by the token count T of the batch:
     on how many tokens shared its batch (tests/e2e/test_offline_api.py: every policy, token budget
     and preemption gives the same tokens);
   - bfloat16 when asked for (`--weight-quant int8-bf16`), worth it on CPUs with native bf16 dot
-    products (AVX512_BF16 or AMX-BF16: oneDNN runs bf16 GEMMs 2-2.7x faster than fp32 there,
-    Zen 4 measured in bench/results/kernels/linear_paths_*):
-    activations are rounded to bf16 for the multiply, products accumulate in fp32, the output
-    returns to the compute dtype. The bf16 copy of a dequantized int8 weight is exact up to bf16
-    rounding of q * scale (q has 8 significant bits, bf16 keeps 8). Measured on SmolLM2 against
-    HF with every linear call on this path: top-1 agreement and logit error equal to the int8
-    path's. The price: bf16 rounding differs from the int8 kernel's fp32 arithmetic, so which
-    batch carried a token can change a near-tie (greedy outputs then depend on load).
+    products (AVX512_BF16 or AMX-BF16, where oneDNN's bf16 GEMMs beat fp32): activations are
+    rounded to bf16 for the multiply, products accumulate in fp32, the output returns to the
+    compute dtype. The bf16 copy of a dequantized int8 weight is exact up to bf16 rounding of
+    q * scale (q has 8 significant bits, bf16 keeps 8). The price: bf16 rounding differs from
+    the int8 kernel's fp32 arithmetic, so which batch carried a token can change a near-tie
+    (greedy outputs then depend on load).
   Memory cost: the int8 copy beside the float weight (+25% of the fp32 bytes) and, with bf16,
-  a bf16 copy (+50%; SmolLM2-135M: +135 MB and +270 MB on 538 MB). Dequantizing per large
-  batch instead would re-expand every weight on every prefill step.
+  a bf16 copy (+50%). Dequantizing per large batch instead would re-expand every weight on every
+  prefill step.
 
-The threshold comes from a measurement per CPU class, recorded in INT8_MAX_TOKENS by (int8
-kernel SIMD path, large path): a start-up measurement would make the chosen path, and so the
-numerics, depend on machine load at start-up.
+The threshold is recorded per CPU class in INT8_MAX_TOKENS by (int8 kernel SIMD path, large
+path): a start-up measurement would make the chosen path, and so the numerics, depend on machine
+load at start-up (measurements: bench/results/kernels/README.md).
 A tied LM head shares its weight with the embedding table, so in int8 mode the embedding rows
 are the dequantized ones too (the same quantized model throughout).
 """
@@ -40,11 +38,8 @@ import torch.nn.functional as F
 from worker_svc.backends.base import LinearMethod
 from worker_svc.backends.cpu import native
 
-# (int8 kernel path, large path) -> largest token count at which int8 beats the dense GEMM over
-# a whole SmolLM2 step. ("avx2", "float32"): bench/results/kernels/int8_linear_amd.json, 2 threads, AMD
-# EPYC Zen 3: faster at every T <= 64, slower at 128 (torch's sgemm is slow for skinny matrices
-# there). ("avx2", "bfloat16"): bench/results/kernels/linear_paths_zen4.json, AMD EPYC Zen 4 (AVX-512 +
-# AVX512_BF16), 2 threads. "scalar": never int8.
+# (int8 kernel path, large path) -> the largest token count at which int8 beats the dense GEMM
+# over a whole step; "scalar": never int8
 INT8_MAX_TOKENS = {("avx2", "float32"): 64, ("avx2", "bfloat16"): 8}
 
 
@@ -130,7 +125,7 @@ class Int8LinearMethod(LinearMethod):
         if xf.stride(-1) != 1:
             xf = xf.contiguous()
         # qweight, wscale, bias_f32 were made contiguous fp32/int8 by process()
-        y = native.int8_linear_unchecked(xf, layer.qweight, layer.wscale, b)
+        y = native.int8_linear(xf, layer.qweight, layer.wscale, b, check=False)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])

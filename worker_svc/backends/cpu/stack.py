@@ -1,10 +1,9 @@
 """The CPU backend's layer stack: a decode-only step through every decoder layer in one native
 call (csrc/decode_stack.c), instead of ten Python-driven native calls a layer.
 
-The per-layer path's Python side (module dispatch, argument marshalling, a new tensor per op)
-cost about 5.5 ms of a 14.3 ms SmolLM2 decode step at batch 1 and 1k context on a 2-core Zen 3
-(8.71 ms with the stack, same run: bench/results/kernels/gguf_kernels_zen3.json); the native loop
-calls the same kernels with the same arguments, so its output is bit-identical (tests/worker/
+At decode sizes the per-layer path's Python side (module dispatch, argument marshalling, a new
+tensor per op) costs about as much as its kernels. The native loop calls the same kernels with
+the same arguments, so its output is bit-identical to the per-layer path's (tests/worker/
 test_decode_stack.py). It is the CPU's answer to DeviceBackend.layer_stack, as CUDA graphs are
 the GPU's answer to the same per-op cost.
 
@@ -12,10 +11,13 @@ It runs a step when (checked per call, else the model runs its layers as before)
 * every query of the batch is a decode on the native attention kernel (no prefill chunk);
 * T <= the linear method's max_tokens (the block kernel's range);
 * x is fp32 and the cache's dtype is one the KV write and the attention kernel take.
-It is built (DeviceBackend.layer_stack returns one) only for a single-rank model whose every
-linear layer runs on GGUF blocks with the integer-dot kernel (GgufLinearMethod with dot int8 or
-int8x2, or GroupInt8LinearMethod), with the native ops and native attention, fp32 compute.
-SARATHI_NATIVE_STACK=0 turns it off (A/B measurements).
+It is built (decode_stack returns one) only for a single-rank model whose every linear layer runs
+on GGUF blocks with the integer-dot kernel (GgufLinearMethod with dot int8 or int8x2, or
+GroupInt8LinearMethod), on a backend with the fused native ops and the native attention writing
+K/V itself, fp32 compute. SARATHI_NATIVE_STACK=0 turns it off (A/B measurements).
+
+The backend (cpu/backend.py) builds the stack and tells decode_stack what it runs: this module
+does not import the backend.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ import os
 
 import torch
 
+from worker_svc.backends.base import LinearMethod
 from worker_svc.backends.cpu import native
+from worker_svc.backends.cpu.gguf import DOT_PARTS, GgufLinearMethod
 
 
 class NativeDecodeStack:
@@ -106,24 +110,23 @@ class NativeDecodeStack:
             return None
         fields = self._table(cache)
         residual = torch.empty_like(x)
-        native.decode_stack_unchecked(fields, x, residual, cos, sin, meta.slot_mapping,
-                                      cache.k[self.layers[0].index].dtype, cache.num_slots, cache.block_size,
-                                      nd.tables, nd.lens, nd.rows,
-                                      self.heads, self.intermediate, self.eps, self.scale, self.parts,
-                                      lanes=self.lanes)
+        native.decode_stack(fields, x, residual, cos, sin, meta.slot_mapping,
+                            cache.k[self.layers[0].index].dtype, cache.num_slots, cache.block_size,
+                            nd.tables, nd.lens, nd.rows,
+                            self.heads, self.intermediate, self.eps, self.scale, self.parts,
+                            lanes=self.lanes)
         return x, residual
 
 
-def decode_stack(layers, backend) -> NativeDecodeStack | None:
-    """The stack for these layers on this CPU backend, or None (see the module docstring)."""
-    from worker_svc.backends.cpu.backend import NativeCpuAttention, NativeCpuOps
-    from worker_svc.backends.cpu.gguf import DOT_PARTS, GgufLinearMethod
-
-    lin = backend.linear
+def decode_stack(layers, linear: LinearMethod, compute_dtype: torch.dtype, native_ops: bool,
+                 native_kv_write: bool) -> NativeDecodeStack | None:
+    """The stack for these layers, or None (see the module docstring), on a CPU backend with this
+    linear method and compute dtype; native_ops: its elementwise ops run the fused native kernels
+    (NativeCpuOps); native_kv_write: its attention is the native one and writes K/V itself
+    (NativeCpuAttention with fused_write)."""
     if (os.environ.get("SARATHI_NATIVE_STACK", "1") == "0" or not native.available()
-            or not isinstance(backend.ops, NativeCpuOps) or not isinstance(backend.attention, NativeCpuAttention)
-            or not backend.attention.fused_write or not isinstance(lin, GgufLinearMethod)
-            or lin.dot not in DOT_PARTS or lin.max_tokens < 1 or backend.compute_dtype != torch.float32
+            or not native_ops or not native_kv_write or not isinstance(linear, GgufLinearMethod)
+            or linear.dot not in DOT_PARTS or linear.max_tokens < 1 or compute_dtype != torch.float32
             or not NativeDecodeStack.eligible(layers)):
         return None
-    return NativeDecodeStack(layers, DOT_PARTS[lin.dot], lin.max_tokens, lin.lanes)
+    return NativeDecodeStack(layers, DOT_PARTS[linear.dot], linear.max_tokens, linear.lanes)

@@ -2,9 +2,8 @@
  * attention): RMSNorm (optionally fused with the residual add), rotary embedding in place on q
  * and k, silu(gate) * up, and the paged KV cache write.
  *
- * Why: a batch-1 decode step of a small model runs ~400 tiny torch ops (2-13 us each, plus
- * Python between them); each op below replaces 2-12 of them with one call
- * (bench/results/engine_cpu/cpu_fused_ops_amd.md).
+ * Why: at decode sizes a layer's glue is many tiny torch ops, each costing more in dispatch
+ * than in arithmetic; each op below replaces several of them with one call.
  *
  * Numerics: every op follows the torch expression it replaces (worker_svc/backends/base.py,
  * Ops) operation by operation, with the same roundings:
@@ -17,19 +16,17 @@
  *   torch only where fp32 does.
  * dtype codes: 0 fp32, 1 bf16, 2 fp16 (the KV cache only). Strides are in elements.
  *
- * Threads: the ops are memory-light and tiny at decode sizes (a row is 0.5-6 KB), where an
- * OpenMP fork/join (~2-5 us) costs more than the op; rows are split across threads only when
- * a call touches at least PAR_MIN_ELEMS elements (prefill chunks).
+ * Threads: the ops are memory-light and tiny at decode sizes, where an OpenMP fork/join costs
+ * more than the op; rows are split across threads only when a call touches at least
+ * PAR_MIN_ELEMS elements (prefill chunks).
  */
 #pragma GCC optimize("fp-contract=off")
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "common.h"
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define OPS_AVX2 1
 #endif
 
@@ -43,11 +40,6 @@ const char *cpu_ops_isa(void) {
 #endif
 }
 
-static inline float bf16_to_f32(uint16_t b) {
-    union { uint32_t u; float f; } v = { (uint32_t)b << 16 };
-    return v.f;
-}
-
 static inline uint16_t f32_to_bf16(float f) {   /* c10::BFloat16: RNE, NaN -> 0x7fc0 */
     union { float f; uint32_t u; } v = { f };
     if (f != f)
@@ -58,29 +50,12 @@ static inline uint16_t f32_to_bf16(float f) {   /* c10::BFloat16: RNE, NaN -> 0x
 static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }   /* round to bf16 */
 
 #ifdef OPS_AVX2
-static inline float hsum8(__m256 a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* exp(x), Cephes expf polynomial (as in avx_mathfun): ~1 ulp over [-88.38, 88.38], inputs
- * clamped there (exp(-100) gives 6e-39 instead of 0: only silu's far tail sees it) */
+/* exp(x), Cephes expf (as in avx_mathfun): ~1 ulp over [-88.38, 88.38], inputs clamped there
+ * (exp(-100) gives 6e-39 instead of 0: only silu's far tail sees it); n = floor(x / ln2 + 1/2) */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    return _mm256_mul_ps(exp_poly_f32x8(x, fx), pow2_f32x8(_mm256_cvttps_epi32(fx)));
 }
 
 /* 8 fp32 -> 8 bf16 (RNE, NaN -> 0x7fc0), like f32_to_bf16 */
@@ -125,7 +100,7 @@ static void rms_row_f32(const float *x, const float *res, float *res_out, float 
         __m256 v = _mm256_loadu_ps(r + i);
         a0 = _mm256_fmadd_ps(v, v, a0);
     }
-    ss = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    ss = hsum_f32x8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 #endif
     for (; i < H; i++)
         ss += r[i] * r[i];

@@ -4,8 +4,7 @@
  * makes ten native calls a layer: add + RMSNorm, the QKV linear, rotary, the KV write, decode
  * attention, the O linear, add + RMSNorm, the gate/up linear, silu * up, the down linear. At
  * batch 1 each call's Python side (argument marshalling, tensor allocation, module dispatch)
- * costs about as much as its kernel; SmolLM2 (30 layers) spent ~5.5 ms of a 14.3 ms step there
- * (bench/results/kernels/gguf_kernels_zen3.json).
+ * costs about as much as its kernel.
  * cpu_decode_stack makes the same ten calls, to the same exported kernels with the same
  * arguments, in a C loop: its output is bit-identical to the Python path (a test checks it).
  *

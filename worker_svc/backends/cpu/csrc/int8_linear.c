@@ -9,8 +9,8 @@
  * Why: decode steps with few tokens read every weight once and do ~T FLOPs per weight, so they
  * run at memory bandwidth; int8 weights are a quarter of the fp32 bytes. The widening (int8 ->
  * int32 -> fp32: 2 instructions per 8 weights on AVX2) is paid once per weight and shared by the
- * tile's tokens, so for T >= ~16-32 the float GEMM (compute-bound, better blocked) wins again;
- * the caller switches on T (quant.py, beside csrc/).
+ * tile's tokens, so above a few tens of tokens the float GEMM (compute-bound, better blocked)
+ * wins again; the caller switches on T (quant.py, beside csrc/).
  *
  * Parallel over tiles of 4 output rows (OpenMP, static split: every tile costs the same). Tiles
  * run 4 rows x 2 tokens = 8 independent FMA chains (enough to hide the FMA latency), or for a
@@ -20,26 +20,21 @@
  */
 #include <stdint.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "common.h"
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define I8_AVX2 1
 #endif
 
-/* Software prefetch of the tile PREFETCH_TILES ahead into L2 (T1), not L1: an L1 prefetch
- * burst competes with the FMAs' own loads for the L1 fill buffers. AMD EPYC Zen 4, 2 threads, a
- * whole SmolLM2 step at T=1 (bench/int8_prefetch.py -> bench/results/kernels/int8_prefetch_zen4.json):
- * L1 x4 (before) 12.3 ms, none 14.7 ms, L2 x4 / x8 / x16 7.7 / 7.8 / 7.9 ms. */
+/* Software prefetch of the tile PREFETCH_TILES (tiles of 4 rows) ahead into L2 (T1), not L1:
+ * an L1 prefetch burst competes with the FMAs' own loads for the L1 fill buffers
+ * (bench/int8_prefetch.py measures the distance and the hint). */
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 8
 #endif
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT _MM_HINT_T1
 #endif
-                 /* tiles of 4 rows prefetched ahead */
-#define MIN_WEIGHTS_PER_THREAD (1 << 16)
 /* token count from which tiles widen each weight once into an L1 buffer (tile4_buffered) */
 #ifndef BUFFERED_MIN_T
 #if defined(I8_AVX2)
@@ -47,7 +42,7 @@
 #else
 #define BUFFERED_MIN_T (1 << 30)   /* never: the scalar path has no buffered tile */
 #endif
-#endif   /* below ~64 KB of weights a fork/join costs more */
+#endif
 
 #if defined(I8_AVX2)
 static inline __m256 widen8(const int8_t *p) {
@@ -184,10 +179,7 @@ int int8_linear(const float *x, int64_t x_stride, const int8_t *w, const float *
     if (T < 0 || N < 0 || K < 1) return -1;
     if (T == 0 || N == 0) return 0;
     const int tiles = (N + 3) / 4;
-    if (num_threads < 1) num_threads = 1;
-    const int64_t weights = (int64_t)N * K;
-    if (num_threads > 1 + weights / MIN_WEIGHTS_PER_THREAD)
-        num_threads = (int)(1 + weights / MIN_WEIGHTS_PER_THREAD);
+    num_threads = threads_for_weights(num_threads, (int64_t)N * K);
 
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tiles > 1)
     for (int i = 0; i < tiles; i++) {

@@ -15,15 +15,14 @@
  * second pass merges the runs' (m, l, acc).
  *
  * Three code paths, chosen at compile time by the -march=native macros (paged_decode_isa()
- * names the one built): AVX-512 (16 floats per vector), AVX2+FMA (8 per vector; Zen 2/3,
- * Haswell..Alder Lake) and a portable scalar path (correct, ~10x slower). The two SIMD paths
- * share one body written with vector macros (vf, vload2, vfmadd, ...). In it: bf16 K/V widen as
- * even/odd lanes (q and acc are stored in that order, perm_pos); q.k partial sums of W tokens
- * are reduced together (hsum8 / hsum16 trees); P.V runs token-outer with a register block of
- * accumulators; later tiles' K/V rows are prefetched into L2 a row per token (PD_PF).
- * AMD EPYC Zen 4, 1 thread, bf16 SmolLM2 shapes: ~14 GB/s with K/V in cache, and 1.0-1.4x the
- * time of a plain read of the same randomly placed blocks from DRAM, on both the AVX-512 path
- * and the AVX2 one (-march=znver3) (bench/results/kernels/attention_kernel_amd_memory_bound_*.json).
+ * names the one built): AVX-512 (16 floats per vector), AVX2+FMA (8 per vector) and a portable
+ * scalar path (correct, much slower). The two SIMD paths share one body written with vector
+ * macros (vf, vload2, vfmadd, ...). In it: bf16 K/V widen as even/odd lanes (q and acc are
+ * stored in that order, perm_pos); q.k partial sums of W tokens are reduced together (hsum8 /
+ * hsum16 trees); P.V runs token-outer with a register block of accumulators; later tiles' K/V
+ * rows are prefetched into L2 a row per token (PD_PF). The kernel is bound by reading K/V: its
+ * target is the time of a plain read of the same randomly placed blocks (measurements:
+ * bench/results/kernels/README.md).
  *
  * KV storage dtypes: fp32, bf16 (widened by a 16-bit shift) and fp16 (F16C vcvtph2ps / AVX-512
  * vcvtph2ps; a bit-exact scalar conversion otherwise). q and out: fp32 or bf16.
@@ -37,42 +36,30 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "common.h"
 #if defined(__AVX512F__)
 #define SIMD_W 16
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SIMD_W 8
-#endif
-#if defined(SIMD_W) || defined(__F16C__)
-#include <immintrin.h>
 #endif
 
 #define MAX_D 256
 #define MAX_ROWS 64   /* query heads per work unit: stack arrays of MAX_ROWS * MAX_D floats */
 #define TILE 16   /* tokens per softmax update: one AVX-512 vector (two AVX2 vectors) of scores */
 #ifndef MIN_BYTES_PER_THREAD
-/* K+V bytes per thread (~20 us of one core's reading). 4 MiB before: a single decode at 1k context
- * (SmolLM2, bf16: 786 KB a layer) then ran on one thread; at 256 KiB it splits over 2, and a
- * layer takes 0.081 instead of 0.117 ms (Zen 3: bench/results/kernels/attention_kernel_zen3.json) */
+/* K+V bytes per thread: a few tens of microseconds of one core's reading, small enough that a
+ * single sequence's layer of a 1k context splits over two threads */
 #define MIN_BYTES_PER_THREAD (256 << 10)
 #endif
 #define UNITS_PER_THREAD 4      /* fewer work units than this per thread: split contexts */
-#define MIN_SPLIT_TOKENS 256    /* shortest split: its merge costs ~1% of reading it */
+#define MIN_SPLIT_TOKENS 256    /* shortest split: its merge costs little next to reading it */
 #ifndef PD_NH
 #define PD_NH 0                 /* kv heads per work unit; 0: all */
 #endif
 
 /* Storage dtypes (the numbers native.py passes). */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;   /* bf16 is the top half of an fp32 */
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -87,19 +74,7 @@ static inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
 #else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    uint32_t u;
-    if (e == 0x1f) u = sign | 0x7f800000u | (m << 13);                  /* inf / NaN */
-    else if (e != 0) u = sign | ((e + 112u) << 23) | (m << 13);          /* normal */
-    else if (m == 0) u = sign;                                           /* +-0 */
-    else {                                                               /* subnormal: m * 2^-24 */
-        float f = (float)m * 5.9604644775390625e-8f;
-        memcpy(&u, &f, 4);
-        u |= sign;
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return f16_to_f32_soft(h);
 #endif
 }
 
@@ -122,20 +97,9 @@ static inline __m512 load16(const void *p, int dt, int64_t i) {
  * Inputs below -87 give ~0 (they are clamped, never inf/NaN). */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    /* r = x - n ln2 in two steps (Cody-Waite) so r stays accurate */
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 r2 = _mm512_mul_ps(r, r);
-    p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_scalef_ps(exp_poly_f32x16(x, n), n);
 }
 
 /* Lane j of the result = sum of the 16 lanes of v[j]: a transpose-and-add tree, ~3 ops per input
@@ -180,17 +144,7 @@ static inline __m256 exp256(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_mul_ps(exp_poly_f32x8(x, n), pow2_f32x8(_mm256_cvtps_epi32(n)));
 }
 
 /* Lane j of the result = sum of the 8 lanes of v[j] (hadd tree: 9 ops for 8 vectors). */
@@ -200,20 +154,6 @@ static inline __m256 hsum8(const __m256 v[8]) {
     const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     /* u0: low half = v0..v3 low-half sums, high half = their high-half sums; u1 likewise */
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
-
-static inline float hadd8(__m256 v) {
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
 }
 #endif
 
@@ -273,8 +213,8 @@ static inline vmask vlanes_lt(int n) {
     return _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)n), _CMP_LT_OQ);
 }
 static inline vf vsel(vmask m, vf a, vf b) { return _mm256_blendv_ps(b, a, m); }
-static inline float vreduce_max(vf x) { return hmax8(x); }
-static inline float vreduce_add(vf x) { return hadd8(x); }
+static inline float vreduce_max(vf x) { return hmax_f32x8(x); }
+static inline float vreduce_add(vf x) { return hsum_f32x8(x); }
 static inline void vload2(const void *p, int dt, int64_t i, vf *lo, vf *hi) {
     if (dt == DT_BF16) {
         const __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
@@ -311,10 +251,10 @@ static inline int perm_pos(int d, int D, int dt) {
     return d;
 }
 
-/* Software prefetch, measured on Zen 4 (AVX-512 path, bf16, 1 and 32 x 1k context, 1 thread): into L2 (T1),
- * PD_PF = 2 tiles ahead, one token row per score-loop token rather than a burst per tile: 2.5-3
- * GB/s -> 6-7 GB/s, about a plain read of the same random blocks. Into L1 (T0) it was 2x slower:
- * a burst of L1 prefetches fills the miss buffers that the loads of the math need. */
+/* Software prefetch into L2 (T1), PD_PF tiles ahead, one token row per score-loop token rather
+ * than a burst per tile: the block tables scatter K/V, so the hardware prefetchers cannot run
+ * ahead. Not into L1 (T0): a burst of L1 prefetches fills the miss buffers that the loads of the
+ * math need. */
 #ifndef PD_PF
 #define PD_PF 2      /* prefetch distance in tiles, >= 1 */
 #endif
@@ -619,7 +559,7 @@ int paged_decode_attention_split(
     const int64_t tok_stride = (int64_t)Hkv * D;
     if (num_threads < 1) num_threads = 1;
     /* kv heads per unit: all of them (nh = Hkv, PD_NH = 0), so a unit reads each block's K and V
-     * as two contiguous runs, or PD_NH. See bench/results/kernels/attention_kernel_amd_*.json. */
+     * as two contiguous runs, or PD_NH (a compile-time knob for measurements) */
     int nh = PD_NH > 0 ? PD_NH : Hkv;
     if (nh > Hkv) nh = Hkv;
     while (nh > 1 && (Hkv % nh != 0 || nh * G > MAX_ROWS)) nh--;

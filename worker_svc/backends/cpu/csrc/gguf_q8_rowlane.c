@@ -1,0 +1,401 @@
+/* The integer-dot path's row-lane kernel (rl_rows): gguf_linear_q8 with GG_Q8_LANES, calls of up
+ * to LANE_RL_MAX tokens and the short remainders past whole token-lane tiles (gguf_q8.h). AVX2
+ * builds, with vpdpbusd on ymm registers where AVX-512 VNNI is built (GG_VNNI).
+ *
+ * Numbers: the token-lane kernels' (gguf_q8_toklane_*.c). The same exact integer dot per run, and
+ * per (row, token) the same fp32 steps in the same order: acc = fma(float(dot), scale * da, acc)
+ * run after run (Q6_K: its two 16-element halves one after the other), corr = corr + cw * sa,
+ * result acc + corr. So a token's result is bit-identical whichever lane kernel its call runs on.
+ *
+ * Layout: the lanes are rows, RL = 8 rows (an octet), one per int32 lane of a ymm. Each run's
+ * 8 x 8 dwords (row, group of 4 weights) are transposed in registers, so that one vpdpbusd
+ * multiplies group g of all 8 rows by a token's 4 activation bytes of that group, broadcast from
+ * memory; the transposed run serves all the call's tokens (in passes of up to Q8_TILE), and a
+ * run's dots take one convert, scale and fma for 8 rows. Everything stays in registers: a block's
+ * 32-byte pieces of the 8 rows (nibbles, high bits, bytes) are transposed as they are (Q4_0 /
+ * Q4_1 / Q6_K's scales 4 x 4 dwords), then unpacked with FOR_EACH_RUN's operations, and the scales
+ * are decoded 8 rows a vector (fp16 converted 8 at a time; the K-quants' 6-bit scales and mins and
+ * Q6_K's int8 scales in the lanes), with FOR_EACH_RUN's IEEE operations. (Unpacking each row
+ * through FOR_EACH_RUN into a buffer and reading the scales back lane by lane gave up the gain
+ * over the tile kernels.)
+ *
+ * Dots: vpdpbusd is unsigned x signed, so the weights go unsigned (the unsigned formats' values as
+ * they are; signed ones, Q8_0 and Q6_K, as v + 128, and 128 times the token's activation sum over
+ * the run is subtracted in int32: exact), the activations as their signed bytes. Without VNNI,
+ * maddubs and madd (the second RL_TOKENS below) give the same integer dots.
+ *
+ * Prefetch: an octet's rows are short streams (K / 32 runs) that the hardware prefetchers barely
+ * start on, so the next octet's bytes are prefetched in software while this one runs.
+ */
+#pragma GCC optimize("fp-contract=off")
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gguf_q8.h"
+
+#if defined(GG_AVX2)
+#define RL 8   /* rows in a vector's lanes: an octet */
+
+/* r[i] = row i's run (dword g: elements 4g .. 4g+3) -> o[g]: dword i = row i's group g */
+static inline __attribute__((always_inline)) void rl_transpose(const __m256i *r, __m256i *o) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++) {   /* rows 0-3, 4-7 */
+        u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    for (int g = 0; g < 4; g++) {
+        o[g] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x20);
+        o[g + 4] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x31);
+    }
+}
+
+/* 32 bytes at p[r] + off of each of the 8 rows, transposed: o[g] dword r = row r's bytes 4g .. 4g+3 */
+static inline __attribute__((always_inline)) void rl_load8(const uint8_t *const *p, int off, __m256i *o) {
+    __m256i r[RL];
+    for (int i = 0; i < RL; i++) r[i] = _mm256_loadu_si256((const __m256i *)(p[i] + off));
+    rl_transpose(r, o);
+}
+
+/* 16 bytes at p[r] + off of each of the 8 rows, transposed: o[g] dword r = row r's bytes 4g .. 4g+3
+ * (g < 4; rows r and r + 4 share a ymm, one per 128-bit lane, so 4 x 4 transposes in the lanes do) */
+static inline __attribute__((always_inline)) void rl_load4(const uint8_t *const *p, int off, __m256i *o) {
+    __m256i y[4], t[4];
+    for (int r = 0; r < 4; r++)
+        y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p[r] + off))),
+                                       _mm_loadu_si128((const __m128i *)(p[r + 4] + off)), 1);
+    t[0] = _mm256_unpacklo_epi32(y[0], y[1]);
+    t[1] = _mm256_unpackhi_epi32(y[0], y[1]);
+    t[2] = _mm256_unpacklo_epi32(y[2], y[3]);
+    t[3] = _mm256_unpackhi_epi32(y[2], y[3]);
+    o[0] = _mm256_unpacklo_epi64(t[0], t[2]);
+    o[1] = _mm256_unpackhi_epi64(t[0], t[2]);
+    o[2] = _mm256_unpacklo_epi64(t[1], t[3]);
+    o[3] = _mm256_unpackhi_epi64(t[1], t[3]);
+}
+
+/* the octet's run b (w[8]: its groups of 4, and s0v, s1v, cwv) against the call's NT tokens */
+#if defined(GG_VNNI)
+#define RL_Q6_OFF 96   /* Q6_K's weights unsigned: (v - 32) ^ 0x80 */
+#define RL_TOKENS(b)                                                                                       \
+    for (int t = 0; t < NT; t++) {                                                                     \
+        const int8_t *a = qa + t * qs + 32 * b;                                                        \
+        __m256i h = _mm256_setzero_si256(), l = h, h2 = h, l2 = h;                                     \
+_Pragma("GCC unroll 8")                                                                                   \
+        for (int g = 0; g < 8; g++) {                                                                  \
+            int32_t a4;                                                                                \
+            memcpy(&a4, a + 4 * g, 4);                                                                 \
+            if (Q6 && g >= 4) h2 = _mm256_dpbusd_epi32(h2, w[g], _mm256_set1_epi32(a4));               \
+            else h = _mm256_dpbusd_epi32(h, w[g], _mm256_set1_epi32(a4));                              \
+            if (P == 2) {                                                                              \
+                memcpy(&a4, a + lo + 4 * g, 4);                                                        \
+                if (Q6 && g >= 4) l2 = _mm256_dpbusd_epi32(l2, w[g], _mm256_set1_epi32(a4));           \
+                else l = _mm256_dpbusd_epi32(l, w[g], _mm256_set1_epi32(a4));                          \
+            }                                                                                          \
+        }                                                                                              \
+        const int64_t tb = (int64_t)t * fs + b;                                                        \
+        __m256i d = P == 2 ? _mm256_add_epi32(_mm256_slli_epi32(h, 7), l) : h;                         \
+        const __m256 dav = _mm256_set1_ps(da[tb]);                                                     \
+        if (SG) d = _mm256_sub_epi32(d, _mm256_set1_epi32(128 * (Q6 ? ST[2 * tb] : ST[2 * tb] + ST[2 * tb + 1])));\
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s0v, dav), acc[t]);              \
+        if (Q6) {                                                                                      \
+            __m256i d2 = P == 2 ? _mm256_add_epi32(_mm256_slli_epi32(h2, 7), l2) : h2;                 \
+            d2 = _mm256_sub_epi32(d2, _mm256_set1_epi32(128 * ST[2 * tb + 1]));                        \
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2), _mm256_mul_ps(s1v, dav), acc[t]);         \
+        }                                                                                              \
+        if (!SG) corr[t] = _mm256_add_ps(corr[t], _mm256_mul_ps(cwv, _mm256_set1_ps(sa[tb])));         \
+    }
+
+
+#else
+/* Without VNNI: per group, maddubs of the 8 rows' 4 weight bytes (unsigned formats: the values;
+ * signed ones, Q8_0 and Q6_K: |v|, v's sign moved onto the activation bytes) by the token's 4
+ * activation bytes, broadcast; the s16 pair sums are added over T8_GROUPS(type) groups (no sum
+ * can leave s16, see there), then widened by madd (times 128 for the high part of parts 2): the
+ * same exact integer dot per run as vpdpbusd's above, so the same fp32 steps give the same bits. */
+#define RL_Q6_OFF (-32)   /* Q6_K's weights signed: v - 32 */
+#define RL_TOKENS(b)                                                                                       \
+    {                                                                                                  \
+_Pragma("GCC unroll 1")   /* one token at a time: w[8] and the sums fill AVX2's 16 registers */      \
+        for (int t = 0; t < NT; t++) {                                                                 \
+            const int8_t *a = qa + t * qs + 32 * b;                                                    \
+            __m256i d = _mm256_setzero_si256(), d2 = d, h = d, l = d;                                  \
+_Pragma("GCC unroll 8")                                                                                   \
+            for (int g = 0; g < 8; g++) {                                                              \
+                int32_t a4;                                                                            \
+                memcpy(&a4, a + 4 * g, 4);                                                             \
+                __m256i av = _mm256_set1_epi32(a4);                                                    \
+                const __m256i wu = SG ? _mm256_abs_epi8(w[g]) : w[g];                                \
+                h = _mm256_add_epi16(h, _mm256_maddubs_epi16(wu, SG ? _mm256_sign_epi8(av, w[g]) : av)); \
+                if (P == 2) {                                                                          \
+                    memcpy(&a4, a + lo + 4 * g, 4);                                                    \
+                    av = _mm256_set1_epi32(a4);                                                        \
+                    l = _mm256_add_epi16(l, _mm256_maddubs_epi16(wu, SG ? _mm256_sign_epi8(av, w[g]) : av)); \
+                }                                                                                      \
+                if ((g + 1) % T8_GROUPS(type) == 0) {                                                  \
+                    __m256i s = _mm256_madd_epi16(h, P == 2 ? _mm256_set1_epi16(128) : _mm256_set1_epi16(1)); \
+                    if (P == 2) s = _mm256_add_epi32(s, _mm256_madd_epi16(l, _mm256_set1_epi16(1)));    \
+                    if (Q6 && g >= 4) d2 = _mm256_add_epi32(d2, s);                                    \
+                    else d = _mm256_add_epi32(d, s);                                                   \
+                    h = l = _mm256_setzero_si256();                                                    \
+                }                                                                                      \
+            }                                                                                          \
+            const int64_t tb = (int64_t)t * fs + b;                                                    \
+            const __m256 dav = _mm256_set1_ps(da[tb]);                                                 \
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s0v, dav), acc[t]);          \
+            if (Q6) acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2), _mm256_mul_ps(s1v, dav), acc[t]); \
+            if (!SG) corr[t] = _mm256_add_ps(corr[t], _mm256_mul_ps(cwv, _mm256_set1_ps(sa[tb])));     \
+        }                                                                                              \
+    }
+#endif
+
+/* the low 16 bits of 8 dwords -> 8 words (vpmovdw where AVX-512 VL has it) */
+static inline __m128i rl_words(__m256i x) {
+#if defined(GG_VNNI)
+    return _mm256_cvtepi32_epi16(x);
+#else
+    const __m256i m = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                       0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(x, m), 0x08));
+#endif
+}
+
+static inline int32_t ld32(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+static inline int32_t ld16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* An octet of rows (rows[r]: nb native blocks each) against NT tokens (activations qa + t * qs,
+ * low parts at + lo, da / sa + t * fs; ST: the activation sums of each token's runs' halves, for
+ * the signed formats). res[t * RL + r]: row r, token t. */
+static inline __attribute__((always_inline)) void
+rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, int nb, const int8_t *qa,
+        int64_t qs, int64_t lo, const float *da, const float *sa, int64_t fs, const int32_t *ST, const uint8_t *pf,
+        int64_t pfn, float *res) {
+    /* pf: the next octet's pfn bytes, prefetched a slice a block: each row is a stream of only a few
+     * cache lines, too short for the hardware prefetchers, which the 8-token tile kernels' single
+     * sweep over consecutive rows feeds */
+    const int64_t pfstep = ((pfn + nb - 1) / nb + 63) & ~(int64_t)63;
+    const int SG = type == T_Q8_0 || type == T_Q6_K, Q6 = type == T_Q6_K;
+    const int bb = block_bytes(type);
+    __m256 acc[Q8_TILE], corr[Q8_TILE];
+    for (int t = 0; t < NT; t++) { acc[t] = _mm256_setzero_ps(); corr[t] = _mm256_setzero_ps(); }
+    for (int i = 0; i < nb; i++) {
+        for (int64_t o = i * pfstep; o < (i + 1) * pfstep && o < pfn; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
+        const uint8_t *p[RL];   /* the octet's block i */
+        for (int r = 0; r < RL; r++) p[r] = rows[r] + (int64_t)i * bb;
+        if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0) {   /* one run a block */
+            __m256i w[8];
+            if (type == T_Q8_0) {
+                rl_load8(p, 2, w);
+#if defined(GG_VNNI)
+                for (int g = 0; g < 8; g++) w[g] = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
+#endif
+            } else {
+                /* 16 bytes a row: byte l holds element l (low nibble) and l + 16 (high); dword g of
+                 * the 8 rows' bytes, transposed, gives groups g (low nibbles) and g + 4 (high) */
+                __m256i g4[4];
+                rl_load4(p, bb - 16, g4);
+                for (int g = 0; g < 4; g++) {
+                    w[g] = nibbles(g4[g], 0);
+                    w[g + 4] = nibbles(g4[g], 1);
+                }
+            }
+            /* the rows' fp16 d (and Q4_1's m), as h16 converts them (exactly) */
+            const __m256i hv = _mm256_setr_epi32(ld32(p[0]), ld32(p[1]), ld32(p[2]), ld32(p[3]), ld32(p[4]), ld32(p[5]),
+                                                 ld32(p[6]), ld32(p[7]));
+            const __m256 s0v = _mm256_cvtph_ps(rl_words(hv));
+            const __m256 cwv = type == T_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.0f), s0v)
+                                              : _mm256_cvtph_ps(rl_words(_mm256_srli_epi32(hv, 16)));
+            const __m256 s1v = s0v;   /* (Q6_K's second scale: not these formats) */
+#if !defined(GG_VNNI)
+            if (type == T_Q8_0 && P == 2) {   /* 16-bit dots on pairs of weights (ST: the activations' pairs) */
+                __m256i W2[16];   /* (in L1: 16 registers' worth) */
+                const __m256i sh = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                    0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+                for (int g = 0; g < 8; g++) {   /* W2[2g] dword r = row r's weights 4g, 4g+1 (s16); W2[2g+1]: 4g+2, 4g+3 */
+                    const __m256i q = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w[g], sh), 0xd8);
+                    W2[2 * g] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+                    W2[2 * g + 1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+                }
+_Pragma("GCC unroll 1")   /* tokens in pairs: each pair of weights loaded once for two tokens */
+                for (int t = 0; t < NT; t += 2) {
+                    const int32_t *a0 = ST + t * 16 * fs + 16 * i, *a1 = t + 1 < NT ? a0 + 16 * fs : a0;
+                    __m256i d0 = _mm256_setzero_si256(), d1 = d0;
+                    for (int k = 0; k < 16; k++) {
+                        d0 = _mm256_add_epi32(d0, _mm256_madd_epi16(W2[k], _mm256_set1_epi32(a0[k])));
+                        d1 = _mm256_add_epi32(d1, _mm256_madd_epi16(W2[k], _mm256_set1_epi32(a1[k])));
+                    }
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0v, _mm256_set1_ps(da[(int64_t)t * fs + i])),
+                                             acc[t]);
+                    if (t + 1 < NT)
+                        acc[t + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1),
+                                                     _mm256_mul_ps(s0v, _mm256_set1_ps(da[(int64_t)(t + 1) * fs + i])), acc[t + 1]);
+                }
+                continue;
+            }
+#endif
+            RL_TOKENS(i)
+            continue;
+        }
+        if (type == T_Q4_K || type == T_Q5_K) {   /* all in registers too: 32-byte pieces of the 8 rows transposed */
+            __m256i H[8], QH[8];
+            /* the first 32 bytes: dword 0 = d | dmin (fp16), dwords 1-3 = the 12 bytes of packed 6-bit
+             * scales and mins; per row in the lanes after the transpose */
+            rl_load8(p, 0, H);
+            const __m256 dv = _mm256_cvtph_ps(rl_words(H[0]));
+            const __m256 dminv = _mm256_cvtph_ps(rl_words(_mm256_srli_epi32(H[0], 16)));
+            if (type == T_Q5_K) rl_load8(p, 16, QH);   /* qh: bit j of byte l is element l's fifth bit in sub-block j */
+            const int q4 = type == T_Q4_K ? 16 : 48;
+            const __m256i m63 = _mm256_set1_epi32(63);
+            /* scale byte k of each row (scale_min_k4's q[k]) */
+#define RL_QB(k) _mm256_and_si256(_mm256_srli_epi32(H[1 + (k) / 4], 8 * ((k) % 4)), _mm256_set1_epi32(0xff))
+            for (int c = 0; c < 4; c++) {   /* 32 bytes: sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+                __m256i G[8];
+                rl_load8(p, q4 + 32 * c, G);
+                for (int half = 0; half < 2; half++) {
+                    const int j = 2 * c + half;
+                    __m256i w[8];
+                    for (int g = 0; g < 8; g++) {
+                        w[g] = nibbles(G[g], half);
+                        if (type == T_Q5_K) w[g] = q5k_quants(w[g], QH[g], j);   /* as FOR_EACH_RUN */
+                    }
+                    __m256i sc, mn;   /* scale_min_k4(j) in the lanes */
+                    if (j < 4) {
+                        sc = _mm256_and_si256(RL_QB(j), m63);
+                        mn = _mm256_and_si256(RL_QB(j + 4), m63);
+                    } else {
+                        sc = _mm256_or_si256(_mm256_and_si256(RL_QB(j + 4), _mm256_set1_epi32(15)),
+                                             _mm256_slli_epi32(_mm256_srli_epi32(RL_QB(j - 4), 6), 4));
+                        mn = _mm256_or_si256(_mm256_srli_epi32(RL_QB(j + 4), 4),
+                                             _mm256_slli_epi32(_mm256_srli_epi32(RL_QB(j), 6), 4));
+                    }
+                    /* FOR_EACH_RUN's sc_ = d * (float)s, cw_ = -(dmin * (float)m): the same IEEE operations */
+                    const __m256 s0v = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sc)), s1v = s0v;
+                    const __m256 cwv = _mm256_xor_ps(_mm256_mul_ps(dminv, _mm256_cvtepi32_ps(mn)),
+                                                     _mm256_set1_ps(-0.0f));
+                    const int b = 8 * i + j;
+                    RL_TOKENS(b)
+                }
+            }
+#undef RL_QB
+            continue;
+        }
+        {   /* Q6_K, in registers as well: ql, qh and the int8 scales of the 8 rows transposed */
+            const __m256 dv = _mm256_cvtph_ps(rl_words(_mm256_setr_epi32(
+                ld16(p[0] + 208), ld16(p[1] + 208), ld16(p[2] + 208), ld16(p[3] + 208), ld16(p[4] + 208),
+                ld16(p[5] + 208), ld16(p[6] + 208), ld16(p[7] + 208))));
+            /* the 16 int8 scales: S4[q] dword r = row r's scales 4q .. 4q + 3 */
+            __m256i S4[4];
+            rl_load4(p, 192, S4);
+            /* scale k of each row, sign-extended */
+#define RL_SC(k) _mm256_srai_epi32(_mm256_slli_epi32(S4[(k) / 4], 24 - 8 * ((k) % 4)), 24)
+            const __m256i off = _mm256_set1_epi8(RL_Q6_OFF);
+            for (int h = 0; h < 2; h++) {
+                __m256i QH[8], L[2][8];
+                rl_load8(p, 128 + 32 * h, QH);
+                for (int c = 0; c < 2; c++) rl_load8(p, 64 * h + 32 * c, L[c]);
+                for (int j = 0; j < 4; j++) {
+                    __m256i w[8];
+                    /* as FOR_EACH_RUN: v = lo | hi << 4, the weight v - 32; unsigned here: (v - 32) ^ 0x80 = v + 96 */
+                    for (int g = 0; g < 8; g++) w[g] = _mm256_add_epi8(q6k_quants(L[j & 1][g], QH[g], j), off);
+                    const int e = 128 * h + 32 * j;
+                    const __m256 s0v = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(RL_SC(e / 16)));
+                    const __m256 s1v = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(RL_SC(e / 16 + 1))), cwv = s0v;
+                    const int b = 8 * i + 4 * h + j;
+                    RL_TOKENS(b)
+                }
+            }
+#undef RL_SC
+        }
+    }
+    for (int t = 0; t < NT; t++) _mm256_storeu_ps(res + t * RL, _mm256_add_ps(acc[t], corr[t]));
+}
+
+#define RL_NT(TY, PP)                                                                              \
+    switch (nt) {                                                                                  \
+    case 1: rl_rows(TY, 1, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
+    case 2: rl_rows(TY, 2, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
+    case 3: rl_rows(TY, 3, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
+    case 4: rl_rows(TY, 4, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
+    case 5: rl_rows(TY, 5, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
+    case 6: rl_rows(TY, 6, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
+    case 7: rl_rows(TY, 7, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
+    default: rl_rows(TY, Q8_TILE, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;           \
+    }
+#define RL_CASE(TY)                                                                                \
+        if (P == 2) { RL_NT(TY, 2) } else { RL_NT(TY, 1) }
+/* nt: 1 .. Q8_TILE tokens */
+static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int nb, const int8_t *qa, int64_t qs,
+                        int64_t lo, const float *da, const float *sa, int64_t fs, const int32_t *ST, const uint8_t *pf,
+                        int64_t pfn, float *res) {
+    SWITCH_FORMATS(type, RL_CASE)
+}
+#undef RL_NT
+#undef RL_CASE
+
+/* gguf_linear_q8 on the row-lane kernel (see rl_rows): calls of 1 .. RL_MAX_TOKENS tokens, in passes
+ * of up to Q8_TILE tokens over each octet of rows */
+int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, int64_t qs, int64_t lo,
+                     const float *da, const float *sa, int64_t fs, const float *bias, float *out, int64_t os,
+                     int T, int N, int nb, int parts, int num_threads) {
+    /* the signed formats' activation sums by token, run, half (ST[2 (t fs + b) + h]) */
+    int32_t *ST = NULL;
+#if defined(GG_VNNI)   /* (the AVX2 dots keep the weights signed: no offset to take back) */
+    if (type == T_Q8_0 || type == T_Q6_K) {
+        ST = malloc(sizeof(int32_t) * (size_t)(2 * T * fs));
+        if (!ST) return -2;
+        for (int t = 0; t < T; t++)
+            for (int64_t e = 0; e < 32 * fs; e += 16) {
+                const int8_t *q = qa + t * qs + e;
+                int32_t s = 0;
+                for (int l = 0; l < 16; l++) s += parts == 2 ? 128 * q[l] + q[l + lo] : q[l];
+                ST[2 * t * fs + e / 16] = s;
+            }
+    }
+    const int64_t ts = 2 * fs;   /* ST's ints a token */
+#else
+    /* Q8_0 with two parts: the activations as s16 pairs (128 q + q_lo of elements 2k, 2k + 1 in
+     * ST[t * 16 fs + k]) for rl_rows's 16-bit dots */
+    const int64_t ts = 16 * fs;
+    if (type == T_Q8_0 && parts == 2) {
+        ST = malloc(sizeof(int32_t) * (size_t)(ts * T));
+        if (!ST) return -2;
+        for (int t = 0; t < T; t++)
+            for (int64_t e = 0; e < 32 * fs; e += 2) {
+                const int8_t *q = qa + t * qs + e;
+                const int16_t v[2] = {(int16_t)(128 * q[0] + q[lo]), (int16_t)(128 * q[1] + q[1 + lo])};
+                memcpy(ST + t * ts + e / 2, v, 4);
+            }
+    }
+#endif
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int r0, r1;
+        thread_rows(N, &r0, &r1);
+        float res[Q8_TILE * RL] __attribute__((aligned(32)));
+        for (int n = r0; n < r1; n += RL) {
+            const int R = r1 - n < RL ? r1 - n : RL;
+            const uint8_t *rows[RL];
+            for (int r = 0; r < RL; r++) rows[r] = w + (int64_t)(n + (r < R ? r : R - 1)) * row_bytes;
+            const int nn = r1 - (n + RL) < RL ? r1 - (n + RL) : RL;   /* the next octet's rows (<= 0: none) */
+            for (int t0 = 0; t0 < T; t0 += Q8_TILE) {   /* up to Q8_TILE tokens a pass (the octet cached after the first) */
+                const int nt = T - t0 < Q8_TILE ? T - t0 : Q8_TILE;
+                rl_rows_any(type, nt, parts, rows, nb, qa + t0 * qs, qs, lo, da + t0 * fs, sa + t0 * fs, fs,
+                            ST ? ST + t0 * ts : NULL, w + (int64_t)(n + RL) * row_bytes,
+                            nn > 0 && t0 == 0 ? nn * row_bytes : 0, res);
+                for (int r = 0; r < R; r++) {
+                    const float bb = bias ? bias[n + r] : 0.0f;
+                    for (int t = 0; t < nt; t++) out[(int64_t)(t0 + t) * os + n + r] = res[t * RL + r] + bb;
+                }
+            }
+        }
+    }
+    free(ST);
+    return 0;
+}
+#endif
