@@ -339,10 +339,10 @@ def profile(a: argparse.Namespace) -> int:
         ex = SimExecutor(a.block_size, verify_kv=False, cost_model=linear_cost_model(), clock=clock)
         info = {"name": "sim", "max_model_len": 8192, "vocab_size": 32000, "eos_token_ids": [0]}
     else:
-        from worker_svc.executor import Executor
+        from worker_svc.model_runner import ModelRunner
 
         # every engine flag counts (it used to take only model, dtype and threads)
-        ex = Executor(dataclasses.replace(_engine_config(a), cache=CacheConfig(a.block_size, need)))
+        ex = ModelRunner(dataclasses.replace(_engine_config(a), cache=CacheConfig(a.block_size, need)))
         clock = time.perf_counter
         mi = ex.model_info
         info = {"name": mi.name, "max_model_len": mi.max_model_len, "vocab_size": mi.vocab_size,

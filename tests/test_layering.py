@@ -100,7 +100,7 @@ def _backend_submodule(name: str) -> bool:
 def test_device_code_lives_only_under_worker_svc_backends():
     """Every product package but bench (which measures the kernels themselves): no ctypes, no
     flashinfer, no torch.cuda, and no backend internals outside worker_svc/backends/; there a
-    device is a backend, not `if cuda` branches in the model or the executor."""
+    device is a backend, not `if cuda` branches in the model or the model runner."""
     bad = {}
     for package in sorted(set(ALLOWED) - {"bench"}):
         for path in sorted((ROOT / package).rglob("*.py")):

@@ -18,7 +18,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-o
 
 
 def test_cpu_worker_never_imports_flashinfer(tmp_path):
-    """A fake `flashinfer` package first on the path records any import of it; a CPU executor
+    """A fake `flashinfer` package first on the path records any import of it; a CPU model runner
     is built and runs a batch; then neither the marker nor the module may exist."""
     fake = tmp_path / "fake" / "flashinfer"
     fake.mkdir(parents=True)

@@ -137,7 +137,7 @@ def test_a_sibling_whose_partner_is_gone_runs_alone():
     assert r.finish_reason == "length"
 
 
-# -- the real executor: penalties correct across preemption and prefix-cache hits ----------------
+# -- the real model runner: penalties correct across preemption and prefix-cache hits ----------------
 @pytest.fixture(scope="module", autouse=True)
 def _threads():
     yield from use_threads(1)

@@ -36,7 +36,7 @@ def make_sampler(tokenizer, cls=Sampler, vocab=None):
 
 def run(sampler, params: dict[str, SamplingParams], steps: int, vocab: int, seed: int = 0,
         preempt_at: int | None = None) -> dict[str, list[int]]:
-    """Drive `sampler` like the executor over `steps` steps of one batch of requests (random
+    """Drive `sampler` like the model runner over `steps` steps of one batch of requests (random
     logits, a function of (seed, request, step) only); a request stops at EOS. At step
     preempt_at every request is freed and recomputed (one chunk with prior_token_ids)."""
     out: dict[str, list[int]] = {r: [] for r in params}

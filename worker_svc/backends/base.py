@@ -1,7 +1,7 @@
 """The device seam: what differs per device, behind small interfaces.
 
 A DeviceBackend is chosen once per worker at start-up (worker_svc.backends.select_backend) and
-handed to the model and the executor. The model code (layers, positions, the flat hybrid batch)
+handed to the model and the model runner. The model code (layers, positions, the flat hybrid batch)
 never asks which device it runs on; it calls
 
 * backend.attention.build_metadata(...) once per batch and backend.attention.forward(...) per
@@ -14,14 +14,14 @@ never asks which device it runs on; it calls
   silu * up): Ops below is the torch reference (CUDA, fallbacks); the CPU backend's fused native
   versions equal it (worker_svc/backends/cpu/backend.py, cpu/csrc/cpu_ops.c).
 
-The executor (a model runner: check, forward, sample) asks the backend what it would otherwise
+The model runner (worker_svc.model_runner: check, forward, sample) asks the backend what it would otherwise
 decide by device string: the compute dtype for "auto" (compute_dtype, from default_dtype), the
 KV capacity when none was given (num_kv_blocks), the sampler (sampler: on the host, or on the
 device with the host as fallback), the graph runner for decode batches (graph_runner; it builds
 its own attention metadata from the batch), and the torch.distributed backend (dist_backend).
 
 Adding a device (or a faster kernel for one) means adding a backend, not `if cuda` branches in
-the model or the executor. describe() is the one line a worker prints at start-up so an operator
+the model or the model runner. describe() is the one line a worker prints at start-up so an operator
 knows what runs. Device code (native libraries, CUDA, FlashInfer) lives only under
 worker_svc/backends/ (tests/test_layering.py).
 """

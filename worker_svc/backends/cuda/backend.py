@@ -21,7 +21,7 @@ hybrid batches with chunks and decodes together). Per layer: the batch's K/V go 
 PagedKVCache's [num_blocks, block_size, Hkv, D] k and v per layer, passed as a tuple: FlashInfer's
 NHD paged layout.
 
-What the executor asks of a backend (CudaBackend): compute dtype "auto" is bfloat16, the KV
+What the model runner asks of a backend (CudaBackend): compute dtype "auto" is bfloat16, the KV
 cache is sized from device memory after a profiling pass when no block count was given
 (kv_sizing.py), tokens are drawn on the device where the request's parameters allow
 (device_sampler.py), decode-only batches replay CUDA graphs (cuda_graphs.py; FlashInfer only),
@@ -62,7 +62,7 @@ class FlashInferAttention:
     """The AttentionBackend on FlashInfer's paged kernels (see module docstring).
 
     bind() must be called once with the model's attention shapes before the first batch (the
-    executor does, through DeviceBackend.bind)."""
+    model runner does, through DeviceBackend.bind)."""
 
     name = "flashinfer"
     workspace_bytes = WORKSPACE_BYTES
@@ -142,7 +142,7 @@ def flashinfer_unavailable_reason() -> str | None:
 
 @dataclass
 class CudaBackend(DeviceBackend):
-    """The CUDA device's answers to the executor's questions (see module docstring).
+    """The CUDA device's answers to the model runner's questions (see module docstring).
     graph_runner_class: what captures CUDA graphs (CudaGraphRunner; it needs FlashInfer's
     graph-safe decode wrappers), None = no graphs (the torch fallback)."""
 
