@@ -73,7 +73,7 @@ from bench.common import (
 from bench.membw import copy_gb_per_s
 from worker_svc.backends.cpu import native
 from worker_svc.backends.cpu.quant import quantize_int8
-from worker_svc.model.gguf_blocks import BLOCK_FORMATS, FORMAT_NAMES
+from worker_svc.gguf_blocks import BLOCK_FORMATS, FORMAT_NAMES
 
 SIZES = [1, 2, 4, 8, 12, 16, 32, 64]
 Q4_1, Q8_0 = 3, 8

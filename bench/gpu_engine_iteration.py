@@ -34,7 +34,7 @@ from shared.config import CacheConfig, WorkerConfig
 from shared.messages import Batch, SeqChunk
 from shared.sampling import SamplingParams
 from worker_svc.loader import LazyWeights, expected_shapes
-from worker_svc.model.config import ModelConfig
+from worker_svc.model_config import ModelConfig
 from worker_svc.model_runner import ModelRunner
 
 BLOCK_SIZE = 16

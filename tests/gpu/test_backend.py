@@ -209,8 +209,8 @@ def test_fused_ops_on_cuda_compute_the_references_functions():
     (Ops) on bf16 rows at Llama-3-8B widths, positions to 4095, llama3 rope scaling."""
     from worker_svc.backends.base import Ops
     from worker_svc.backends.cuda.ops import FlashInferOps, RopePositions
-    from worker_svc.model.config import ModelConfig
     from worker_svc.model.rope import RotaryEmbedding
+    from worker_svc.model_config import ModelConfig
 
     ops, ref, bf, dev = FlashInferOps(), Ops(), torch.bfloat16, "cuda"
     g = torch.Generator(device=dev).manual_seed(0)

@@ -146,8 +146,8 @@ def test_fused_ops_compute_the_references_functions_in_place(monkeypatch):
     contract says (residual's and x's storage; q and k as views of the fused qkv output)."""
     from worker_svc.backends.base import Ops
     from worker_svc.backends.cuda.ops import FlashInferOps, RopePositions
-    from worker_svc.model.config import ModelConfig
     from worker_svc.model.rope import RotaryEmbedding
+    from worker_svc.model_config import ModelConfig
 
     monkeypatch.setitem(__import__("sys").modules, "flashinfer", fake_flashinfer)
     ops, ref, bf = FlashInferOps(), Ops(), torch.bfloat16

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from shared.config import WorkerConfig
 from shared.messages import SeqChunk
 from worker_svc.kv_cache import PagedKVCache
-from worker_svc.model.config import ModelConfig
+from worker_svc.model_config import ModelConfig
 from worker_svc.sampler import Sampler, SamplerOutput
 
 # (start_pos, num_new_tokens, block_table) per sequence of a batch, in batch row order; the
