@@ -141,7 +141,7 @@ class Probe:
     sampler blocked on it after the forward pass), apply (setting the logits to -inf)."""
 
     def __init__(self, ex):
-        import worker_svc.sampler as sampler_mod
+        import worker_svc.sampling.sampler as sampler_mod
 
         self.fill, self.wait, self.apply = [], [], []
         guides, mod = ex.sampler.guides, sampler_mod

@@ -27,7 +27,7 @@ from worker_svc.kv_cache import PagedKVCache
 from worker_svc.loader import load_weights, read_config
 from worker_svc.model.linear import TensorParallel
 from worker_svc.model.llama import LlamaForCausalLM
-from worker_svc.sampler import SamplerOutput
+from worker_svc.sampling import SamplerOutput
 
 log = logging.getLogger("sarathi.worker")
 

@@ -165,7 +165,7 @@ def test_device_sampling_is_greedy_argmax_and_seed_stable_across_batches(flash):
 
 
 def test_device_sampler_on_cuda_tensors_is_composition_independent():
-    from worker_svc.backends.cuda.device_sampler import DeviceSampler
+    from worker_svc.sampling import DeviceSampler
 
     logits = torch.randn(6, 32000, device="cuda") * 3
     params = [SamplingParams(temperature=0.7 + 0.1 * i, top_k=50 * i, top_p=1.0 - 0.05 * i, seed=i) for i in range(6)]

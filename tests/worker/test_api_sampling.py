@@ -16,8 +16,8 @@ from shared.config import CacheConfig, SchedulerConfig
 from shared.messages import SeqChunk
 from shared.sampling import InvalidRequestError, SamplingParams
 from tests.support.engine_helpers import make_executor, make_tiny_checkpoint, use_threads
-from worker_svc.sampler import Sampler, apply_penalties, token_logprobs
-from worker_svc.token_history import MissingHistoryError, TokenHistory
+from worker_svc.sampling import MissingHistoryError, TokenHistory
+from worker_svc.sampling.sampler import Sampler, apply_penalties, token_logprobs
 
 V = 12
 

@@ -1,4 +1,4 @@
-"""Constrained decoding and logit_bias on the worker's samplers (worker_svc.guided), with the real
+"""Constrained decoding and logit_bias on the worker's samplers (worker_svc.sampling.guided), with the real
 SmolLM2 tokenizer and random logits: whatever the logits, a constrained request's tokens spell
 text its grammar accepts; matchers are rebuilt from the token history after a preemption; the
 mask is as wide as the logits; logprobs are those of the constrained distribution; the CUDA
@@ -14,9 +14,8 @@ import torch
 from shared.constraints import grammar_for
 from shared.messages import SeqChunk
 from shared.sampling import SamplingParams
-from worker_svc.backends.cuda.device_sampler import DeviceFirstSampler
-from worker_svc.guided import GuideMask, apply_token_bitmask, unpack_bitmask, unpack_bitmask_torch
-from worker_svc.sampler import Sampler
+from worker_svc.sampling import DeviceFirstSampler, Sampler
+from worker_svc.sampling.guided import GuideMask, apply_token_bitmask, unpack_bitmask, unpack_bitmask_torch
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
           "properties": {"name": {"type": "string", "maxLength": 6},

@@ -24,8 +24,8 @@ NHD paged layout.
 What the model runner asks of a backend (CudaBackend): compute dtype "auto" is bfloat16, the KV
 cache is sized from device memory after a profiling pass when no block count was given
 (kv_sizing.py), tokens are drawn on the device where the request's parameters allow
-(device_sampler.py), decode-only batches replay CUDA graphs (cuda_graphs.py; FlashInfer only),
-and ranks talk over NCCL.
+(worker_svc.sampling.DeviceFirstSampler), decode-only batches replay CUDA graphs (cuda_graphs.py;
+FlashInfer only), and ranks talk over NCCL.
 """
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ import torch
 from worker_svc.backends.base import DeviceBackend, LinearMethod, Ops
 from worker_svc.backends.cuda import kv_sizing
 from worker_svc.backends.cuda.cuda_graphs import CudaGraphRunner, capture_sizes
-from worker_svc.backends.cuda.device_sampler import DeviceFirstSampler
 from worker_svc.backends.cuda.flashinfer_meta import PagedBatch, build_paged_batch
 from worker_svc.backends.cuda.ops import FlashInferOps
 from worker_svc.backends.torch_attention import TorchAttention
+from worker_svc.sampling import DeviceFirstSampler
 
 log = logging.getLogger("sarathi.worker")
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from shared.messages import SeqChunk
-from worker_svc.token_history import TokenHistory
+from worker_svc.sampling.token_history import TokenHistory
 
 log = logging.getLogger("sarathi.worker")
 
