@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation with real workers: the model runner behind the worker
 service, KV blocks sent worker to worker over ZeroMQ (kvstore.link), the scheduler service over
-pools (scheduler_svc.service.PoolService). Greedy output with --disaggregation all equals the
-colocated output: the KV bytes moved are the bytes computed."""
+pools (scheduler_svc.service.SchedulerService running a PoolSet). Greedy output with
+--disaggregation all equals the colocated output: the KV bytes moved are the bytes computed."""
 from __future__ import annotations
 
 import asyncio
