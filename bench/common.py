@@ -1,11 +1,11 @@
 """What the benchmark scripts share, so that none imports another: the record of the machine a
 result was measured on, a process's resident memory (rss_mb), and the engine benchmarks' batches
-and model runners (SmolLM2-135M on the real ModelRunner, KV cache of zeros: attention cost depends on
-lengths, not on values).
+and model runners (SmolLM2-135M on the real ModelRunner, KV cache of zeros: attention cost
+depends on lengths, not on values).
 
 Batches in the KV cache (a Layout): `decodes` sequences of CONTEXT cached tokens, each on its own
 blocks (CONTEXT // BLOCK_SIZE + 1 of them: room for the decoded token), then one prompt chunk of
-up to `chunk` tokens on the blocks after them. The executor's cache holds exactly those blocks.
+up to `chunk` tokens on the blocks after them. The model runner's cache holds exactly those blocks.
 """
 from __future__ import annotations
 
@@ -85,7 +85,8 @@ def make_batch(series: str, size: int, layout: Layout = FULL) -> Batch:
 
 def make_executor(spec: str, layout: Layout = FULL) -> ModelRunner:
     """DTYPE[:KV[:WEIGHTS[:ATTENTION]]] -> a ModelRunner with the layout's cache. A bare DTYPE (the
-    --dtypes runs) keeps the KV cache in the compute dtype and float weights, as before issue 11."""
+    --dtypes runs) keeps the KV cache in the compute dtype and float weights, as before issue 11.
+    The name stays: ENGINE_PROCESS calls it by name inside older source trees."""
     from worker_svc.model_runner import ModelRunner  # torch: only for scripts that build an engine
 
     dtype, kv, wq, attn = (spec.split(":") + ["auto", "auto", "auto"])[:4]
@@ -176,7 +177,7 @@ def rss_mb(pid: int) -> float:
 
 
 class EngineProcess:
-    """One executor (`make_executor(spec, SMALL)`) of the source tree `tree` in a process of its own,
+    """One model runner (`make_executor(spec, SMALL)`) of the source tree `tree` in a process of its own,
     stepped on request: `step("decode:32")` runs that batch once and returns {"s": seconds around
     ModelRunner.execute, "prepare_s", "forward_s", "sample_s"}. `info`: its backend line and machine.
     Several of them asked in turn (A, B, A, B, ...) see the same load drifts."""
