@@ -13,7 +13,7 @@ Requests and iterations:
 * has_unfinished(): some request has not ended yet (it may be waiting for a worker);
 * stats(): the counters the service publishes (Scheduler.stats's keys, summed over pools; a
   PoolSet adds "pools", one dict per pool);
-* clock(): the scheduler's clock, seconds (arrival times are on it); admission room from
+* clock: the scheduler's clock, a callable (seconds; arrival times are on it); admission room from
   max_num_seqs, num_waiting and num_running (requests).
 
 Worker faults, for the service only (each engine applies its own rules; the service only calls):
@@ -29,7 +29,7 @@ Worker faults, for the service only (each engine applies its own rules; the serv
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 from scheduler_svc.request import Request
 from shared.messages import TokenEvent
@@ -50,7 +50,8 @@ class Engine(Protocol):
 
     def stats(self) -> dict: ...
 
-    def clock(self) -> float: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
 
     @property
     def max_num_seqs(self) -> int: ...
