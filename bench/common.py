@@ -1,11 +1,11 @@
 """What the benchmark scripts share, so that none imports another: the record of the machine a
 result was measured on, a process's resident memory (rss_mb), and the engine benchmarks' batches
-and executors (SmolLM2-135M on the real Executor, KV cache of zeros: attention cost depends on
-lengths, not on values).
+and model runners (SmolLM2-135M on the real ModelRunner, KV cache of zeros: attention cost
+depends on lengths, not on values).
 
 Batches in the KV cache (a Layout): `decodes` sequences of CONTEXT cached tokens, each on its own
 blocks (CONTEXT // BLOCK_SIZE + 1 of them: room for the decoded token), then one prompt chunk of
-up to `chunk` tokens on the blocks after them. The executor's cache holds exactly those blocks.
+up to `chunk` tokens on the blocks after them. The model runner's cache holds exactly those blocks.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from shared.messages import Batch, SeqChunk
 from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from worker_svc.executor import Executor
+    from worker_svc.model_runner import ModelRunner
 
 CONTEXT = 1024                       # tokens already cached per decode
 SHORT_CONTEXT = 128                  # a second decode series isolates the linear layers' cost
@@ -84,16 +84,17 @@ def make_batch(series: str, size: int, layout: Layout = FULL) -> Batch:
     return Batch(0, decodes[:HYBRID_DECODES] + [prefill])
 
 
-def make_executor(spec: str, layout: Layout = FULL) -> Executor:
-    """DTYPE[:KV[:WEIGHTS[:ATTENTION]]] -> an Executor with the layout's cache. A bare DTYPE (the
-    --dtypes runs) keeps the KV cache in the compute dtype and float weights, as before issue 11."""
-    from worker_svc.executor import Executor  # torch: only for scripts that build an engine
+def make_executor(spec: str, layout: Layout = FULL) -> ModelRunner:
+    """DTYPE[:KV[:WEIGHTS[:ATTENTION]]] -> a ModelRunner with the layout's cache. A bare DTYPE (the
+    --dtypes runs) keeps the KV cache in the compute dtype and float weights, as before issue 11.
+    The name stays: ENGINE_PROCESS calls it by name inside older source trees."""
+    from worker_svc.model_runner import ModelRunner  # torch: only for scripts that build an engine
 
     dtype, kv, wq, attn = (spec.split(":") + ["auto", "auto", "auto"])[:4]
     if kv == "auto" and ":" not in spec:
         kv = dtype
-    ex = Executor(WorkerConfig(dtype=dtype, kv_cache_dtype=kv, weight_quant=wq if ":" in spec else "none",
-                               cache=CacheConfig(BLOCK_SIZE, layout.num_blocks)))
+    ex = ModelRunner(WorkerConfig(dtype=dtype, kv_cache_dtype=kv, weight_quant=wq if ":" in spec else "none",
+                                  cache=CacheConfig(BLOCK_SIZE, layout.num_blocks)))
     if attn == "torch":                   # the torch decode path (SARATHI_NATIVE_ATTENTION=0)
         from worker_svc.backends.torch_attention import TorchAttention
         ex.backend.attention = TorchAttention()
@@ -102,7 +103,7 @@ def make_executor(spec: str, layout: Layout = FULL) -> Executor:
     return ex
 
 
-def step_bytes(ex: Executor, series: str, size: int) -> int:
+def step_bytes(ex: ModelRunner, series: str, size: int) -> int:
     """Bytes one step must read at least: every linear weight once (int8 + scales when the
     variant's int8 path runs at this token count, else the dense weight it multiplies), the LM head for the
     sampled rows, and the K and V of every cached token attended over."""
@@ -196,9 +197,9 @@ def rss_mb(pid: int) -> float:
 
 
 class EngineProcess:
-    """One executor (`make_executor(spec, SMALL)`) of the source tree `tree` in a process of its own,
+    """One model runner (`make_executor(spec, SMALL)`) of the source tree `tree` in a process of its own,
     stepped on request: `step("decode:32")` runs that batch once and returns {"s": seconds around
-    Executor.execute, "prepare_s", "forward_s", "sample_s"}. `info`: its backend line and machine.
+    ModelRunner.execute, "prepare_s", "forward_s", "sample_s"}. `info`: its backend line and machine.
     Several of them asked in turn (A, B, A, B, ...) see the same load drifts."""
 
     def __init__(self, tree: Path, threads: int, spec: str = "float32:auto:auto:auto",

@@ -10,7 +10,7 @@ attention), in up to three variants, each in its own process (pinned like this d
 
 The driver asks the variants for one step each in turn, A, B, C, A, B, C, ..., so load drifts
 hit all alike (the machine is shared); a step's time is measured inside its process around
-Executor.execute. Also records each variant's executor timings (prepare, forward, sample).
+ModelRunner.execute. Also records each variant's executor timings (prepare, forward, sample).
 
     taskset -c 1 python -m bench.cpu_fused_ops [--threads 1] [--reps 30] [--base-tree DIR]
         [--out bench/results/engine_cpu/cpu_fused_ops_amd]

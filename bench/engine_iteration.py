@@ -1,7 +1,7 @@
 """Iteration time of the real engine (SmolLM2-135M, CPU) by batch shape: the CPU version of the
 Sarathi-Serve paper's Figures 3, 4, 6 and 9.
 
-Series (all through Executor.execute, so prepare + forward + sampling are included):
+Series (all through ModelRunner.execute, so prepare + forward + sampling are included):
 * decode:  B decodes of 1 token each at a 1k-token context (B = 1 .. 128); decode_short: the
   same at a 128-token context, where the linear layers dominate;
 * prefill: one prompt chunk of N tokens with an empty prefix (N = 1 .. 2048): where the linear
@@ -46,7 +46,7 @@ from bench.common import (
     make_executor,
     step_bytes,
 )
-from worker_svc.executor import Executor
+from worker_svc.model_runner import ModelRunner
 
 DECODE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 PREFILL_SIZES = [1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048]
@@ -62,7 +62,7 @@ def cases(decode_sizes=DECODE_SIZES, prefill_sizes=PREFILL_SIZES, hybrid_sizes=H
             + [("hybrid", n) for n in hybrid_sizes])
 
 
-def measure(executors: dict[str, Executor], threads: list[int], rounds: int,
+def measure(executors: dict[str, ModelRunner], threads: list[int], rounds: int,
             case_list: list[tuple[str, int]], layout: Layout) -> tuple[dict, dict]:
     """(wall, cpu): variant ("float32/2t") -> "series:size" -> seconds per round. cpu is the
     process CPU time of the iteration: with 1 thread it is what the run costs without being
@@ -168,7 +168,7 @@ def plot_bounds(summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def profile(executors: dict[str, Executor], threads: int, path: Path, layout: Layout) -> None:
+def profile(executors: dict[str, ModelRunner], threads: int, path: Path, layout: Layout) -> None:
     """torch.profiler tables (ops by self CPU time) of the cases the targets are about."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile

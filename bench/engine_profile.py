@@ -1,4 +1,4 @@
-"""Where a CPU engine step's time goes: torch.profiler over Executor.execute on the issue-11
+"""Where a CPU engine step's time goes: torch.profiler over ModelRunner.execute on the issue-11
 cases (decode batch 1 and 32 at 1k context), the CPU defaults (int8 weights, bf16 KV).
 
     python -m bench.engine_profile [--threads 2] [--reps 10] [--out bench/results/engine_cpu/engine_profile_amd]

@@ -20,7 +20,7 @@ by token count T, each a full sweep over the weights (more than the L3, as in a 
 T (worker_svc/backends/cpu/gguf.py GGUF_MAX_TOKENS records the tile kernels' on Zen 3; up to the
 largest T timed when it never loses).
 
-Part "engine": SmolLM2's real GGUF on the Executor, one process per arm (ARMS: --base-tree's code,
+Part "engine": SmolLM2's real GGUF on the ModelRunner, one process per arm (ARMS: --base-tree's code,
 e.g. main before a change; the default now, with the decode stack; the same with
 SARATHI_NATIVE_STACK=0, layer by layer; the 8-token tile kernels; llama.cpp's 8-bit
 activations) stepped in turn
@@ -74,7 +74,7 @@ from bench.common import (
 from bench.membw import copy_gb_per_s
 from worker_svc.backends.cpu import native
 from worker_svc.backends.cpu.quant import quantize_int8
-from worker_svc.model.gguf_blocks import BLOCK_FORMATS, FORMAT_NAMES
+from worker_svc.gguf_blocks import BLOCK_FORMATS, FORMAT_NAMES
 
 SIZES = [1, 2, 4, 8, 12, 16, 32, 64]
 Q4_1, Q8_0 = 3, 8

@@ -3,7 +3,7 @@ of ../shared/GPU.md and the goals of issue 8.
 
 The model is created in memory, tensor by tensor on the device (random_weights): no checkpoint,
 no download. Shapes: 32 layers, hidden 4096, 32 q / 8 kv heads, head_dim 128, intermediate
-14336, vocab cut to 49152 (as GPU.md's measurements). Every case runs through Executor.execute
+14336, vocab cut to 49152 (as GPU.md's measurements). Every case runs through ModelRunner.execute
 (prepare + forward + sampling, token ids back on the host), median over rounds, in two variants
 of the same executor: CUDA graphs on (decode-only batches replay a graph) and off (eager).
 
@@ -33,9 +33,9 @@ import torch
 from shared.config import CacheConfig, WorkerConfig
 from shared.messages import Batch, SeqChunk
 from shared.sampling import SamplingParams
-from worker_svc.executor import Executor
 from worker_svc.loader import LazyWeights, expected_shapes
-from worker_svc.model.config import ModelConfig
+from worker_svc.model_config import ModelConfig
+from worker_svc.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
 HBM_BYTES_PER_S = 3.0e12          # GPU.md: device-to-device copy on the H100 measured
@@ -124,7 +124,7 @@ def bound_s(cfg: ModelConfig, series: str, size: int, ctx: int, tiny: bool, kv_b
     return max(memory, compute)
 
 
-def measure(ex: Executor, tiny: bool, rounds: int) -> dict:
+def measure(ex: ModelRunner, tiny: bool, rounds: int) -> dict:
     """variant -> "series:size" -> seconds per round; variants interleaved per case."""
     graphs = ex.graphs
     variants = {"graphs": graphs, "eager": None} if graphs is not None else {"eager": None}
@@ -209,7 +209,7 @@ def plot(summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def profile(ex: Executor, tiny: bool, path: Path) -> None:
+def profile(ex: ModelRunner, tiny: bool, path: Path) -> None:
     """Kernel table (CUDA time) of the decode-32 and hybrid 32+512 steps: what remains."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -243,7 +243,8 @@ def gpu_info() -> str:
             f"torch {torch.__version__}")
 
 
-def build_executor(tiny: bool, device: str, cuda_graphs: bool, attention: str = "auto") -> tuple[Executor, ModelConfig]:
+def build_model_runner(tiny: bool, device: str, cuda_graphs: bool,
+                       attention: str = "auto") -> tuple[ModelRunner, ModelConfig]:
     cfg = tiny_config() if tiny else llama3_8b_config()
     dtype = "float32" if device == "cpu" else "bfloat16"
     wc = WorkerConfig(dtype=dtype, device=device, cache=CacheConfig(BLOCK_SIZE, blocks_needed(tiny)),
@@ -251,7 +252,7 @@ def build_executor(tiny: bool, device: str, cuda_graphs: bool, attention: str = 
                           n for s, n, _ in cases(tiny) if s == "decode"))
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
     dev = device if device == "cpu" or ":" in device else "cuda:0"
-    return Executor(wc, weights=(cfg, random_weights(cfg, torch_dtype, dev))), cfg
+    return ModelRunner(wc, weights=(cfg, random_weights(cfg, torch_dtype, dev))), cfg
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--rounds must be >= 1")
     if args.ops:
         os.environ["SARATHI_CUDA_OPS"] = args.ops
-    ex, cfg = build_executor(args.tiny, args.device, args.cuda_graphs, args.attention)
+    ex, cfg = build_model_runner(args.tiny, args.device, args.cuda_graphs, args.attention)
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * ex.cache.k[0].element_size()
     hbm, flops = args.hbm_tbs * 1e12, args.dense_tflops * 1e12
     summary = summarize(measure(ex, args.tiny, args.rounds), cfg, args.tiny, kv_per_token, hbm, flops)

@@ -3,7 +3,7 @@
     python -m bench.gpu_load_point [--qps 8] [--num-requests 64] [--policies sarathi,vllm]
                                    [--out bench/results/gpu/gpu_load_point]
 
-The real engine: the scheduler (EngineLoop) over the CUDA executor (FlashInfer, CUDA graphs,
+The real engine: the scheduler (EngineLoop) over the CUDA model runner (FlashInfer, CUDA graphs,
 KV cache sized from free memory) with random-init Llama-3-8B weights at full shapes, vocabulary
 128256 included, bf16, made on the device (bench.gpu_engine_iteration.random_weights). The
 workload: the shipped ShareGPT-4 length trace at full length (prompts + outputs up to 4096
@@ -38,13 +38,13 @@ from sarathi.measure.trace import load_trace
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.scheduler import Scheduler
 from shared.config import CacheConfig, SchedulerConfig, WorkerConfig
-from worker_svc.executor import Executor
+from worker_svc.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
 MAX_LEN = 4096
 
 
-def build(args) -> tuple[Executor, object]:
+def build(args) -> tuple[ModelRunner, object]:
     """The 8B on CUDA (KV sized from memory), or with --tiny a tiny model on the CPU (512 blocks)."""
     if args.tiny:
         cfg, dtype, device, blocks = tiny_config(), torch.float32, "cpu", 512
@@ -55,7 +55,7 @@ def build(args) -> tuple[Executor, object]:
                       cache=CacheConfig(BLOCK_SIZE, blocks), gpu_memory_utilization=args.gpu_memory_utilization,
                       cuda_graphs=True, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens)
-    return Executor(wc, weights=(cfg, random_weights(cfg, dtype, device))), cfg
+    return ModelRunner(wc, weights=(cfg, random_weights(cfg, dtype, device))), cfg
 
 
 def sched_config(args, policy: str) -> SchedulerConfig:
@@ -67,7 +67,7 @@ class Recording:
     """The executor, recording each batch's shapes (start, new tokens, is_decode per sequence)
     and the seconds execute() took (synchronous: it ends with token ids on the host)."""
 
-    def __init__(self, ex: Executor):
+    def __init__(self, ex: ModelRunner):
         self.ex, self.log = ex, []
 
     def __getattr__(self, name):

@@ -44,7 +44,7 @@ def make_model(files: Path, dest: Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     from worker_svc.loader import expected_shapes
-    from worker_svc.model.config import ModelConfig
+    from worker_svc.model_config import ModelConfig
 
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from bench.sim_paper import OUT, R1_CONFIGS, R1_SLOS, R2_POLICIES, R3_TAUS, R4_TAUS, load
+from bench.sim_runs import OUT, R1_CONFIGS, R1_SLOS, R2_POLICIES, R3_TAUS, R4_TAUS, load
 
 PAPER = {"r1_strict_sarathi_over_vllm": [2.15, 2.6],
          "note": "Sarathi-Serve (OSDI '24), Figure 10: Mistral-7B on one A100, strict SLO; the paper's headline "

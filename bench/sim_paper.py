@@ -27,21 +27,23 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-OUT = Path("bench/results/sim")
-PROBE = ["--num-requests", "1000", "--drain", "120", "--resolution", "0.04", "--seed", "0"]
-SMALL = ["--num-requests", "500", "--drain", "120", "--resolution", "0.05", "--seed", "0"]   # r2-r4: half the CPU
-R1 = ["--model", "llama-3-8b", "--device", "a100"]
-R1_SLOS = {"strict": "0.1", "relaxed": "0.5"}
-R1_CONFIGS = [("sarathi", "512"), ("sarathi", "2048"), ("vllm", "512"), ("orca", "512"),
-              ("faster_transformer", "512")]
-R2 = ["--model", "llama-2-70b", "--device", "a100", "--tp", "4", "--pp", "2"]
-R2_POLICIES = [("sarathi", "512"), ("vllm", "512"), ("orca", "512")]
-R3_TAUS = ("256", "512", "1024", "2048", "4096")
-R3_ABLATION_QPS = "2.0"
-R4 = R1 + ["--length-scale", "0.5", "--shift-prompt-scale", "4", "--tbt-slo", "0.1"]
-R4_TAUS = ("256", "512", "1024", "2048")
+from bench.sim_figures import figures
+from bench.sim_runs import (
+    OUT,
+    PROBE,
+    R1,
+    R1_CONFIGS,
+    R1_SLOS,
+    R2,
+    R2_POLICIES,
+    R3_ABLATION_QPS,
+    R3_TAUS,
+    R4,
+    R4_TAUS,
+    SMALL,
+    load,
+)
 
 
 def cmd(*args: str) -> list[str]:
@@ -119,10 +121,6 @@ def r4_windows() -> dict[str, list[str]]:
             for t in (best, "adaptive")}
 
 
-def load(name: str) -> dict:
-    return json.loads((OUT / f"{name}.json").read_text())
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["run", "windows", "record", "figures"])
@@ -140,7 +138,6 @@ def main(argv: list[str] | None = None) -> None:
     elif a.what == "windows":
         run(a.jobs, None, r4_windows(), skip_done=False)
     else:
-        from bench.sim_figures import figures
         figures()
 
 

@@ -31,7 +31,7 @@ import sys
 
 import numpy as np
 
-from bench.sim_paper import OUT
+from bench.sim_runs import OUT
 from sarathi.measure.costmodel import CostModel, fit_aggregates
 from sarathi.measure.metrics import meets_slo
 from sarathi.measure.profile import cases, serving_cases

@@ -5,7 +5,7 @@
    emits them, this gateway's request bodies) through what the gateway does per request
    (shared.constraints.grammar_for + llguidance.LLMatcher on the SmolLM2 tokenizer), and the time
    to the first mask; p50 / p99 over schemas (each the median of `--repeats`).
-2. Mask cost per decode step: the real Executor (SmolLM2-135M, default CPU path) runs decode
+2. Mask cost per decode step: the real ModelRunner (SmolLM2-135M, default CPU path) runs decode
    steps of `batch` requests at SHORT_CONTEXT, every request constrained to a nested schema (or
    none), sampling greedily; a request that completes its JSON starts again. Per step: the whole
    step, the mask fill (llguidance, on its thread while the forward pass runs), the wait for it
@@ -141,7 +141,7 @@ class Probe:
     sampler blocked on it after the forward pass), apply (setting the logits to -inf)."""
 
     def __init__(self, ex):
-        import worker_svc.sampler as sampler_mod
+        import worker_svc.sampling.sampler as sampler_mod
 
         self.fill, self.wait, self.apply = [], [], []
         guides, mod = ex.sampler.guides, sampler_mod
@@ -223,9 +223,9 @@ class DecodeRun:
 def time_decode(batches: list[int], steps: int, rounds: int, warmup: int) -> tuple[list[dict], dict]:
     from shared.config import CacheConfig, WorkerConfig
     from shared.constraints import grammar_for
-    from worker_svc.executor import Executor
+    from worker_svc.model_runner import ModelRunner
 
-    ex = Executor(WorkerConfig(cache=CacheConfig(BLOCK_SIZE, max(batches) * (1024 // BLOCK_SIZE))))
+    ex = ModelRunner(WorkerConfig(cache=CacheConfig(BLOCK_SIZE, max(batches) * (1024 // BLOCK_SIZE))))
     t0 = time.perf_counter()
     ex.sampler.guides.tokenizer()            # the lazy grammar tokenizer, once, outside the timings
     tokenizer_s = time.perf_counter() - t0

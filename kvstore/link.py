@@ -169,7 +169,7 @@ class KvLink:
         self.sender.close()
 
 
-def make_kv_link(executor, address: str | None) -> KvLink | None:
-    """The link of a worker whose executor has a paged KV cache (`cache`); None otherwise."""
-    cache = getattr(executor, "cache", None)
+def make_kv_link(runner, address: str | None) -> KvLink | None:
+    """The link of a worker whose model runner has a paged KV cache (`cache`); None otherwise."""
+    cache = getattr(runner, "cache", None)
     return KvLink(cache, address) if cache is not None else None

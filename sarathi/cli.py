@@ -319,9 +319,16 @@ def _measure_parsers(sub) -> None:
     _sim_device_args(p, required=False)
 
 
+MEASUREMENT_COMMANDS = ("bench", "capacity", "simulate", "profile", "plan")   # sarathi.measure.commands
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from sarathi import commands  # heavy imports only after parsing (fast --help)
+    # heavy imports only after parsing (fast --help)
+    if args.cmd in MEASUREMENT_COMMANDS:
+        from sarathi.measure import commands
+    else:
+        from sarathi import commands
 
     try:
         return getattr(commands, args.cmd)(args) or 0

@@ -1,7 +1,8 @@
 """The offline Python API: `LLM(model).generate(prompts, params)`.
 
 It joins the three in-process parts the services run apart: the tokenizer (shared), the
-scheduler with its batching policy (scheduler_svc) and the torch executor (worker_svc).
+scheduler with its batching policy (scheduler_svc) and the model runner (worker_svc), which is the
+engine loop's executor.
 
     >>> from sarathi import LLM, SamplingParams
     >>> llm = LLM()                                   # SmolLM2-135M-Instruct, CPU
@@ -40,7 +41,7 @@ class Completion:
 
 
 class LLM:
-    """A model loaded in this process, served by the real scheduler and executor.
+    """A model loaded in this process, served by the real scheduler and model runner.
 
     model: a GGUF file or HF-style directory; None = the shipped SmolLM2-135M-Instruct.
     policy / token_budget: the batching policy and tau (tokens per iteration).
@@ -74,25 +75,31 @@ class LLM:
         return llm
 
     def _start(self, worker: WorkerConfig, scheduler: SchedulerConfig) -> None:
-        from worker_svc.executor import Executor  # torch lives only behind this import
+        from worker_svc.model_runner import ModelRunner  # torch lives only behind this import
 
         source = resolve_model(worker.model)
         self._source, self._tokenizer = source, None
         # the worker's profiling pass (CUDA) covers the largest iteration the policy can make
-        self.executor = Executor(dataclasses.replace(
+        self.model_runner = ModelRunner(dataclasses.replace(
             worker, model=str(source.path), max_num_seqs=scheduler.max_num_seqs,
             max_num_batched_tokens=scheduler.max_tokens_per_iteration))
-        info = self.model_info = self.executor.model_info
+        info = self.model_info = self.model_runner.model_info
         self.scheduler_config = dataclasses.replace(scheduler, max_model_len=info.max_model_len)
         # the worker decides the block count (num_blocks 0 = auto): the scheduler uses its figure
         self.engine = self.make_engine(self.scheduler_config)
 
+    @property
+    def executor(self):
+        """The model runner (worker_svc.model_runner.ModelRunner) in its role as the engine loop's
+        executor: the public name of `model_runner`."""
+        return self.model_runner
+
     def make_engine(self, scheduler: SchedulerConfig) -> EngineLoop:
-        """A fresh scheduler with `scheduler`'s policy and limits on this model's executor (its KV
+        """A fresh scheduler with `scheduler`'s policy and limits on this model's runner (its KV
         cache is reused: the previous engine must have finished its requests)."""
         info = self.model_info
         return EngineLoop(Scheduler(scheduler, CacheConfig(info.block_size, info.num_blocks), info),
-                          self.executor)
+                          self.model_runner)
 
     @property
     def tokenizer(self) -> Tokenizer:

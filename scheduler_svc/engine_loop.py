@@ -15,14 +15,22 @@ Batches are a deterministic function of the arrivals and the order of schedule/u
 of timing: with the same depth, an in-process executor makes the very same batches as remote
 ranks, which is what the parallel tests compare.
 
-The executor is injected: an object with `submit(batch)` and `collect() -> (batch, output)` (a
-client of remote workers, scheduler_svc.remote_executor), or any object with only
-`execute(batch) -> BatchOutput` (the torch executor in worker_svc, sim_executor.SimExecutor),
-which the loop runs when a batch is collected. Nothing here imports torch.
+The executor is injected. The scheduler's executors are one family: Executor (this module's
+protocol: `execute(batch) -> BatchOutput`; the worker's ModelRunner in process,
+sim_executor.SimExecutor), which the loop runs when a batch is collected, and PipelineExecutor
+(`submit(batch)` and `collect() -> (batch, output)`; remote_executor.RemoteExecutor, a client of
+remote workers). Nothing here imports torch.
+
+An EngineLoop is an engine (scheduler_svc.engine): the scheduler service runs it for one worker
+or replica, with the fault rules of the "worker faults" methods below (a lost worker's requests
+are preempted and held until it answers, or fail after restart_timeout_s). Offline generate()
+and PoolSet (which drives one loop per pool and handles its workers' faults itself) use none of
+those methods.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -32,6 +40,8 @@ from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler
 from shared.messages import Batch, BatchOutput, TokenEvent
 from shared.sampling import SamplingParams
+
+log = logging.getLogger("sarathi.scheduler")
 
 
 class Executor(Protocol):
@@ -99,12 +109,15 @@ class EngineLoop:
     (batch_id, req_ids, num_tokens, waiting requests and in-flight batch ids at submit,
     submit/collect times on time.time(), the output's timings) for tests and benchmarks.
     before_submit(batch): called for every scheduled batch just before it is sent (the
-    disaggregation coordinator adds its kv_sends there).
+    disaggregation coordinator adds its kv_sends there). restart_timeout_s: seconds the requests
+    of a lost worker wait for it (service only); on_worker_lost(): called when the worker is
+    lost or restarted (metrics).
     """
 
     def __init__(self, scheduler: Scheduler, executor: Executor | PipelineExecutor, depth: int = 1,
                  on_batch: Callable[[Batch, BatchOutput, float], None] | None = None,
-                 record: bool = False, before_submit: Callable[[Batch], None] | None = None):
+                 record: bool = False, before_submit: Callable[[Batch], None] | None = None,
+                 restart_timeout_s: float = 30.0, on_worker_lost: Callable[[], None] | None = None):
         if depth < 1:
             raise ValueError(f"pipeline depth must be >= 1, got {depth}")
         self.scheduler = scheduler
@@ -118,18 +131,42 @@ class EngineLoop:
         self.trace: list[dict] = []
         self._ids = itertools.count()
         self.before_submit = before_submit   # may add to a batch before it is sent (kv_sends)
+        self.restart_timeout_s = restart_timeout_s
+        self.on_worker_lost = on_worker_lost
+        self.worker_down_since: float | None = None   # time.monotonic() when the worker was lost
 
+    # -- the engine interface (scheduler_svc.engine) ---------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> Request:
-        return self.scheduler.add_request(req_id, prompt_token_ids, sampling, arrival_time)
+                    arrival_time: float | None = None, share_prompt_with: str | None = None) -> Request:
+        return self.scheduler.add_request(req_id, prompt_token_ids, sampling, arrival_time, share_prompt_with)
 
-    def abort(self, req_id: str) -> None:
-        """Any moment, any thread: the request ends ("abort") at the next step boundary."""
-        self.scheduler.abort(req_id)
+    def abort(self, req_id: str, error: str | None = None) -> None:
+        """Any moment, any thread: the request ends ("abort", or "error" with `error`) at the
+        next step boundary."""
+        self.scheduler.abort(req_id, error)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.scheduler.clock
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.config.max_num_seqs
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
 
     def step(self) -> list[TokenEvent]:
         """Fill, then wait for the oldest batch; its token events (and those of aborts since the
@@ -200,6 +237,95 @@ class EngineLoop:
             abandon()
         return lost
 
+    # -- worker faults (the scheduler service; see scheduler_svc.engine) ----------------------------
+    @property
+    def worker_up(self) -> bool:
+        return self.worker_down_since is None
+
+    def has_work(self) -> bool:
+        return self.worker_up and self.scheduler.has_unfinished()
+
+    def check_worker(self) -> bool:
+        """A link that went down while idle counts as a lost worker. False while it is lost."""
+        check = getattr(self.executor, "check_links", None)
+        lost = check() if check is not None else []
+        if lost and self.worker_up:
+            self._worker_lost(f"worker {', '.join(lost)} disconnected")
+        return self.worker_up
+
+    def wait_for_worker(self) -> list[TokenEvent]:
+        """Wait up to 0.5 s for the lost worker to answer (then the held requests run on it);
+        past restart_timeout_s every request ends with an "error" event (returned)."""
+        from scheduler_svc.remote_executor import WorkerError  # here: offline use loads no zmq
+
+        wait = getattr(self.executor, "wait_ready", None)
+        try:
+            if wait is not None:
+                wait(0.5)
+            log.info("a worker answers again; replaying %d requests", len(self.scheduler.requests))
+            self.worker_down_since = None
+            return []
+        except WorkerError:
+            pass
+        down_s = time.monotonic() - self.worker_down_since
+        if down_s > self.restart_timeout_s and self.scheduler.has_unfinished():
+            message = (f"no worker answered for {down_s:.0f} s "
+                       f"(worker_restart_timeout_s={self.restart_timeout_s:g})")
+            log.error("%s; failing %d requests", message, len(self.scheduler.requests))
+            for req_id in list(self.scheduler.requests):
+                self.scheduler.abort(req_id, error=message)
+            return self.scheduler.apply_aborts()
+        return []
+
+    def recover(self, error: Exception) -> list[TokenEvent]:
+        """After step() raised `error`. A lost worker (WorkerLostError; a TP/PP rank included):
+        every request is preempted and held until a worker answers. A restarted one: the same,
+        and it runs them at once. A failed iteration (WorkerError): the requests of the batches in
+        flight end with an "error" event. Anything else (a bug): every request ends so."""
+        from scheduler_svc.remote_executor import WorkerError, WorkerLostError, WorkerRestartedError
+
+        if isinstance(error, WorkerLostError):
+            self._worker_lost(str(error))
+        elif isinstance(error, WorkerRestartedError):
+            log.error("%s; replaying %d requests on it", error, len(self.scheduler.requests))
+            if self.on_worker_lost is not None:
+                self.on_worker_lost()
+            self._replay_all()
+        elif isinstance(error, WorkerError):
+            log.error("iteration failed: %s", error)
+            self._fail_in_flight(f"the worker failed this request's iteration: {error}", [])
+        else:   # a bug must not leave requests hanging: fail them, keep serving
+            log.error("engine step failed", exc_info=error)
+            self._fail_in_flight(f"internal error: {type(error).__name__}: {error}",
+                                 list(self.scheduler.requests))
+        return self.scheduler.take_events()
+
+    def _worker_lost(self, message: str) -> None:
+        """The worker's KV is gone: preempt every running request (it is recomputed, with its
+        generated tokens, once a worker answers) and stop running until then."""
+        log.error("%s; holding %d requests for up to %.0f s until a worker answers", message,
+                  len(self.scheduler.requests), self.restart_timeout_s)
+        if self.on_worker_lost is not None:
+            self.on_worker_lost()
+        self._replay_all()
+        self.worker_down_since = time.monotonic()
+
+    def _replay_all(self) -> None:
+        self.take_in_flight()   # the batches in flight will never be answered
+        self.scheduler.on_workers_lost()
+
+    def _fail_in_flight(self, message: str, also_fail: list[str]) -> None:
+        """After a failed step no batch in flight will be answered (the executor dropped them
+        all), so no request may stay marked in flight (aborts wait for that mark to clear). The
+        requests of the lost batches, and `also_fail`, end with an "error" event at the next step
+        boundary."""
+        for lost in self.take_in_flight():
+            self.scheduler.fail_batch(lost, message)
+        self.scheduler.on_batches_abandoned()
+        for req_id in also_fail:
+            self.scheduler.abort(req_id, error=message)
+
+    # -- offline ----------------------------------------------------------------------------------
     def run_until_done(self, on_event: Callable[[TokenEvent], None] | None = None,
                        max_steps: int | None = None) -> int:
         """Step until no request is unfinished; returns the number of steps taken."""

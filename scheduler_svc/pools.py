@@ -33,6 +33,9 @@ and a transfer towards it counts as failed. The pool rejoins once its worker ans
 pool up, requests wait up to restart_timeout_s, then end with an error. After every fault each
 pool's free blocks return to its total once its requests are gone.
 
+A PoolSet is an engine (scheduler_svc.engine) that the scheduler service runs like an EngineLoop;
+its step() applies the fault rules above, so the service never waits for its workers.
+
 Torch-free.
 """
 from __future__ import annotations
@@ -55,6 +58,7 @@ from shared.messages import Batch, BatchOutput, KvSend, TokenEvent
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("sarathi.pools")
+service_log = logging.getLogger("sarathi.scheduler")   # what the service sees: a step that raised
 
 FAILURE_MODES = ("recompute", "fail")
 
@@ -183,6 +187,36 @@ class PoolSet:
     @property
     def num_running(self) -> int:
         return sum(len(p.scheduler.running) for p in self.pools)
+
+    # -- worker faults, for the scheduler service (see scheduler_svc.engine) ---------------------
+    @property
+    def worker_up(self) -> bool:
+        """Some pool's worker is up."""
+        return any(p.up for p in self.pools)
+
+    def check_worker(self) -> bool:
+        """Always True: step() notices lost links and asks lost workers back itself."""
+        return True
+
+    def wait_for_worker(self) -> list[TokenEvent]:
+        return []
+
+    def has_work(self) -> bool:
+        """Requests to run, or a lost worker to ask back (step() does both)."""
+        return self.has_unfinished() or not all(p.up for p in self.pools)
+
+    def recover(self, error: Exception) -> list[TokenEvent]:
+        """After step() raised (a bug: worker faults are handled inside it): no batch in flight
+        will be answered and every request ends with an "error" event, returned now."""
+        service_log.error("pool step failed", exc_info=error)
+        message = f"internal error: {type(error).__name__}: {error}"
+        for p in self.pools:
+            for lost in p.loop.take_in_flight():
+                p.scheduler.fail_batch(lost, message)
+            p.scheduler.on_batches_abandoned()
+            for req_id in list(p.scheduler.requests):
+                p.scheduler.abort(req_id, error=message)
+        return [e for p in self.pools for e in p.scheduler.apply_aborts()]
 
     # -- one step -------------------------------------------------------------------------------
     def step(self, wait_s: float = 0.05) -> list[TokenEvent]:

@@ -1,4 +1,4 @@
-"""The scheduler service: queue in, engine loop against remote workers, token events out.
+"""The scheduler service: queue in, an engine against remote workers, token events out.
 
 One thread runs `SchedulerService.run()`; each turn of the loop:
 
@@ -6,7 +6,7 @@ One thread runs `SchedulerService.run()`; each turn of the loop:
 2. pull new requests from the queue only when there is room (pull-based admission: an idle
    replica takes work, a busy one leaves it for others); an invalid request gets an "error"
    TokenEvent and is acked at once, so it is never replayed;
-3. run one iteration of the engine loop and publish its TokenEvents to each request's gateway;
+3. run one iteration of the engine and publish its TokenEvents to each request's gateway;
 4. ack every request that ended (finished, aborted or failed): until then it stays in the
    queue's pending set, which is what a restarted scheduler replays (recomputing from the
    prompt; the gateway drops the events it has already seen, by index).
@@ -26,9 +26,12 @@ Failure rules (no accepted request may hang, none is dropped silently):
 Unseeded requests get a seed derived from their id, so that a replay after a crash regenerates
 the very same tokens.
 
-One engine loop (scheduler_svc.engine_loop) runs the iterations: depth 1 for a single worker, up
-to pp batches in flight for a TP x PP replica. The loop knows the batches in flight; the failure
-handling below asks it which were lost, and the scheduler decides what becomes of their requests.
+One engine (scheduler_svc.engine) runs the iterations: an EngineLoop for one worker (depth 1) or
+one TP x PP replica (up to pp batches in flight), or a PoolSet for several worker pools
+(scheduler_svc.pools, whose module doc has its own failure rules: a lost pool's requests move to
+the pools that are up). The engine knows the batches in flight and applies the rules above; the
+service only asks it, between steps, whether to wait for a worker, and hands it what a step
+raised.
 """
 from __future__ import annotations
 
@@ -39,10 +42,11 @@ import threading
 import time
 import zlib
 
+from scheduler_svc.engine import Engine
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.metrics import SchedulerMetrics, start_http
 from scheduler_svc.pools import PoolSet, make_pool
-from scheduler_svc.remote_executor import WorkerError, WorkerLostError, WorkerRestartedError
+from scheduler_svc.remote_executor import WorkerError
 from scheduler_svc.router import Router, RouterConfig
 from scheduler_svc.scheduler import Scheduler
 from shared.config import CacheConfig, SchedulerServiceConfig
@@ -54,31 +58,26 @@ log = logging.getLogger("sarathi.scheduler")
 
 
 class SchedulerService:
-    """max_waiting: requests held in the local waiting queue at most (beyond it, new requests
-    stay in the shared queue for other replicas). idle_block_ms: ms to wait on the queue when
-    there is nothing to run. replay_interval_s: seconds between claims of dead replicas' work.
-    worker_restart_timeout_s: seconds to hold the requests of a lost worker for its return."""
+    """Runs one engine (scheduler_svc.engine.Engine: an EngineLoop over one worker or replica,
+    or a PoolSet over several pools) against the queue. max_waiting: requests held in the local
+    waiting queue at most (beyond it, new requests stay in the shared queue for other replicas).
+    idle_block_ms: ms to wait on the queue when there is nothing to run. replay_interval_s:
+    seconds between claims of dead replicas' work. How long the requests of a lost worker wait
+    for it is the engine's (restart_timeout_s)."""
 
-    def __init__(self, scheduler: Scheduler, executor, queue: SchedulerQueue,
-                 metrics: SchedulerMetrics, *, max_waiting: int = 64, idle_block_ms: int = 50,
-                 replay_interval_s: float = 5.0, worker_restart_timeout_s: float = 30.0):
-        self.scheduler = scheduler
-        self.executor = executor
-        # a TP x PP replica keeps up to pp micro-batches in flight; a single worker one batch
-        self.loop = EngineLoop(scheduler, executor, getattr(executor, "pipeline_depth", 1),
-                               on_batch=lambda batch, _out, seconds: metrics.observe_batch(batch, seconds))
+    def __init__(self, engine: Engine, queue: SchedulerQueue, metrics: SchedulerMetrics, *,
+                 max_waiting: int = 64, idle_block_ms: int = 50, replay_interval_s: float = 5.0):
+        self.engine = engine
         self.queue = queue
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.idle_block_ms = idle_block_ms
         self.replay_interval_s = replay_interval_s
         self.reply_to: dict[str, str] = {}   # req_id -> gateway id, for every unfinished request
-        self.snapshot: dict = scheduler.stats()  # read by the HTTP thread: replaced, never mutated
+        self.snapshot: dict = engine.stats()  # read by the HTTP thread: replaced, never mutated
         self.running = False
         self.http_port: int | None = None  # set by run_scheduler when it serves HTTP
         self._last_replay = 0.0
-        self.worker_restart_timeout_s = worker_restart_timeout_s
-        self.worker_down_since: float | None = None  # time.monotonic() when the link went down
         self._outbox: list[TokenEvent] = []   # events not yet published (queue unreachable)
         self._to_ack: list[str] = []          # ended requests whose end event is out, not yet acked
         self._queue_down = False
@@ -103,17 +102,20 @@ class SchedulerService:
 
     @property
     def worker_up(self) -> bool:
-        return self.worker_down_since is None
+        return self.engine.worker_up
 
     def stats_json(self) -> dict:
-        """What /stats answers (called by the HTTP thread): the last stats snapshot."""
-        return self.snapshot
+        """What /stats answers (called by the HTTP thread): the last stats snapshot; with pools,
+        plus `kv_transfers`: one dict per handed-off request (req_id, prefill_pool, decode_pool,
+        kv_bytes, kv_transfer_s, queue_s, prefill_s; seconds)."""
+        transfers = getattr(self.engine, "transfer_dicts", None)
+        return self.snapshot if transfers is None else {**self.snapshot, "kv_transfers": transfers()}
 
     def run_once(self) -> None:
         try:
             self._flush()
             for req_id in self.queue.poll_aborts():
-                self.scheduler.abort(req_id)  # unknown ids are ignored by the scheduler
+                self.engine.abort(req_id)  # unknown ids are ignored by the engine
             if self.worker_up:
                 self._pull()
             self._set_queue_down(False)
@@ -122,15 +124,21 @@ class SchedulerService:
         except Exception as e:  # noqa: BLE001 - a queue bug must not stop the loop: log, retry
             log.exception("queue operation failed")
             self._set_queue_down(True, e)
-        self._check_worker()
-        if not self.worker_up:
-            self._wait_for_worker()
-        elif self.scheduler.has_unfinished():
+        if not self.engine.check_worker():
+            events = self.engine.wait_for_worker()   # briefly; the requests past the restart timeout end
+            if events:
+                self._publish(events)
+        elif self.engine.has_work():
+            idle = not self.engine.has_unfinished()   # stepped only to ask lost workers back
             self._publish(self._step())
+            if idle and not self.worker_up:
+                time.sleep(0.2)                       # nothing pulled (no worker): do not spin
         elif self._queue_down:
             time.sleep(0.2)  # nothing to run and nobody to talk to: do not spin
-        self.snapshot = self.scheduler.stats()
+        self.snapshot = self.engine.stats()
         self.metrics.observe_stats(self.snapshot)
+        if "pools" in self.snapshot:
+            self.metrics.observe_pools(self.snapshot["pools"])
         self.metrics.worker_up.set(1 if self.worker_up else 0)
 
     def _set_queue_down(self, down: bool, exc: Exception | None = None) -> None:
@@ -140,50 +148,11 @@ class SchedulerService:
             log.info("the queue is reachable again")
         self._queue_down = down
 
-    # -- worker liveness --------------------------------------------------------------------------
-    def _check_worker(self) -> None:
-        """Between iterations: a link that went down while idle counts as a lost worker."""
-        check = getattr(self.executor, "check_links", None)
-        lost = check() if check is not None else []
-        if lost and self.worker_up:
-            self._worker_lost(f"worker {', '.join(lost)} disconnected")
-
-    def _worker_lost(self, message: str) -> None:
-        """The workers' KV is gone: preempt every running request (it is recomputed, with its
-        generated tokens, once a worker answers) and stop running until then."""
-        log.error("%s; holding %d requests for up to %.0f s until a worker answers", message,
-                  len(self.scheduler.requests), self.worker_restart_timeout_s)
-        self.metrics.worker_lost.inc()
-        self._replay_all()
-        self.worker_down_since = time.monotonic()
-
-    def _replay_all(self) -> None:
-        self.loop.take_in_flight()   # the batches in flight will never be answered
-        self.scheduler.on_workers_lost()
-
-    def _wait_for_worker(self) -> None:
-        wait = getattr(self.executor, "wait_ready", None)
-        try:
-            if wait is not None:
-                wait(0.5)
-            log.info("a worker answers again; replaying %d requests", len(self.scheduler.requests))
-            self.worker_down_since = None
-            return
-        except WorkerError:
-            pass
-        down_s = time.monotonic() - self.worker_down_since
-        if down_s > self.worker_restart_timeout_s and self.scheduler.has_unfinished():
-            message = (f"no worker answered for {down_s:.0f} s "
-                       f"(worker_restart_timeout_s={self.worker_restart_timeout_s:g})")
-            log.error("%s; failing %d requests", message, len(self.scheduler.requests))
-            for req_id in list(self.scheduler.requests):
-                self.scheduler.abort(req_id, error=message)
-            self._publish(self.scheduler.apply_aborts())
-
     def _pull(self) -> None:
-        waiting, running = len(self.scheduler.waiting), len(self.scheduler.running)
-        room = min(self.max_waiting - waiting, self.scheduler.config.max_num_seqs - running - waiting)
-        idle = not self.scheduler.has_unfinished()
+        engine = self.engine
+        waiting, running = engine.num_waiting, engine.num_running
+        room = min(self.max_waiting - waiting, engine.max_num_seqs - running - waiting)
+        idle = not engine.has_unfinished()
         if room > 0:
             self._admit(self.queue.fetch(room, block_ms=self.idle_block_ms if idle else 0))
             if time.monotonic() - self._last_replay > self.replay_interval_s:
@@ -194,32 +163,10 @@ class SchedulerService:
 
     def _step(self) -> list[TokenEvent]:
         try:
-            return self.loop.step()
-        except WorkerLostError as e:  # a worker (rank) died mid-batch: hold everything until one is back
-            self._worker_lost(str(e))
-        except WorkerRestartedError as e:  # a new worker answered: the KV of every request is gone
-            log.error("%s; replaying %d requests on it", e, len(self.scheduler.requests))
-            self.metrics.worker_lost.inc()
-            self._replay_all()
-        except WorkerError as e:
-            log.error("iteration failed: %s", e)
-            self._recover(f"the worker failed this request's iteration: {e}", [])
-        except Exception as e:  # a bug must not leave requests hanging: fail them, keep serving
-            log.exception("engine step failed")
-            self._recover(f"internal error: {type(e).__name__}: {e}", list(self.scheduler.requests))
-        self.metrics.failed_iterations.inc()
-        return self.scheduler.take_events()
-
-    def _recover(self, message: str, also_fail: list[str]) -> None:
-        """After a failed step no batch in flight will be answered (the executor dropped them
-        all), so no request may stay marked in flight (aborts wait for that mark to clear). The
-        requests of the lost batches, and `also_fail`, end with an "error" event at the next step
-        boundary."""
-        for lost in self.loop.take_in_flight():
-            self.scheduler.fail_batch(lost, message)
-        self.scheduler.on_batches_abandoned()
-        for req_id in also_fail:
-            self.scheduler.abort(req_id, error=message)
+            return self.engine.step()
+        except Exception as e:  # the engine's fault rules decide what becomes of its requests
+            self.metrics.failed_iterations.inc()
+            return self.engine.recover(e)
 
     # -- requests in and events out -----------------------------------------------------------------
     def _admit(self, msgs: list[RequestMsg]) -> None:
@@ -228,16 +175,16 @@ class SchedulerService:
                 continue  # a replay of a request we are already running
             self.reply_to[msg.req_id] = msg.reply_to
             try:
-                self.scheduler.add_request(msg.req_id, msg.prompt_token_ids, _seeded(msg),
-                                           arrival_time=self._to_clock(msg.arrival_time),
-                                           share_prompt_with=msg.share_prompt_with)
+                self.engine.add_request(msg.req_id, msg.prompt_token_ids, _seeded(msg),
+                                        arrival_time=self._to_clock(msg.arrival_time),
+                                        share_prompt_with=msg.share_prompt_with)
             except InvalidRequestError as e:
                 self.metrics.rejected.inc()
                 self._publish([Scheduler.rejection_event(msg.req_id, len(msg.prompt_token_ids), e)])
 
     def _to_clock(self, wall_time: float) -> float:
         """A gateway's time.time() arrival on the scheduler's clock (seconds)."""
-        return self.scheduler.clock() - max(0.0, time.time() - wall_time)
+        return self.engine.clock() - max(0.0, time.time() - wall_time)
 
     def _publish(self, events: list[TokenEvent]) -> None:
         """Send the events as the scheduler numbered them (in order, after any still in the
@@ -266,98 +213,6 @@ class SchedulerService:
         while self._to_ack:
             self.queue.ack(self._to_ack[0])
             self.reply_to.pop(self._to_ack.pop(0), None)
-
-
-class PoolService(SchedulerService):
-    """The scheduler service over several worker pools (scheduler_svc.pools.PoolSet): colocated
-    mixed workers, or prefill/decode disaggregation. Same queue handling as SchedulerService
-    (admission, aborts, events, acks, the outbox); the pools handle their workers' faults
-    themselves (a lost worker's requests are rerouted to the pools that are up)."""
-
-    def __init__(self, pools: PoolSet, queue: SchedulerQueue, metrics: SchedulerMetrics, *,
-                 max_waiting: int = 64, idle_block_ms: int = 50, replay_interval_s: float = 5.0,
-                 worker_restart_timeout_s: float = 30.0):
-        self.scheduler = pools       # add_request / abort / has_unfinished / stats / clock
-        self.pools = pools
-        self.executor = None
-        self.loop = None
-        self.queue, self.metrics = queue, metrics
-        self.max_waiting, self.idle_block_ms = max_waiting, idle_block_ms
-        self.replay_interval_s = replay_interval_s
-        self.reply_to: dict[str, str] = {}
-        self.snapshot: dict = pools.stats()
-        self.running = False
-        self.http_port: int | None = None
-        self._last_replay = 0.0
-        self.worker_restart_timeout_s = worker_restart_timeout_s
-        self.worker_down_since = None
-        self._outbox: list[TokenEvent] = []
-        self._to_ack: list[str] = []
-        self._queue_down = False
-        pools.on_batch = lambda _pool, batch, _out, seconds: metrics.observe_batch(batch, seconds)
-        pools.on_transfer = metrics.observe_transfer
-
-    @property
-    def worker_up(self) -> bool:
-        return any(p.up for p in self.pools.pools)
-
-    def stats_json(self) -> dict:
-        """The last snapshot plus `kv_transfers`: one dict per handed-off request (req_id,
-        prefill_pool, decode_pool, kv_bytes, kv_transfer_s, queue_s, prefill_s; seconds)."""
-        return {**self.snapshot, "kv_transfers": self.pools.transfer_dicts()}
-
-    def run_once(self) -> None:
-        try:
-            self._flush()
-            for req_id in self.queue.poll_aborts():
-                self.pools.abort(req_id)
-            if self.worker_up:
-                self._pull()
-            self._set_queue_down(False)
-        except QueueUnavailableError as e:
-            self._set_queue_down(True, e)
-        except Exception as e:  # noqa: BLE001 - as in SchedulerService.run_once
-            log.exception("queue operation failed")
-            self._set_queue_down(True, e)
-        if self.pools.has_unfinished():
-            self._publish(self._step())
-        elif not all(p.up for p in self.pools.pools):
-            self._publish(self._step())   # idle: still asks the lost workers whether they answer
-            if not self.worker_up:
-                time.sleep(0.2)           # nothing pulled (no worker): do not spin
-        elif self._queue_down:
-            time.sleep(0.2)
-        self.snapshot = self.pools.stats()
-        self.metrics.observe_stats(self.snapshot)
-        self.metrics.observe_pools(self.snapshot["pools"])
-        self.metrics.worker_up.set(1 if self.worker_up else 0)
-
-    def _pull(self) -> None:
-        waiting, running = self.pools.num_waiting, self.pools.num_running
-        room = min(self.max_waiting - waiting, self.pools.max_num_seqs - running - waiting)
-        idle = not self.pools.has_unfinished()
-        if room > 0:
-            self._admit(self.queue.fetch(room, block_ms=self.idle_block_ms if idle else 0))
-            if time.monotonic() - self._last_replay > self.replay_interval_s:
-                self._last_replay = time.monotonic()
-                self._admit(self.queue.replay_pending())
-        elif idle:
-            time.sleep(self.idle_block_ms / 1000)
-
-    def _step(self) -> list[TokenEvent]:
-        try:
-            return self.pools.step()
-        except Exception as e:  # a bug must not leave requests hanging: fail them, keep serving
-            log.exception("pool step failed")
-            self.metrics.failed_iterations.inc()
-            message = f"internal error: {type(e).__name__}: {e}"
-            for p in self.pools.pools:
-                for lost in p.loop.take_in_flight():
-                    p.scheduler.fail_batch(lost, message)
-                p.scheduler.on_batches_abandoned()
-                for req_id in list(p.scheduler.requests):
-                    p.scheduler.abort(req_id, error=message)
-            return [e for p in self.pools.pools for e in p.scheduler.apply_aborts()]
 
 
 def _seeded(msg: RequestMsg):
@@ -399,6 +254,16 @@ def run_scheduler(config: SchedulerServiceConfig, *, queue: SchedulerQueue | Non
             server.server_close()
 
 
+def loop_engine(scheduler: Scheduler, executor, metrics: SchedulerMetrics,
+                restart_timeout_s: float = 30.0) -> EngineLoop:
+    """The engine of one worker or one TP x PP replica: up to pp batches in flight (the
+    executor's pipeline_depth; a single worker 1), every collected batch and every loss of the
+    worker counted in `metrics`; a lost worker's requests wait restart_timeout_s for it."""
+    return EngineLoop(scheduler, executor, getattr(executor, "pipeline_depth", 1),
+                      on_batch=lambda batch, _out, seconds: metrics.observe_batch(batch, seconds),
+                      restart_timeout_s=restart_timeout_s, on_worker_lost=metrics.worker_lost.inc)
+
+
 def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, server, stop,
                 on_ready) -> None:
     """run_scheduler with one worker (or one TP x PP replica): one Scheduler, one EngineLoop."""
@@ -416,8 +281,8 @@ def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, s
         cfg = dataclasses.replace(c.scheduler, max_model_len=c.max_model_len or info.max_model_len)
         scheduler = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info)
         queue = _queue(c, queue)
-        service = SchedulerService(scheduler, executor, queue, metrics,
-                                   worker_restart_timeout_s=c.worker_restart_timeout_s)
+        service = SchedulerService(loop_engine(scheduler, executor, metrics, c.worker_restart_timeout_s),
+                                   queue, metrics)
         log.info("scheduler ready: policy=%s tau=%d model=%s max_model_len=%d kv=%dx%d worker=%s",
                  cfg.policy, cfg.token_budget, info.name, scheduler.max_model_len, info.num_blocks,
                  info.block_size, info.backend)
@@ -489,9 +354,11 @@ def _run_pools(c: SchedulerServiceConfig, queue, executors, metrics, services, s
         pool_set = PoolSet(pools, Router(RouterConfig(d.mode, d.threshold_tokens, d.backlog_margin_tokens)),
                            kv_transfer_timeout_s=d.kv_transfer_timeout_s,
                            kv_transfer_failure=d.kv_transfer_failure,
-                           restart_timeout_s=c.worker_restart_timeout_s)
+                           restart_timeout_s=c.worker_restart_timeout_s,
+                           on_batch=lambda _pool, batch, _out, seconds: metrics.observe_batch(batch, seconds),
+                           on_transfer=metrics.observe_transfer)
         queue = _queue(c, queue)
-        service = PoolService(pool_set, queue, metrics, worker_restart_timeout_s=c.worker_restart_timeout_s)
+        service = SchedulerService(pool_set, queue, metrics)
         log.info("scheduler ready: policy=%s tau=%d model=%s pools=%s disaggregation=%s threshold=%d",
                  c.scheduler.policy, c.scheduler.token_budget, info.name,
                  ", ".join(f"{p.name}({p.scheduler.block_manager.num_blocks} blocks)" for p in pools),

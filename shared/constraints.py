@@ -4,7 +4,7 @@ A request may constrain its output to a JSON schema (`response_format` json_sche
 JSON object (json_object), to a regex, to one of a list of strings (choice), or to a grammar
 (Lark, or llama.cpp's GBNF). Every form becomes one llguidance grammar (a JSON string: what
 `llguidance.LLMatcher` takes), carried in SamplingParams.constraint to the worker, which builds
-one matcher per request from it (worker_svc.guided).
+one matcher per request from it (worker_svc.sampling.guided).
 
 JSON output has no free whitespace: items are separated by ", " and keys by ": " (as Python's
 json.dumps), so a model cannot fill max_tokens with blanks (the "whitespace loop" of

@@ -4,7 +4,7 @@ Two families:
 
 * scheduler -> worker (one iteration): `Batch` of `SeqChunk`s; worker -> scheduler: `BatchOutput`.
   This is the in-process contract between the scheduler's engine loop and any executor
-  (the real torch executor, a ZeroMQ client to remote workers, or a simulated worker).
+  (the worker's model runner, a ZeroMQ client to remote workers, or a simulated worker).
   The wire protocol of the worker service (full data once, diffs after) is built on top of it
   in worker_svc / scheduler_svc and re-creates exactly these objects on the worker side.
 * gateway <-> scheduler (one request): `RequestMsg`, `TokenEvent`, carried by the queue (Redis

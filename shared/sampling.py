@@ -39,7 +39,7 @@ class SamplingParams:
     logprobs: None = none; k >= 0 = return the sampled token's log-probability and the k most
         likely alternatives (at most MAX_LOGPROBS). They are the log-softmax of the logits the
         token is drawn from: after penalties and temperature, before top-k / top-p (see
-        worker_svc.sampler). With a constraint, of the constrained distribution (tokens the
+        worker_svc.sampling). With a constraint, of the constrained distribution (tokens the
         grammar forbids have probability 0: logprob -inf, reported as -9999.0).
     logit_bias: (token id, bias in [-100, 100]) pairs added to the logits after penalties
         (OpenAI's: -100 bans a token, +100 all but forces it). Ids past the logits' width are

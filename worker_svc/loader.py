@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from shared.model_source import ModelSource
-from worker_svc.model.config import ModelConfig, ModelConfigError
-from worker_svc.model.gguf_blocks import BLOCK_FORMATS, GgufBlocks
+from worker_svc.gguf_blocks import BLOCK_FORMATS, GgufBlocks
+from worker_svc.model_config import ModelConfig, ModelConfigError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class LazyWeights(Mapping):
         blocks = GgufBlocks.of(t)
         t = t.to(device=self.device, dtype=self.dtype)
         if blocks is not None:      # the file's blocks travel with the float weight (a new tensor
-            t.gguf_blocks = blocks  # after a dtype change): see worker_svc/model/gguf_blocks.py
+            t.gguf_blocks = blocks  # after a dtype change): see worker_svc/gguf_blocks.py
         return t
 
     def __iter__(self) -> Iterator[str]:

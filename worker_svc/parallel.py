@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shared.config import ParallelConfig, cdiv
-from worker_svc.model.config import ModelConfig
 from worker_svc.model.linear import TensorParallel
+from worker_svc.model_config import ModelConfig
 
 log = logging.getLogger("sarathi.worker")
 

@@ -1,4 +1,4 @@
-"""The worker service: a ZeroMQ ROUTER socket in front of one executor (one device).
+"""The worker service: a ZeroMQ ROUTER socket in front of one model runner (one device).
 
 Requests are msgpack dicts with an "op" and a client-chosen "seq" number that the reply echoes
 (so a client can drop a late reply to a request it already gave up on). Every reply also carries
@@ -17,8 +17,8 @@ and its KV cache (the content of every block) is gone.
 
 Any failure is a reply, never silence: {"ok": False, "error": kind, "message": text}, with kind
 "unknown_request" (a diff for a request this worker holds no state for: resend in full),
-"bad_request" (malformed message), "execute_failed" (the executor raised; the worker forgets all
-per-request state, so the client must start a new epoch) or "unknown_op". An executor error
+"bad_request" (malformed message), "execute_failed" (the model runner raised; the worker forgets all
+per-request state, so the client must start a new epoch) or "unknown_op". A model runner error
 marked `fatal` (another rank of the replica is lost: worker_svc.parallel.RankLostError) is
 replied as "rank_lost", then the server stops: the process group cannot be repaired, the
 launcher restarts the replica.
@@ -42,7 +42,11 @@ from shared.wire import BatchDecoder, UnknownRequestError, error_reply, output_r
 log = logging.getLogger("sarathi.worker")
 
 
-class ExecutorLike(Protocol):
+class ServedRunner(Protocol):
+    """What a WorkerServer serves: the service's view of a ModelRunner
+    (worker_svc.model_runner), or of a stand-in that answers the same calls (tests' simulated
+    worker). parallel_info (optional): this rank's place in a replica, for the "info" reply."""
+
     model_info: Any
 
     def execute(self, batch: Batch) -> BatchOutput: ...
@@ -62,12 +66,12 @@ class KvLinkLike(Protocol):
 
 
 class WorkerServer:
-    """Serves one executor on `address` (tcp://, ipc:// or inproc://). Single-threaded: batches
-    are executed one at a time, in arrival order (the wire mirror relies on that order)."""
+    """Serves one model runner on `address` (tcp://, ipc:// or inproc://). Single-threaded:
+    batches are executed one at a time, in arrival order (the wire mirror relies on that order)."""
 
-    def __init__(self, executor: ExecutorLike, address: str, ctx: zmq.Context | None = None,
+    def __init__(self, runner: ServedRunner, address: str, ctx: zmq.Context | None = None,
                  role: str = "mixed", kv_link: KvLinkLike | None = None):
-        self.executor = executor
+        self.runner = runner
         self.role = role
         self.decoder = BatchDecoder()
         # names this process's KV cache: a client that sees it change knows the KV is gone
@@ -78,7 +82,7 @@ class WorkerServer:
         self.sock.bind(address)
         # the address actually bound (resolves tcp://*:0 to a real port)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.fatal: str | None = None   # set when a fatal executor error stopped the server
+        self.fatal: str | None = None   # set when a fatal runner error stopped the server
         # disaggregation: KV blocks in (the link's receiver thread) and out (after a forward pass)
         self.kv_link = kv_link
 
@@ -115,8 +119,8 @@ class WorkerServer:
         if op == "ping":
             return {"ok": True}
         if op == "info":
-            return {"ok": True, "model_info": dataclasses.asdict(self.executor.model_info),
-                    "parallel": getattr(self.executor, "parallel_info", None) or single_rank_layout(),
+            return {"ok": True, "model_info": dataclasses.asdict(self.runner.model_info),
+                    "parallel": getattr(self.runner, "parallel_info", None) or single_rank_layout(),
                     "role": self.role, "kv_address": self.kv_address}
         if op == "batch":
             return self._batch(msg)
@@ -127,7 +131,7 @@ class WorkerServer:
         try:
             dropped = self.decoder.new_epoch(msg["epoch"])
             if dropped:
-                self.executor.free(dropped)
+                self.runner.free(dropped)
             batch = self.decoder.decode(msg)
         except UnknownRequestError as e:
             return error_reply("unknown_request", f"no state for request {e.args[0]!r}; send it in full")
@@ -135,7 +139,7 @@ class WorkerServer:
             return error_reply("bad_request", f"malformed batch message: {e!r}")
         t1 = time.perf_counter()
         try:
-            output = self.executor.execute(batch)
+            output = self.runner.execute(batch)
         except Exception as e:
             if getattr(e, "fatal", False):
                 log.error("batch %s: %s; stopping this rank", batch.batch_id, e)
@@ -170,11 +174,11 @@ class WorkerServer:
         output.timings["kv_transfer_s"] = time.perf_counter() - t0
 
     def _forget_all(self) -> None:
-        """After a failed execute the executor's per-request state is unknown: drop it all and
+        """After a failed execute the runner's per-request state is unknown: drop it all and
         make the client start a new epoch (its next batch sends every request in full)."""
         ids = self.decoder.reset()
         try:
-            self.executor.free(ids)
+            self.runner.free(ids)
         except Exception:
             log.exception("free after a failed execute")
 
@@ -194,27 +198,27 @@ def stop_when_parent_exits(parent_pid: int, poll_s: float = 0.5) -> threading.Ev
     return stop
 
 
-def run_worker(config: WorkerServiceConfig, *, executor: ExecutorLike | None = None,
+def run_worker(config: WorkerServiceConfig, *, runner: ServedRunner | None = None,
                stop: threading.Event | None = None, ready: threading.Event | None = None,
                kv_link=None) -> None:
     """Load config.engine's model and serve it on config.address until `stop` is set (forever
     when None); rank r of a replica (config.parallel) binds shared.config.rank_address(address, r).
 
-    executor: serve this object instead of loading a model (tests, the simulated worker). ready:
-    set once the socket is bound and the model is loaded. kv_link(executor, kv_address) -> a
+    runner: serve this object instead of loading a model (tests, the simulated worker). ready:
+    set once the socket is bound and the model is loaded. kv_link(runner, kv_address) -> a
     KvLinkLike or None: makes the worker's KV link (kvstore.link.make_kv_link; the caller passes
     it, worker_svc does not import kvstore); None: this worker neither sends nor receives KV.
     Raises SystemExit(3) when a fatal error (a lost rank) stopped the server.
     """
     address, parallel = config.address, config.parallel
-    if executor is None:
-        from worker_svc.executor import Executor  # torch: imported only where a model runs
-        executor = Executor(config.engine, parallel=parallel)
+    if runner is None:
+        from worker_svc.model_runner import ModelRunner  # torch: imported only where a model runs
+        runner = ModelRunner(config.engine, parallel=parallel)
     if parallel is not None:
         address = rank_address(address, parallel.rank)
-    link = kv_link(executor, config.kv_address) if kv_link is not None else None
-    server = WorkerServer(executor, address, role=config.role, kv_link=link)
-    log.info("worker (%s) serving %s on %s%s", config.role, executor.model_info.name, server.address,
+    link = kv_link(runner, config.kv_address) if kv_link is not None else None
+    server = WorkerServer(runner, address, role=config.role, kv_link=link)
+    log.info("worker (%s) serving %s on %s%s", config.role, runner.model_info.name, server.address,
              f", KV receiver on {server.kv_address}" if server.kv_address else "")
     if ready is not None:
         ready.set()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from shared.messages import RequestMsg, TokenEvent
-from shared.queue import GatewayQueue, QueueConfig, SchedulerQueue
+from shared.queue.base import GatewayQueue, QueueConfig, SchedulerQueue
 from shared.queue.common import RecentIds, now, stamp_scheduled
 
 

@@ -8,7 +8,7 @@ import time
 import redis
 
 from shared.messages import RequestMsg, TokenEvent
-from shared.queue import QueueConfig, QueueUnavailableError, SchedulerQueue
+from shared.queue.base import QueueConfig, QueueUnavailableError, SchedulerQueue
 from shared.queue.common import RecentIds, decode_request, encode_events, now, stamp_scheduled
 from shared.queue.redis_streams import PAGE, client_options, entries_of, is_busygroup
 

@@ -22,7 +22,7 @@ import redis
 import redis.asyncio as aioredis
 
 from shared.messages import RequestMsg, TokenEvent
-from shared.queue import GatewayQueue, QueueConfig, QueueResetError
+from shared.queue.base import GatewayQueue, QueueConfig, QueueResetError
 from shared.queue.common import decode_events, encode_request
 
 PAGE = 256  # entries per Redis round trip when draining a backlog

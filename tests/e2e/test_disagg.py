@@ -1,7 +1,7 @@
-"""Prefill/decode disaggregation with real workers: the torch executor behind the worker
+"""Prefill/decode disaggregation with real workers: the model runner behind the worker
 service, KV blocks sent worker to worker over ZeroMQ (kvstore.link), the scheduler service over
-pools (scheduler_svc.service.PoolService). Greedy output with --disaggregation all equals the
-colocated output: the KV bytes moved are the bytes computed."""
+pools (scheduler_svc.service.SchedulerService running a PoolSet). Greedy output with
+--disaggregation all equals the colocated output: the KV bytes moved are the bytes computed."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +18,7 @@ from kvstore.transfer import export_frames
 from shared.config import CacheConfig, DisaggConfig, SchedulerConfig, SchedulerServiceConfig, WorkerConfig
 from tests.support.engine_helpers import make_tiny_checkpoint
 from tests.support.sim_worker import ThreadedStack, collect, eventually, request
-from worker_svc.executor import Executor
+from worker_svc.model_runner import ModelRunner
 from worker_svc.service import WorkerServer
 
 NUM_BLOCKS, BS = 48, 16
@@ -29,18 +29,18 @@ def model(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("disagg"), "llama")
 
 
-def executor(model):
-    return Executor(WorkerConfig(model=str(model), dtype="float32", kv_cache_dtype="float32",
-                                 weight_quant="none", cache=CacheConfig(BS, NUM_BLOCKS)))
+def model_runner(model):
+    return ModelRunner(WorkerConfig(model=str(model), dtype="float32", kv_cache_dtype="float32",
+                                    weight_quant="none", cache=CacheConfig(BS, NUM_BLOCKS)))
 
 
 class PDStack(ThreadedStack):
-    """Workers (threads, real executors) + the scheduler service over their pools + the queue."""
+    """Workers (threads, real model runners) + the scheduler service over their pools + the queue."""
 
     def __init__(self, model, roles: list[str], mode: str, **disagg):
         servers = [WorkerServer(ex, "tcp://127.0.0.1:0", role=role,
                                 kv_link=make_kv_link(ex, "tcp://127.0.0.1:0" if role != "prefill" else None))
-                   for role in roles for ex in [executor(model)]]
+                   for role in roles for ex in [model_runner(model)]]
         addrs = {r: [s.address for s in servers if s.role == r] for r in ("mixed", "prefill", "decode")}
         config = SchedulerServiceConfig(
             SchedulerConfig(max_num_seqs=16, token_budget=32, watermark=0.0),
@@ -86,7 +86,7 @@ def test_greedy_output_with_disaggregation_all_equals_colocated(model, colocated
         st = s.stats()
         moved = {t["req_id"]: t for t in st["kv_transfers"]}
         assert sorted(moved) == sorted(out)
-        ex = s.servers[0].executor
+        ex = s.servers[0].runner
         per_block = 2 * len(ex.cache.k) * ex.cache.k[0][0].numel() * ex.cache.k[0].element_size()
         for r in reqs():   # the bytes moved are the prompt's blocks, K and V of every layer
             assert moved[r.req_id]["kv_bytes"] == -(-len(r.prompt_token_ids) // BS) * per_block
@@ -109,14 +109,14 @@ def test_auto_disaggregates_long_prompts_only_with_colocated_output_and_a_dead_r
         assert sorted(t["req_id"] for t in s.stats()["kv_transfers"]) == ["q2", "q3", "q4"]
     finally:
         s.close()
-    link = KvLink(s.servers[0].executor.cache)
+    link = KvLink(s.servers[0].runner.cache)
     with pytest.raises(KvTransferError, match="timeout"):
         link.send([0], "tcp://127.0.0.1:9", [1], timeout_s=0.3)    # nobody receives there
     link.close()
 
 
 def test_a_transfer_that_arrives_after_its_lease_guard_is_refused_and_writes_nothing(model):
-    src, dst = executor(model), executor(model)
+    src, dst = model_runner(model), model_runner(model)
     src.cache.k[0][3].fill_(1.0)
     receiver = KvLink(dst.cache, "tcp://127.0.0.1:0")
     sender = KvLink(src.cache)

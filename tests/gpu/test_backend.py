@@ -15,7 +15,7 @@ from shared.config import CacheConfig, WorkerConfig
 from shared.messages import Batch
 from shared.sampling import SamplingParams
 from tests.support.engine_helpers import BlockPool, blocks_for, chunk
-from worker_svc.executor import Executor
+from worker_svc.model_runner import ModelRunner
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -46,10 +46,10 @@ def make_checkpoint(root, model_type: str, seed: int = 0):
     return path
 
 
-def executor(path, attention="auto", graphs=True, num_blocks=NUM_BLOCKS, **kw) -> Executor:
-    return Executor(WorkerConfig(model=str(path), dtype="bfloat16", device="cuda", attention=attention,
-                                 cuda_graphs=graphs, max_num_seqs=16,
-                                 cache=CacheConfig(BS, num_blocks), **kw))
+def model_runner(path, attention="auto", graphs=True, num_blocks=NUM_BLOCKS, **kw) -> ModelRunner:
+    return ModelRunner(WorkerConfig(model=str(path), dtype="bfloat16", device="cuda", attention=attention,
+                                    cuda_graphs=graphs, max_num_seqs=16,
+                                    cache=CacheConfig(BS, num_blocks), **kw))
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -59,14 +59,14 @@ def ckpt(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def flash(ckpt):
-    ex = executor(ckpt, attention="flashinfer")
+    ex = model_runner(ckpt, attention="flashinfer")
     assert ex.backend.attention.name == "flashinfer" and ex.graphs is not None
     return ex
 
 
 @pytest.fixture(scope="module")
 def torch_path(ckpt):
-    return executor(ckpt, attention="torch", graphs=False)
+    return model_runner(ckpt, attention="torch", graphs=False)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def fused(ckpt):
 
     os.environ["SARATHI_CUDA_OPS"] = "flashinfer"
     try:
-        ex = executor(ckpt, attention="flashinfer")
+        ex = model_runner(ckpt, attention="flashinfer")
     finally:
         del os.environ["SARATHI_CUDA_OPS"]
     assert ex.backend.ops.name == "flashinfer" and ex.graphs is not None
@@ -165,7 +165,7 @@ def test_device_sampling_is_greedy_argmax_and_seed_stable_across_batches(flash):
 
 
 def test_device_sampler_on_cuda_tensors_is_composition_independent():
-    from worker_svc.backends.cuda.device_sampler import DeviceSampler
+    from worker_svc.sampling import DeviceSampler
 
     logits = torch.randn(6, 32000, device="cuda") * 3
     params = [SamplingParams(temperature=0.7 + 0.1 * i, top_k=50 * i, top_p=1.0 - 0.05 * i, seed=i) for i in range(6)]
@@ -178,7 +178,7 @@ def test_device_sampler_on_cuda_tensors_is_composition_independent():
 
 
 def test_kv_cache_is_sized_from_free_memory(ckpt):
-    ex = executor(ckpt, num_blocks=0, gpu_memory_utilization=0.3, max_num_batched_tokens=2048)
+    ex = model_runner(ckpt, num_blocks=0, gpu_memory_utilization=0.3, max_num_batched_tokens=2048)
     n = ex.model_info.num_blocks
     assert n > 100 and ex.cache.num_blocks == n + ex.backend.scratch_blocks
     total = torch.cuda.get_device_properties(0).total_memory
@@ -209,8 +209,8 @@ def test_fused_ops_on_cuda_compute_the_references_functions():
     (Ops) on bf16 rows at Llama-3-8B widths, positions to 4095, llama3 rope scaling."""
     from worker_svc.backends.base import Ops
     from worker_svc.backends.cuda.ops import FlashInferOps, RopePositions
-    from worker_svc.model.config import ModelConfig
     from worker_svc.model.rope import RotaryEmbedding
+    from worker_svc.model_config import ModelConfig
 
     ops, ref, bf, dev = FlashInferOps(), Ops(), torch.bfloat16, "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -243,8 +243,8 @@ def test_fused_ops_are_as_close_to_fp32_as_the_reference_ops(ckpt, flash, fused)
     logits are held to accuracy, not to HF's roundings: against the fp32 torch path, their error
     is at most 1.5x that of the default (reference ops) bf16 path, on every row of the hybrid
     batches; and their graph replay equals their eager run."""
-    fp32 = Executor(WorkerConfig(model=str(ckpt), dtype="float32", device="cuda", attention="torch",
-                                 cuda_graphs=False, max_num_seqs=16, cache=CacheConfig(BS, NUM_BLOCKS)))
+    fp32 = ModelRunner(WorkerConfig(model=str(ckpt), dtype="float32", device="cuda", attention="torch",
+                                    cuda_graphs=False, max_num_seqs=16, cache=CacheConfig(BS, NUM_BLOCKS)))
     for batch in hybrid_batches():
         truth = fp32.compute_logits(batch)
         ref, got = flash.compute_logits(batch), fused.compute_logits(batch)

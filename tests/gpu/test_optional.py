@@ -18,7 +18,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-o
 
 
 def test_cpu_worker_never_imports_flashinfer(tmp_path):
-    """A fake `flashinfer` package first on the path records any import of it; a CPU executor
+    """A fake `flashinfer` package first on the path records any import of it; a CPU model runner
     is built and runs a batch; then neither the marker nor the module may exist."""
     fake = tmp_path / "fake" / "flashinfer"
     fake.mkdir(parents=True)
@@ -30,7 +30,7 @@ def test_cpu_worker_never_imports_flashinfer(tmp_path):
         from pathlib import Path
         from shared.messages import Batch
         from tests.support.engine_helpers import chunk, make_executor, make_tiny_checkpoint
-        import worker_svc.backends.cuda, worker_svc.backends.cuda.cuda_graphs, worker_svc.backends.cuda.device_sampler
+        import worker_svc.backends.cuda, worker_svc.backends.cuda.cuda_graphs, worker_svc.sampling.device_sampler
         ex = make_executor(make_tiny_checkpoint(Path({str(tmp_path)!r}), "llama"), num_blocks=8)
         out = ex.execute(Batch(0, [chunk("r", [5, 6, 7], 0, [0], True)]))
         assert list(out.sampled) == ["r"]

@@ -195,7 +195,7 @@ def test_a_restarted_worker_replays_the_running_requests_and_forgets_cached_pref
     from scheduler_svc.metrics import SchedulerMetrics
     from scheduler_svc.remote_executor import WorkerRestartedError
     from scheduler_svc.request import RequestStatus
-    from scheduler_svc.service import SchedulerService
+    from scheduler_svc.service import SchedulerService, loop_engine
     from scheduler_svc.sim_executor import sim_engine
 
     loop = sim_engine("sarathi", block_size=4, num_blocks=32, enable_prefix_caching=True)
@@ -211,8 +211,8 @@ def test_a_restarted_worker_replays_the_running_requests_and_forgets_cached_pref
         def execute(self, batch):
             raise WorkerRestartedError("worker restarted")
 
-    service = SchedulerService(loop.scheduler, Restarted(), make_queues(None)[1],
-                               SchedulerMetrics(CollectorRegistry()))
+    metrics = SchedulerMetrics(CollectorRegistry())
+    service = SchedulerService(loop_engine(loop.scheduler, Restarted(), metrics), make_queues(None)[1], metrics)
     events = service._step()
     assert [e for e in events if e.finish_reason] == []
     assert running.status is RequestStatus.PREEMPTED and running.num_computed_tokens == 0
@@ -231,7 +231,7 @@ def test_events_wait_in_order_while_the_queue_is_down_and_nothing_is_lost():
     """Plumbing (simulated executor, in-process queue that refuses while `down`): the loop keeps
     running, the events go out in order once the queue answers, each request is acked once."""
     from scheduler_svc.metrics import SchedulerMetrics
-    from scheduler_svc.service import SchedulerService
+    from scheduler_svc.service import SchedulerService, loop_engine
     from scheduler_svc.sim_executor import sim_engine
     from shared.queue import QueueUnavailableError
 
@@ -257,7 +257,8 @@ def test_events_wait_in_order_while_the_queue_is_down_and_nothing_is_lost():
 
     loop = sim_engine("sarathi", block_size=4, num_blocks=64)
     flaky = Flaky()
-    service = SchedulerService(loop.scheduler, loop.executor, flaky, SchedulerMetrics(CollectorRegistry()))
+    metrics = SchedulerMetrics(CollectorRegistry())
+    service = SchedulerService(loop_engine(loop.scheduler, loop.executor, metrics), flaky, metrics)
     asyncio.run(gq.submit(RequestMsg("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6), gq.gateway_id,
                                      time.time())))
     service.run_once()

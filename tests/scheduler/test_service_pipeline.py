@@ -44,10 +44,10 @@ def test_service_pipelines_two_micro_batches_and_gives_the_single_worker_tokens(
     rep = Replica(tmp_path, [Stage(0), Stage(1)])
     try:
         svc = rep.service
-        assert svc.loop.depth == 2
-        svc.loop.record = True
+        assert svc.engine.depth == 2
+        svc.engine.record = True
         events = asyncio.run(collect(rep.gq, reqs))
-        trace = svc.loop.trace
+        trace = svc.engine.trace
     finally:
         rep.close()
     got = {r: [e.token_id for e in evs if e.token_id is not None] for r, evs in events.items()}
@@ -68,14 +68,14 @@ def test_service_pipelines_two_micro_batches_and_gives_the_single_worker_tokens(
 def test_a_failing_rank_fails_the_requests_of_every_batch_in_flight_and_service_goes_on(tmp_path):
     rep = Replica(tmp_path, [Stage(0), Stage(1, fail_batches={4})])
     try:
-        rep.service.loop.record = True
+        rep.service.engine.record = True
 
         async def before_and_after():
             first = await collect(rep.gq, [request(f"r{i}", prompt_len=20, max_tokens=8) for i in range(4)])
             return first, await collect(rep.gq, [request("later", max_tokens=3)])
 
         events, after = asyncio.run(before_and_after())
-        trace = rep.service.loop.trace
+        trace = rep.service.engine.trace
         lost = next(e for e in trace if e["batch_id"] == 4)
         in_flight = set(lost["req_ids"]) | {r for e in trace if e["batch_id"] in lost["in_flight"]
                                             for r in e["req_ids"]}
@@ -98,7 +98,7 @@ def test_a_lost_rank_during_collect_holds_and_replays_the_requests_of_every_micr
     from scheduler_svc.metrics import SchedulerMetrics
     from scheduler_svc.remote_executor import WorkerLostError
     from scheduler_svc.request import RequestStatus
-    from scheduler_svc.service import SchedulerService
+    from scheduler_svc.service import SchedulerService, loop_engine
     from scheduler_svc.sim_executor import sim_engine
     from shared.sampling import SamplingParams
 
@@ -132,9 +132,9 @@ def test_a_lost_rank_during_collect_holds_and_replays_the_requests_of_every_micr
     loop = sim_engine("sarathi", block_size=4, num_blocks=64, token_budget=16)
     reqs = [loop.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
     fake = TwoStages(loop.executor)
-    service = SchedulerService(loop.scheduler, fake, make_queues(None)[1],
-                               SchedulerMetrics(CollectorRegistry()))
-    assert service.loop.depth == 2
+    metrics = SchedulerMetrics(CollectorRegistry())
+    service = SchedulerService(loop_engine(loop.scheduler, fake, metrics), make_queues(None)[1], metrics)
+    assert service.engine.depth == 2
     events = []
     for _ in range(40):                            # until a collect with two in flight loses a rank
         events += service._step()
@@ -142,10 +142,10 @@ def test_a_lost_rank_during_collect_holds_and_replays_the_requests_of_every_micr
             break
     assert fake.lost
     assert not [e for e in events if e.finish_reason]
-    assert not service.worker_up and not service.loop.in_flight
+    assert not service.worker_up and not service.engine.in_flight
     assert any(r.status is RequestStatus.PREEMPTED and r.num_output_tokens > 0 for r in reqs)
     assert all(not r.in_flight and r.num_computed_tokens == 0 for r in reqs)
-    service._wait_for_worker()                     # a worker answers: run them again
+    service.engine.wait_for_worker()               # a worker answers: run them again
     assert service.worker_up and fake.waited == 1
     while loop.scheduler.has_unfinished():
         events += service._step()

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.remote_executor import RemoteExecutor
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.service import SchedulerService
+from scheduler_svc.service import SchedulerService, loop_engine
 from shared.config import CacheConfig, SchedulerConfig
 from shared.queue import QueueConfig, make_gateway_queue, make_scheduler_queue
 from tests.support.sim_worker import BLOCK, NUM_BLOCKS, SimWorker, collect, eventually, request
@@ -30,7 +30,8 @@ class Replica:
         sched = Scheduler(SchedulerConfig(max_num_seqs=8, token_budget=16),
                           CacheConfig(BLOCK, NUM_BLOCKS), remote.model_info)
         self.queue = make_scheduler_queue(redis_url, config=cfg, consumer=name)
-        self.service = SchedulerService(sched, remote, self.queue, SchedulerMetrics(CollectorRegistry()),
+        metrics = SchedulerMetrics(CollectorRegistry())
+        self.service = SchedulerService(loop_engine(sched, remote, metrics), self.queue, metrics,
                                         replay_interval_s=0.2)
         self.threads.append(threading.Thread(target=self.service.run, args=(self.stop,), daemon=True))
         self.threads[1].start()

@@ -1,5 +1,5 @@
 """Helpers for the engine tests: tiny random Llama-family checkpoints in a temp dir, and a
-minimal driver that runs prompts through an Executor the way a scheduler would."""
+minimal driver that runs prompts through a ModelRunner the way a scheduler would."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +12,7 @@ from bench.common import hf_model_from_gguf as _hf_model_from_gguf
 from shared.config import CacheConfig, WorkerConfig
 from shared.messages import Batch, SeqChunk
 from shared.sampling import SamplingParams
-from worker_svc.executor import Executor
+from worker_svc.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -58,12 +58,12 @@ def make_tiny_checkpoint(root: Path, name: str, seed: int = 0) -> Path:
 
 def make_executor(model: str | Path | None, dtype: str = "float32", num_blocks: int = 256,
                   block_size: int = 16, kv_cache_dtype: str | None = None,
-                  weight_quant: str = "none") -> Executor:
+                  weight_quant: str = "none") -> ModelRunner:
     """The exactness setting by default: float weights and a KV cache in the compute dtype
     (HF-equal greedy output); quantized modes are asked for explicitly."""
-    return Executor(WorkerConfig(model=None if model is None else str(model), dtype=dtype,
-                                 cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
-                                 kv_cache_dtype=kv_cache_dtype or dtype, weight_quant=weight_quant))
+    return ModelRunner(WorkerConfig(model=None if model is None else str(model), dtype=dtype,
+                                    cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                                    kv_cache_dtype=kv_cache_dtype or dtype, weight_quant=weight_quant))
 
 
 class BlockPool:
@@ -89,7 +89,7 @@ def chunk(req_id: str, tokens: list[int], start: int, table: list[int], sample: 
     return SeqChunk(req_id, list(tokens), start, table, sample, params, output_index)
 
 
-def prefill_logits(ex: Executor, prompt: list[int], table: list[int], chunk_size: int,
+def prefill_logits(ex: ModelRunner, prompt: list[int], table: list[int], chunk_size: int,
                    req_id: str = "r") -> torch.Tensor:
     """Prefill `prompt` in chunks of chunk_size; the logits [V] after its last token."""
     logits = None
@@ -101,7 +101,7 @@ def prefill_logits(ex: Executor, prompt: list[int], table: list[int], chunk_size
     return logits
 
 
-def greedy_generate(ex: Executor, prompt: list[int], max_new: int, table: list[int],
+def greedy_generate(ex: ModelRunner, prompt: list[int], max_new: int, table: list[int],
                     chunk_size: int | None = None) -> list[int]:
     """Greedy continuation through execute(): chunked prefill, then one decode per step."""
     chunk_size = chunk_size or len(prompt)

@@ -16,8 +16,8 @@ from shared.config import CacheConfig, SchedulerConfig
 from shared.messages import SeqChunk
 from shared.sampling import InvalidRequestError, SamplingParams
 from tests.support.engine_helpers import make_executor, make_tiny_checkpoint, use_threads
-from worker_svc.sampler import Sampler, apply_penalties, token_logprobs
-from worker_svc.token_history import MissingHistoryError, TokenHistory
+from worker_svc.sampling import MissingHistoryError, TokenHistory
+from worker_svc.sampling.sampler import Sampler, apply_penalties, token_logprobs
 
 V = 12
 
@@ -137,7 +137,7 @@ def test_a_sibling_whose_partner_is_gone_runs_alone():
     assert r.finish_reason == "length"
 
 
-# -- the real executor: penalties correct across preemption and prefix-cache hits ----------------
+# -- the real model runner: penalties correct across preemption and prefix-cache hits ----------------
 @pytest.fixture(scope="module", autouse=True)
 def _threads():
     yield from use_threads(1)

@@ -140,7 +140,7 @@ def test_built_only_where_every_layer_runs_the_native_kernels(tmp_path, monkeypa
 
 
 def test_a_kernel_error_names_the_layer_and_the_kernel(tmp_path):
-    """A slot outside the cache (the executor refuses such batches before; called here directly):
+    """A slot outside the cache (the model runner refuses such batches before; called here directly):
     the KV write refuses it before anything is written, and the error says where."""
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, gguf.GGMLQuantizationType.Q8_0)

@@ -1,6 +1,6 @@
 """Sampling on the device (run here on CPU tensors): greedy is argmax; a seeded request's token
 depends only on its own row, parameters, seed and output index, whatever else is in the batch;
-top-k / top-p keep exactly the sets worker_svc.sampler keeps; draws follow the distribution."""
+top-k / top-p keep exactly the sets the host sampler keeps; draws follow the distribution."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from shared.sampling import SamplingParams
-from worker_svc.backends.cuda.device_sampler import DeviceSampler, filtered_logits, hash32, uniform_noise
-from worker_svc.sampler import filtered_probs
+from worker_svc.sampling.device_sampler import DeviceSampler, filtered_logits, hash32, uniform_noise
+from worker_svc.sampling.sampler import filtered_probs
 
 V = 50
 

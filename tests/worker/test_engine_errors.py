@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 from shared.messages import Batch
 from shared.model_source import ModelNotFoundError, resolve_model
 from tests.support.engine_helpers import blocks_for, chunk, make_executor, make_tiny_checkpoint, use_threads
-from worker_svc import executor as executor_module
-from worker_svc.executor import BatchError
+from worker_svc import model_runner as model_runner_module
 from worker_svc.loader import ModelLoadError
+from worker_svc.model_runner import BatchError
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,10 +33,10 @@ def ex(ckpt):
 
 @pytest.fixture
 def no_cache_allowed(monkeypatch):
-    """Fails the test if the executor gets as far as allocating its KV cache."""
+    """Fails the test if the model runner gets as far as allocating its KV cache."""
     def refuse(*args, **kwargs):
         raise AssertionError("KV cache allocated although loading failed")
-    monkeypatch.setattr(executor_module, "PagedKVCache", refuse)
+    monkeypatch.setattr(model_runner_module, "PagedKVCache", refuse)
 
 
 def test_unknown_model_path_names_the_path(tmp_path, no_cache_allowed):

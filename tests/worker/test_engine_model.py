@@ -29,7 +29,7 @@ def _threads():
 
 @pytest.fixture(scope="module", params=list(TINY_CONFIGS))
 def tiny(request, tmp_path_factory):
-    """(checkpoint dir, HF model, executor) for one tiny config."""
+    """(checkpoint dir, HF model, model runner) for one tiny config."""
     from transformers import AutoModelForCausalLM
 
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), request.param)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shared.sampling import SamplingParams
-from worker_svc.sampler import Sampler, filtered_probs
+from worker_svc.sampling.sampler import Sampler, filtered_probs
 
 torch.manual_seed(0)
 LOGITS = torch.randn(4, 100) * 3

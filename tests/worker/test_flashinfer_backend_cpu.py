@@ -21,10 +21,10 @@ from tests.support.engine_helpers import (
     make_tiny_checkpoint,
     use_threads,
 )
-from worker_svc import executor as executor_mod
+from worker_svc import model_runner as model_runner_mod
 from worker_svc.backends.base import LinearMethod
 from worker_svc.backends.cuda import cuda_graphs
-from worker_svc.executor import BatchError, Executor
+from worker_svc.model_runner import BatchError, ModelRunner
 
 BS = 16
 NUM_BLOCKS = 128
@@ -61,7 +61,7 @@ def fake_backend(monkeypatch):
         return CudaBackend(torch.device("cpu"), FlashInferAttention(torch.device("cpu"), dtype),
                            LinearMethod(), dtype, dtype, scratch_blocks=1, graph_runner_class=EagerGraphRunner,
                            ops=FlashInferOps())
-    monkeypatch.setattr(executor_mod, "select_backend", select)
+    monkeypatch.setattr(model_runner_mod, "select_backend", select)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2_bias"])
@@ -69,9 +69,9 @@ def ckpt(request, tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("fi"), request.param)
 
 
-def flash_executor(path, graphs=True, dtype="float32") -> Executor:
-    return Executor(WorkerConfig(model=str(path), dtype=dtype, cuda_graphs=graphs, max_num_seqs=8,
-                                 cache=CacheConfig(BS, NUM_BLOCKS)))
+def flash_runner(path, graphs=True, dtype="float32") -> ModelRunner:
+    return ModelRunner(WorkerConfig(model=str(path), dtype=dtype, cuda_graphs=graphs, max_num_seqs=8,
+                                    cache=CacheConfig(BS, NUM_BLOCKS)))
 
 
 def prompt(n, seed):
@@ -79,7 +79,7 @@ def prompt(n, seed):
 
 
 def test_hybrid_batches_give_the_torch_paths_logits(fake_backend, ckpt):
-    flash, ref = flash_executor(ckpt), make_executor(ckpt, num_blocks=NUM_BLOCKS)
+    flash, ref = flash_runner(ckpt), make_executor(ckpt, num_blocks=NUM_BLOCKS)
     assert flash.backend.attention.name == "flashinfer" and flash.graphs is not None
     pool = BlockPool(NUM_BLOCKS, shuffle_seed=1)
     prompts = {f"d{i}": prompt(15 + 17 * i, i) for i in range(3)}
@@ -100,7 +100,7 @@ def test_hybrid_batches_give_the_torch_paths_logits(fake_backend, ckpt):
 
 
 def test_graph_sizes_padding_and_eager_fallback(fake_backend, ckpt):
-    flash = flash_executor(ckpt)
+    flash = flash_runner(ckpt)
     assert flash.graphs.sizes == [1, 2, 4, 8]
     pool = BlockPool(NUM_BLOCKS, shuffle_seed=2)
     for n in (1, 3, 5, 8, 9):                  # 9 > max_num_seqs: eager decode wrapper
@@ -120,7 +120,7 @@ def test_graph_sizes_padding_and_eager_fallback(fake_backend, ckpt):
 
 
 def test_scratch_block_is_the_backends_not_the_schedulers(fake_backend, ckpt):
-    flash = flash_executor(ckpt)
+    flash = flash_runner(ckpt)
     assert flash.model_info.num_blocks == NUM_BLOCKS and flash.cache.num_blocks == NUM_BLOCKS + 1
     with pytest.raises(BatchError, match="outside the cache"):
         flash.execute(Batch(0, [chunk("r", [1, 2], 0, [NUM_BLOCKS], True)]))
@@ -135,7 +135,7 @@ def test_greedy_through_flashinfer_graphs_and_device_sampling_equals_transformer
         ids = torch.tensor([p])
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-    flash = flash_executor(ckpt)
+    flash = flash_runner(ckpt)
     assert flash.device_sampler is not None
     assert greedy_generate(flash, p, 32, BlockPool(NUM_BLOCKS, shuffle_seed=8).take(blocks_for(72, BS)),
                            chunk_size=15) == ref
@@ -146,8 +146,8 @@ def test_fused_ops_compute_the_references_functions_in_place(monkeypatch):
     contract says (residual's and x's storage; q and k as views of the fused qkv output)."""
     from worker_svc.backends.base import Ops
     from worker_svc.backends.cuda.ops import FlashInferOps, RopePositions
-    from worker_svc.model.config import ModelConfig
     from worker_svc.model.rope import RotaryEmbedding
+    from worker_svc.model_config import ModelConfig
 
     monkeypatch.setitem(__import__("sys").modules, "flashinfer", fake_flashinfer)
     ops, ref, bf = FlashInferOps(), Ops(), torch.bfloat16
@@ -194,7 +194,7 @@ def test_fused_ops_compute_the_references_functions_in_place(monkeypatch):
 
 
 def test_bf16_model_on_the_fused_ops_gives_the_torch_paths_logits(fake_backend, ckpt):
-    flash = flash_executor(ckpt, dtype="bfloat16")
+    flash = flash_runner(ckpt, dtype="bfloat16")
     assert flash.backend.ops.name == "flashinfer"
     ref = make_executor(ckpt, dtype="bfloat16", num_blocks=NUM_BLOCKS)
     pool = BlockPool(NUM_BLOCKS, shuffle_seed=3)

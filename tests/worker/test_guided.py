@@ -1,4 +1,4 @@
-"""Constrained decoding and logit_bias on the worker's samplers (worker_svc.guided), with the real
+"""Constrained decoding and logit_bias on the worker's samplers (worker_svc.sampling.guided), with the real
 SmolLM2 tokenizer and random logits: whatever the logits, a constrained request's tokens spell
 text its grammar accepts; matchers are rebuilt from the token history after a preemption; the
 mask is as wide as the logits; logprobs are those of the constrained distribution; the CUDA
@@ -14,9 +14,8 @@ import torch
 from shared.constraints import grammar_for
 from shared.messages import SeqChunk
 from shared.sampling import SamplingParams
-from worker_svc.backends.cuda.device_sampler import DeviceFirstSampler
-from worker_svc.guided import GuideMask, apply_token_bitmask, unpack_bitmask, unpack_bitmask_torch
-from worker_svc.sampler import Sampler
+from worker_svc.sampling import DeviceFirstSampler, Sampler
+from worker_svc.sampling.guided import GuideMask, apply_token_bitmask, unpack_bitmask, unpack_bitmask_torch
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -36,7 +35,7 @@ def make_sampler(tokenizer, cls=Sampler, vocab=None):
 
 def run(sampler, params: dict[str, SamplingParams], steps: int, vocab: int, seed: int = 0,
         preempt_at: int | None = None) -> dict[str, list[int]]:
-    """Drive `sampler` like the executor over `steps` steps of one batch of requests (random
+    """Drive `sampler` like the model runner over `steps` steps of one batch of requests (random
     logits, a function of (seed, request, step) only); a request stops at EOS. At step
     preempt_at every request is freed and recomputed (one chunk with prior_token_ids)."""
     out: dict[str, list[int]] = {r: [] for r in params}

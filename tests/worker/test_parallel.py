@@ -1,6 +1,6 @@
 """Tensor and pipeline parallelism over torch.distributed (gloo, one process per rank, 1 thread
 each): `sarathi worker --tp T --pp P` replicas driven by the real scheduler over ZeroMQ give the
-greedy tokens a single in-process executor gives for the very same batches (hybrid batches with
+greedy tokens a single in-process model runner gives for the very same batches (hybrid batches with
 chunked prefills and a preemption); with PP=2 two micro-batches are on the stages at once; bad
 layouts are refused before any weight is read; a rank that dies is reported within seconds."""
 from __future__ import annotations

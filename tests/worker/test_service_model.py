@@ -1,5 +1,5 @@
-"""The worker service over real ZeroMQ gives the same tokens as the in-process executor, with the
-real default model (SmolLM2): chunked prefills, decodes that carry only diffs, and a seeded
+"""The worker service over real ZeroMQ gives the same tokens as the in-process model runner, with
+the real default model (SmolLM2): chunked prefills, decodes that carry only diffs, and a seeded
 sampled request next to a greedy one in the same batches."""
 from __future__ import annotations
 
@@ -42,22 +42,22 @@ def generate(execute, steps: int = 10, chunk: int = 16) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def executor():
+def runner():
     from tests.support.engine_helpers import make_executor
     return make_executor(None, num_blocks=32, block_size=BLOCK)
 
 
-def test_remote_worker_samples_the_same_tokens_as_the_in_process_executor(executor, tmp_path):
-    local = generate(executor.execute)
+def test_remote_worker_samples_the_same_tokens_as_the_in_process_model_runner(runner, tmp_path):
+    local = generate(runner.execute)
     assert all(len(toks) >= 7 for toks in local.values())
 
-    server = WorkerServer(executor, f"ipc://{tmp_path}/worker.sock")
+    server = WorkerServer(runner, f"ipc://{tmp_path}/worker.sock")
     stop = threading.Event()
     thread = threading.Thread(target=server.serve_forever, args=(stop,), daemon=True)
     thread.start()
     try:
         remote = RemoteExecutor(server.address, timeout_s=60)
-        assert remote.model_info.name == executor.model_info.name
+        assert remote.model_info.name == runner.model_info.name
         assert generate(remote.execute) == local
         remote.close()
     finally:

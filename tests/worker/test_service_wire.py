@@ -1,4 +1,4 @@
-"""The worker service over real ZeroMQ, with a recording fake executor (torch-free: this is about
+"""The worker service over real ZeroMQ, with a recording fake model runner (torch-free: this is about
 the service plumbing, not the model): the worker rebuilds exactly the scheduler's batches, and
 every failure comes back as a clear error reply."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from shared.wire import pack, unpack
 from worker_svc.service import WorkerServer
 
 
-class RecordingExecutor:
+class RecordingRunner:
     """Samples token 1000 + output_index for every due row; records what it was given."""
 
     model_info = ModelInfo("fake", max_model_len=64, vocab_size=2000, eos_token_ids=[0])
@@ -41,9 +41,9 @@ class RecordingExecutor:
 def serve(tmp_path):
     started = []
 
-    def start(executor, address=None):
+    def start(runner, address=None):
         address = address or f"ipc://{tmp_path}/w{len(started)}.sock"
-        server = WorkerServer(executor, address)
+        server = WorkerServer(runner, address)
         stop = threading.Event()
         t = threading.Thread(target=server.serve_forever, args=(stop,), daemon=True)
         t.start()
@@ -69,7 +69,7 @@ def three_batches():
 
 
 def test_worker_rebuilds_the_same_batches_and_returns_sampled_tokens(serve):
-    ex = RecordingExecutor()
+    ex = RecordingRunner()
     remote = RemoteExecutor(serve(ex), timeout_s=5)
     assert remote.model_info.name == "fake"
     outs = [remote.execute(b) for b in three_batches()]
@@ -78,7 +78,7 @@ def test_worker_rebuilds_the_same_batches_and_returns_sampled_tokens(serve):
     assert {"forward_s", "decode_s", "worker_total_s", "rpc_s"} <= set(outs[2].timings)
 
 
-class FirstStageExecutor(RecordingExecutor):
+class FirstStageRunner(RecordingRunner):
     """A rank that does not sample (e.g. the first pipeline stage): it never learns the tokens."""
 
     def execute(self, batch):
@@ -87,7 +87,7 @@ class FirstStageExecutor(RecordingExecutor):
 
 
 def test_every_rank_rebuilds_the_batches_and_a_rank_that_does_not_sample_is_sent_the_tokens(serve):
-    first, last = FirstStageExecutor(), RecordingExecutor()
+    first, last = FirstStageRunner(), RecordingRunner()
     remote = RemoteExecutor(f"{serve(first)},{serve(last)}", timeout_s=5)
     outs = [remote.execute(b) for b in three_batches()]
     assert first.batches == last.batches == three_batches()
@@ -96,13 +96,13 @@ def test_every_rank_rebuilds_the_batches_and_a_rank_that_does_not_sample_is_sent
 
 def test_restarted_worker_gets_the_batch_resent_in_full(serve, tmp_path):
     addr = f"ipc://{tmp_path}/restart.sock"
-    first = RecordingExecutor()
+    first = RecordingRunner()
     remote = RemoteExecutor(serve(first, addr), timeout_s=5)
     b0, b1, b2 = three_batches()
     remote.execute(b0)
     remote.execute(b1)
     # a second worker on a new address stands in for a restarted one: it knows no request
-    second = RecordingExecutor()
+    second = RecordingRunner()
     remote2 = RemoteExecutor(serve(second), timeout_s=5)
     remote2.encoders[0].states = remote.encoders[0].states  # scheduler believes it sent a and b
     remote2.encoders[0].epoch = "stale"
@@ -115,7 +115,7 @@ def test_worker_process_replaced_on_the_same_address_is_reported_as_lost_kv(tmp_
     servers = []
 
     def start():
-        server = WorkerServer(RecordingExecutor(), addr)
+        server = WorkerServer(RecordingRunner(), addr)
         stop = threading.Event()
         t = threading.Thread(target=server.serve_forever, args=(stop,), daemon=True)
         t.start()
@@ -140,8 +140,8 @@ def test_worker_process_replaced_on_the_same_address_is_reported_as_lost_kv(tmp_
     stop_last()
 
 
-def test_executor_failure_is_an_error_reply_and_the_next_batch_is_sent_in_full(serve):
-    ex = RecordingExecutor(fail_on=1)
+def test_runner_failure_is_an_error_reply_and_the_next_batch_is_sent_in_full(serve):
+    ex = RecordingRunner(fail_on=1)
     remote = RemoteExecutor(serve(ex), timeout_s=5)
     b0, b1, b2 = three_batches()
     remote.execute(b0)
@@ -163,7 +163,7 @@ def test_dead_worker_times_out_with_a_clear_error(tmp_path):
                                           (pack({"op": "dance", "seq": 3}), "unknown_op"),
                                           (pack({"op": "batch", "seq": 4}), "bad_request")])
 def test_malformed_messages_get_error_replies(serve, payload, kind):
-    addr = serve(RecordingExecutor())
+    addr = serve(RecordingRunner())
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(addr)
@@ -175,7 +175,7 @@ def test_malformed_messages_get_error_replies(serve, payload, kind):
 
 
 def test_logprobs_and_prior_tokens_cross_the_wire(serve):
-    class WithLogprobs(RecordingExecutor):
+    class WithLogprobs(RecordingRunner):
         def execute(self, batch):
             out = super().execute(batch)
             out.logprobs = {s.req_id: [-0.5, [1000, 7], [-0.5, -2.0]] for s in batch.seqs if s.sample}
@@ -214,7 +214,7 @@ def test_a_killed_worker_process_is_noticed_at_once_not_after_the_reply_timeout(
     remote.close()
 
 
-class _SlowExecutor(RecordingExecutor):
+class _SlowRunner(RecordingRunner):
     def execute(self, batch):
         import time
         time.sleep(30)
@@ -222,7 +222,7 @@ class _SlowExecutor(RecordingExecutor):
 
 
 def _slow_worker(addr: str) -> None:
-    server = WorkerServer(_SlowExecutor(), addr)
+    server = WorkerServer(_SlowRunner(), addr)
     server.serve_forever()
 
 

@@ -1,10 +1,12 @@
 """Device backends (see base.py): select_backend() picks one per worker at start-up.
 
-Layout: base.py is the contract (DeviceBackend, AttentionBackend, LinearMethod, Ops, and the
-sampler and graph-runner protocols); torch_attention.py the pure-torch attention any device can
-run; cpu/ the CPU backend (native kernels in cpu/csrc, int8 linear layers); cuda/ the CUDA
-backend (FlashInfer, CUDA graphs, device sampling, KV sizing from device memory). Code outside
-this package uses only what this module exports.
+Layout: base.py is the contract (DeviceBackend, AttentionBackend, LinearMethod, Ops and the
+graph-runner protocol; a backend's sampler is a worker_svc.sampling.TokenSampler);
+torch_attention.py the pure-torch attention any device can run; cpu/ the CPU backend (native
+kernels in cpu/csrc, int8 linear layers); cuda/ the CUDA backend (FlashInfer, CUDA graphs, KV
+sizing from device memory; it samples with worker_svc.sampling.DeviceFirstSampler). Code outside
+this package uses only what this module exports. The backends use the sampling package and the
+model's data types (worker_svc.model_config, worker_svc.gguf_blocks), never the model itself.
 """
 from __future__ import annotations
 
@@ -17,11 +19,10 @@ from worker_svc.backends.base import (
     LinearMethod,
     Ops,
     SeqSpec,
-    TokenSampler,
 )
 
 __all__ = ["AttentionBackend", "DeviceBackend", "GraphRunner", "LinearMethod", "Ops", "SeqSpec",
-           "TokenSampler", "parse_dtype", "parse_kv_cache_dtype", "select_backend"]
+           "parse_dtype", "parse_kv_cache_dtype", "select_backend"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_CACHE_DTYPES = {**DTYPES, "float16": torch.float16}

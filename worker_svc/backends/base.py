@@ -1,7 +1,7 @@
 """The device seam: what differs per device, behind small interfaces.
 
 A DeviceBackend is chosen once per worker at start-up (worker_svc.backends.select_backend) and
-handed to the model and the executor. The model code (layers, positions, the flat hybrid batch)
+handed to the model and the model runner. The model code (layers, positions, the flat hybrid batch)
 never asks which device it runs on; it calls
 
 * backend.attention.build_metadata(...) once per batch and backend.attention.forward(...) per
@@ -14,30 +14,29 @@ never asks which device it runs on; it calls
   silu * up): Ops below is the torch reference (CUDA, fallbacks); the CPU backend's fused native
   versions equal it (worker_svc/backends/cpu/backend.py, cpu/csrc/cpu_ops.c).
 
-The executor (a model runner: check, forward, sample) asks the backend what it would otherwise
+The model runner (worker_svc.model_runner: check, forward, sample) asks the backend what it would otherwise
 decide by device string: the compute dtype for "auto" (compute_dtype, from default_dtype), the
 KV capacity when none was given (num_kv_blocks), the sampler (sampler: on the host, or on the
 device with the host as fallback), the graph runner for decode batches (graph_runner; it builds
 its own attention metadata from the batch), and the torch.distributed backend (dist_backend).
 
 Adding a device (or a faster kernel for one) means adding a backend, not `if cuda` branches in
-the model or the executor. describe() is the one line a worker prints at start-up so an operator
+the model or the model runner. describe() is the one line a worker prints at start-up so an operator
 knows what runs. Device code (native libraries, CUDA, FlashInfer) lives only under
 worker_svc/backends/ (tests/test_layering.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from shared.config import WorkerConfig
-from shared.messages import SeqChunk
 from worker_svc.kv_cache import PagedKVCache
-from worker_svc.model.config import ModelConfig
-from worker_svc.sampler import Sampler, SamplerOutput
+from worker_svc.model_config import ModelConfig
+from worker_svc.sampling import Sampler, TokenSampler
 
 # (start_pos, num_new_tokens, block_table) per sequence of a batch, in batch row order; the
 # caller has checked that each block table covers start_pos + num_new_tokens.
@@ -126,27 +125,6 @@ class Ops:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-class TokenSampler(Protocol):
-    """Draws one token per due sequence of a batch and keeps what drawing needs across batches
-    (token histories for penalties, grammar matchers for constraints: `guides`, a
-    worker_svc.guided.Guides). worker_svc.sampler.Sampler is the host implementation."""
-
-    def observe(self, chunks: list[SeqChunk]) -> None:
-        """Record every chunk of a batch (sampled or not) before sampling."""
-
-    def free(self, req_ids: list[str]) -> None:
-        """Drop the per-request state of finished / preempted requests; unknown ids are fine."""
-
-    def prepare(self, due: list[SeqChunk]) -> None:
-        """Start, before the forward pass, what sampling `due` needs and can overlap it (the
-        constrained rows' grammar masks: worker_svc.guided)."""
-
-    def sample_chunks(self, logits: torch.Tensor, due: list[SeqChunk],
-                      agree: Callable[[list[int]], list[int]] | None = None) -> SamplerOutput:
-        """logits [S, V] (on the backend's device) of the rows due a token -> one token each
-        (and logprobs where asked); agree maps the drawn tokens to the ones kept (TP)."""
 
 
 class GraphRunner(Protocol):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from worker_svc.backends import LinearMethod
-from worker_svc.model.gguf_blocks import GgufBlocks
+from worker_svc.gguf_blocks import GgufBlocks
 
 
 @dataclass(frozen=True)

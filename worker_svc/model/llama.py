@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc.backends import DeviceBackend
+from worker_svc.gguf_blocks import GgufBlocks
 from worker_svc.kv_cache import PagedKVCache
-from worker_svc.model.config import ModelConfig
-from worker_svc.model.gguf_blocks import GgufBlocks
 from worker_svc.model.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, TensorParallel
 from worker_svc.model.rope import RotaryEmbedding
+from worker_svc.model_config import ModelConfig
 
 
 class RMSNorm(torch.nn.Module):

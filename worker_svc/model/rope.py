@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from worker_svc.model.config import ModelConfig
+from worker_svc.model_config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:

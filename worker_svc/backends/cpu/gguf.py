@@ -198,7 +198,7 @@ class GroupInt8LinearMethod(GgufLinearMethod):
         import gguf
         import numpy as np
 
-        from worker_svc.model.gguf_blocks import GgufBlocks
+        from worker_svc.gguf_blocks import GgufBlocks
 
         q8 = gguf.GGMLQuantizationType.Q8_0
         raw = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w.detach().numpy(), q8)))

@@ -1,6 +1,6 @@
 """The CUDA backend (backend.py) and what only it uses: FlashInfer's per-batch metadata
-(flashinfer_meta.py), CUDA graphs for decode batches (cuda_graphs.py), sampling on the device
-(device_sampler.py) and KV sizing from device memory (kv_sizing.py). Importing this package does
+(flashinfer_meta.py), CUDA graphs for decode batches (cuda_graphs.py) and KV sizing from device
+memory (kv_sizing.py); it samples on the device with worker_svc.sampling.DeviceFirstSampler. Importing this package does
 not import flashinfer: only building a FlashInfer attention backend does."""
 from worker_svc.backends.cuda.backend import (
                                               CudaBackend,

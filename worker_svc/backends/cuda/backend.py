@@ -21,11 +21,11 @@ hybrid batches with chunks and decodes together). Per layer: the batch's K/V go 
 PagedKVCache's [num_blocks, block_size, Hkv, D] k and v per layer, passed as a tuple: FlashInfer's
 NHD paged layout.
 
-What the executor asks of a backend (CudaBackend): compute dtype "auto" is bfloat16, the KV
+What the model runner asks of a backend (CudaBackend): compute dtype "auto" is bfloat16, the KV
 cache is sized from device memory after a profiling pass when no block count was given
 (kv_sizing.py), tokens are drawn on the device where the request's parameters allow
-(device_sampler.py), decode-only batches replay CUDA graphs (cuda_graphs.py; FlashInfer only),
-and ranks talk over NCCL.
+(worker_svc.sampling.DeviceFirstSampler), decode-only batches replay CUDA graphs (cuda_graphs.py;
+FlashInfer only), and ranks talk over NCCL.
 """
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ import torch
 from worker_svc.backends.base import DeviceBackend, LinearMethod, Ops
 from worker_svc.backends.cuda import kv_sizing
 from worker_svc.backends.cuda.cuda_graphs import CudaGraphRunner, capture_sizes
-from worker_svc.backends.cuda.device_sampler import DeviceFirstSampler
 from worker_svc.backends.cuda.flashinfer_meta import PagedBatch, build_paged_batch
 from worker_svc.backends.cuda.ops import FlashInferOps
 from worker_svc.backends.torch_attention import TorchAttention
+from worker_svc.sampling import DeviceFirstSampler
 
 log = logging.getLogger("sarathi.worker")
 
@@ -62,7 +62,7 @@ class FlashInferAttention:
     """The AttentionBackend on FlashInfer's paged kernels (see module docstring).
 
     bind() must be called once with the model's attention shapes before the first batch (the
-    executor does, through DeviceBackend.bind)."""
+    model runner does, through DeviceBackend.bind)."""
 
     name = "flashinfer"
     workspace_bytes = WORKSPACE_BYTES
@@ -142,7 +142,7 @@ def flashinfer_unavailable_reason() -> str | None:
 
 @dataclass
 class CudaBackend(DeviceBackend):
-    """The CUDA device's answers to the executor's questions (see module docstring).
+    """The CUDA device's answers to the model runner's questions (see module docstring).
     graph_runner_class: what captures CUDA graphs (CudaGraphRunner; it needs FlashInfer's
     graph-safe decode wrappers), None = no graphs (the torch fallback)."""
 

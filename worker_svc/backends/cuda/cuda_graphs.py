@@ -7,7 +7,7 @@ the graph of the smallest captured size >= n (capture_sizes), its inputs and att
 padded with dummy sequences that read and write only the scratch block (flashinfer_meta.
 pad_decode_batch). Hybrid batches (any sequence with more than one new token) and decode batches
 larger than the largest size run eagerly. The runner builds a batch's attention metadata itself
-from the sequences' block tables: the executor only hands it the batch.
+from the sequences' block tables: the model runner only hands it the batch.
 
 The sizing and padding functions are plain code tested on the CPU (tests/worker/test_cuda_graphs.py);
 CudaGraphRunner needs a CUDA device and an attention backend with FlashInfer's graph-safe

@@ -53,7 +53,7 @@ class PagedBatch:
 
 def build_paged_batch(seqs: list[tuple[int, int, list[int]]], page_size: int) -> PagedBatch:
     """seqs: (start_pos, num_new_tokens, block_table) per sequence, in batch row order; the
-    caller has checked that each table covers start_pos + num_new_tokens (the executor does).
+    caller has checked that each table covers start_pos + num_new_tokens (the model runner does).
 
     Sequence i has kv_len = start_pos + n keys (its cached prefix and its n new tokens, whose
     K/V the attention backend writes to slot_mapping before any query reads the cache)."""

@@ -1,6 +1,7 @@
 """The architecture of a Llama-family model, read from a Hugging Face config.json or from
 GGUF metadata. One dataclass for Llama 2/3, Mistral, Qwen2 and SmolLM: they differ only in
-the fields below (q/k/v bias, rope scaling, tied embeddings, GQA ratio).
+the fields below (q/k/v bias, rope scaling, tied embeddings, GQA ratio). A leaf module below the
+loader (which reads it), the model and the device backends (which size their buffers from it).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ choices are separate requests, so each has its own matcher. A freed request's ma
 
 The masks of a batch's constrained rows are filled into one int32 bitmask [R, ceil(V / 32)]
 (bit t of row r allows token t; V: the logits' width, the model's padded vocabulary) by
-llguidance's thread pool, which releases the GIL: Executor.execute starts the fill before the
+llguidance's thread pool, which releases the GIL: ModelRunner.execute starts the fill before the
 forward pass (prepare) and the sampler waits for it after (take). apply_token_bitmask then sets
 every forbidden logit to -inf on the logits' device, for all constrained rows at once (the CPU
 sampler and the CUDA device sampler share it; only the unpacking of the bits differs, numpy on
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from shared.messages import SeqChunk
-from worker_svc.token_history import TokenHistory
+from worker_svc.sampling.token_history import TokenHistory
 
 log = logging.getLogger("sarathi.worker")
 

@@ -1,6 +1,6 @@
 """Sampling where the logits are (the GPU): only the chosen token ids cross to the host.
 
-The same rules as worker_svc.sampler (temperature 0 = argmax; else logits / temperature, then
+The same rules as the host sampler (sampler.py; temperature 0 = argmax; else logits / temperature, then
 top-k, then top-p through the same function, sampler.top_k_top_p), vectorised over the rows of a
 batch. The draw is Gumbel-max: token = argmax(filtered logits / T + g), g = -log(-log u),
 where u in (0, 1) is a counter-based hash of (seed, output_index, token id) computed in torch
@@ -15,7 +15,7 @@ integer arithmetic. So:
 
 Unseeded rows draw a fresh 62-bit seed from the worker's host generator per token.
 logit_bias and constraints are applied here too, on the device, by the host sampler's
-device-neutral functions (worker_svc.guided): the grammar masks are filled on the host (while the
+device-neutral functions (guided.py): the grammar masks are filled on the host (while the
 forward pass runs) and only the packed bitmask [R, V / 32] crosses to the device.
 Requests with parameters this module does not implement (supports() is False: any
 SamplingParams field beyond the ones below set away from its default, e.g. penalties or
@@ -31,8 +31,8 @@ import torch
 
 from shared.messages import SeqChunk
 from shared.sampling import SamplingParams
-from worker_svc.guided import apply_logit_bias, apply_token_bitmask
-from worker_svc.sampler import Sampler, SamplerOutput, top_k_top_p
+from worker_svc.sampling.guided import apply_logit_bias, apply_token_bitmask
+from worker_svc.sampling.sampler import Sampler, SamplerOutput, top_k_top_p
 
 _M32 = 0xFFFFFFFF
 # the fields this sampler implements, or that do not affect which token is drawn

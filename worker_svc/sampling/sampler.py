@@ -6,7 +6,7 @@ The logits a token is drawn from (and its logprobs are computed from), in order:
    tokens, then frequency and presence penalties over generated tokens (vLLM's order);
 3. logit_bias: added per token;
 4. min_tokens: EOS and stop_token_ids set to -inf until min_tokens tokens were generated;
-5. the constraint's mask (worker_svc.guided): tokens the request's grammar forbids set to -inf,
+5. the constraint's mask (guided.py): tokens the request's grammar forbids set to -inf,
    all constrained rows of the batch at once;
 6. temperature: logits / temperature (temperature 0 = greedy: argmax of step 5, no scaling).
 logprobs are the log-softmax of step 6 ("processed" logprobs, the distribution the token is
@@ -14,8 +14,8 @@ drawn from before top-k / top-p truncation, so the constrained one; vLLM's defau
 log-softmax of step 1).
 Then top-k, then top-p (keep the smallest most-likely set whose mass reaches top_p; the top token
 always survives), then one draw (an exponential race, exactly distributed as a multinomial draw).
-top_k_top_p is the one implementation of those two rules; the CUDA backend's device sampler
-(worker_svc/backends/cuda/device_sampler.py) calls it too.
+top_k_top_p is the one implementation of those two rules; the device sampler (device_sampler.py)
+calls it too.
 
 A seeded request draws with a generator seeded step_seed(seed, output_index), so its i-th token
 does not depend on what else was in the batch or on earlier preemptions; unseeded requests share
@@ -27,14 +27,14 @@ logprob numbers leave it (as Python numbers).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
 from shared.messages import SeqChunk
 from shared.sampling import SamplingParams, step_seed
-from worker_svc.guided import Guides, apply_logit_bias, apply_token_bitmask
-from worker_svc.token_history import TokenHistory
+from worker_svc.sampling.guided import Guides, apply_logit_bias, apply_token_bitmask
+from worker_svc.sampling.token_history import TokenHistory
 
 
 @dataclass
@@ -44,6 +44,28 @@ class SamplerOutput:
 
     tokens: list[int]
     logprobs: dict[int, list] = field(default_factory=dict)
+
+
+class TokenSampler(Protocol):
+    """Draws one token per due sequence of a batch and keeps what drawing needs across batches
+    (token histories for penalties, grammar matchers for constraints: `guides`, a
+    guided.Guides). Sampler is the host implementation, DeviceFirstSampler the device one; a
+    device backend picks one (worker_svc.backends.DeviceBackend.sampler)."""
+
+    def observe(self, chunks: list[SeqChunk]) -> None:
+        """Record every chunk of a batch (sampled or not) before sampling."""
+
+    def free(self, req_ids: list[str]) -> None:
+        """Drop the per-request state of finished / preempted requests; unknown ids are fine."""
+
+    def prepare(self, due: list[SeqChunk]) -> None:
+        """Start, before the forward pass, what sampling `due` needs and can overlap it (the
+        constrained rows' grammar masks: guided.py)."""
+
+    def sample_chunks(self, logits: torch.Tensor, due: list[SeqChunk],
+                      agree: Callable[[list[int]], list[int]] | None = None) -> SamplerOutput:
+        """logits [S, V] (on the backend's device) of the rows due a token -> one token each
+        (and logprobs where asked); agree maps the drawn tokens to the ones kept (TP)."""
 
 
 class Sampler:

@@ -2,10 +2,11 @@
 
 The loader attaches a GgufBlocks to each float weight it dequantized from a block format that a
 backend may compute on directly (attribute `gguf_blocks` of the tensor); the linear layers
-(model/linear.py) shard and concatenate the blocks exactly as they do the float weight, and hand
-them to the backend's LinearMethod as `layer.gguf`. Rows of a GGUF matrix are independent runs
-of blocks, so row slices, row concatenation and row permutations of the bytes are exact; a
-column shard is exact when it falls on block boundaries. Device-neutral: bytes and a type code.
+(worker_svc.model.linear) shard and concatenate the blocks exactly as they do the float weight,
+and hand them to the backend's LinearMethod as `layer.gguf`. Rows of a GGUF matrix are
+independent runs of blocks, so row slices, row concatenation and row permutations of the bytes
+are exact; a column shard is exact when it falls on block boundaries. Device-neutral: bytes and
+a type code. A leaf module below the loader, the model and the backends, which all read it.
 """
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
-"""The worker's engine: one hybrid batch in, the sampled tokens out.
+"""The worker's model runner: one hybrid batch in, the sampled tokens out.
 
-Executor is a model runner: check the batch, run the model forward, sample. It owns the model
+ModelRunner checks the batch, runs the model forward and samples. It owns the model
 weights and the paged KV cache tensors; everything that differs per device (compute dtype for
 "auto", KV capacity when none was given, the sampler, graph replay, the distributed backend)
 is the DeviceBackend's answer (worker_svc.backends), never a device-string test here. It trusts
 the scheduler's block bookkeeping (which blocks belong to whom) but checks every batch against
 its own limits (context length, block ids, vocabulary) so that a bad batch is an error, not a
-silent corruption of another request's KV.
+silent corruption of another request's KV. To the scheduler's engine loop it is an executor
+(scheduler_svc.engine_loop.Executor: execute(batch) -> BatchOutput), in process or behind the
+worker service.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from worker_svc.kv_cache import PagedKVCache
 from worker_svc.loader import load_weights, read_config
 from worker_svc.model.linear import TensorParallel
 from worker_svc.model.llama import LlamaForCausalLM
-from worker_svc.sampler import SamplerOutput
+from worker_svc.sampling import SamplerOutput
 
 log = logging.getLogger("sarathi.worker")
 
@@ -34,7 +36,7 @@ class BatchError(ValueError):
     """A batch the worker cannot execute as sent; names the request and the problem."""
 
 
-class Executor:
+class ModelRunner:
     """Loads config.model, then allocates config.cache.num_blocks KV blocks per layer (0: auto,
     the backend's num_kv_blocks), then captures the backend's graphs if it has them.
 

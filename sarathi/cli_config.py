@@ -1,0 +1,52 @@
+"""The config objects (shared.config) that the `sarathi` subcommands build from their parsed
+arguments (sarathi.cli): the worker's engine, the scheduler's policy and limits, and the token
+budget they resolve. Shared by the serving commands (sarathi.commands) and the measurement ones
+(sarathi.measure.commands), so each flag means one thing everywhere.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import NamedTuple
+
+from shared.config import CacheConfig, SchedulerConfig, WorkerConfig, resolve_token_budget
+
+
+def engine_config(a: argparse.Namespace) -> WorkerConfig:
+    """The worker's engine (sarathi.cli's `_model_args`); what sizes graphs and the profiling pass
+    is set by the caller from the scheduler's limits, or by `sarathi worker`'s own flags."""
+    return WorkerConfig(model=a.model, dtype=a.dtype, device=a.device, num_threads=a.threads,
+                        cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks),
+                        gpu_memory_utilization=a.gpu_memory_utilization, cuda_graphs=a.cuda_graphs,
+                        kv_cache_dtype=a.kv_cache_dtype, weight_quant=a.weight_quant)
+
+
+class TokenBudget(NamedTuple):
+    """--token-budget resolved: tau (tokens; where an adaptive budget starts) and the SLO (s) an
+    adaptive budget follows (0.0: fixed)."""
+
+    budget: int
+    adaptive_slo: float
+
+
+ADAPTIVE_START = 512   # tokens: where `--token-budget adaptive` starts (the controller moves it)
+
+
+def token_budget(a: argparse.Namespace, slo: float | None = None) -> TokenBudget:
+    """A number, a plan file, auto, or `adaptive` (needs an SLO: --tbt-slo, or `slo` given)."""
+    if str(a.token_budget).strip() != "adaptive":
+        return TokenBudget(resolve_token_budget(a.token_budget), 0.0)
+    if a.policy != "sarathi":
+        raise ValueError(f"--token-budget adaptive applies to the sarathi policy, not {a.policy}")
+    slo = a.tbt_slo if a.tbt_slo > 0 else slo
+    if not slo:
+        raise ValueError("--token-budget adaptive needs the SLO to keep: --tbt-slo SECONDS")
+    return TokenBudget(ADAPTIVE_START, slo)
+
+
+def scheduler_config(a: argparse.Namespace, slo: float | None = None) -> SchedulerConfig:
+    """The policy and its limits (sarathi.cli's `_sched_args`); tau from a number, a plan file or
+    adaptive."""
+    tau = token_budget(a, slo)
+    return SchedulerConfig(policy=a.policy, token_budget=tau.budget, adaptive_tbt_slo_s=tau.adaptive_slo,
+                           max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                           enable_prefix_caching=a.prefix_caching)
