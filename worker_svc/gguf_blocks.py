@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 # ggml type code -> (elements per block, bytes per block) of the formats the CPU backend has
-# block kernels for (worker_svc/backends/cpu/csrc/gguf_linear.c); gguf.GGML_QUANT_SIZES agrees
+# block kernels for (worker_svc/backends/cpu/csrc/gguf_*.c); gguf.GGML_QUANT_SIZES agrees
 BLOCK_FORMATS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 FORMAT_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 

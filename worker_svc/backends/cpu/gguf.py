@@ -1,7 +1,7 @@
 """Linear layers on the GGUF file's own quantized blocks (CPU), behind the LinearMethod seam.
 
 A GGUF model is served as the file defines it: no re-quantization. A layer whose weight carries
-the file's blocks (layer.gguf, see worker_svc/model/gguf_blocks.py) in a format with a block
+the file's blocks (layer.gguf, see worker_svc/gguf_blocks.py) in a format with a block
 kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K: csrc/gguf_*.c) runs a kernel that reads the file's
 bytes. Layers without blocks (float checkpoints, GGUF tensors stored as F32/F16, formats without a
 kernel, dequantized at load with a log line) run plain F.linear, as does any non-fp32 layer.
