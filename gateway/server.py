@@ -25,12 +25,12 @@ def model_info_from_source(source: ModelSource, tokenizer, max_model_len: int | 
     no torch). max_model_len overrides the model's own context length (tokens); set it to the
     scheduler's limit when that is smaller."""
     if source.kind == "gguf":
-        from gguf import GGUFReader  # numpy-only
+        from shared.gguf_file import GgufFile  # numpy-only
 
-        fields = GGUFReader(source.path).fields
-        arch = fields["general.architecture"].contents()
-        context = fields[f"{arch}.context_length"].contents()
-        layers = fields[f"{arch}.block_count"].contents()
+        fields = GgufFile(source.path).fields
+        arch = fields["general.architecture"]
+        context = fields[f"{arch}.context_length"]
+        layers = fields[f"{arch}.block_count"]
     else:
         cfg = json.loads((Path(source.path) / "config.json").read_text())
         context, layers = cfg.get("max_position_embeddings", 2048), cfg.get("num_hidden_layers", 0)

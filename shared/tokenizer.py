@@ -104,13 +104,12 @@ def _end_of_turn_ids(backend: HFTokenizer, template: str | None, eos_id: int | N
 
 
 def _from_gguf(path: Path) -> Tokenizer:
-    from gguf import GGUFReader  # numpy-only; imported here so HF-dir users don't need it
+    from shared.gguf_file import GgufFile  # numpy-only
 
-    fields = GGUFReader(path).fields
+    fields = GgufFile(path).fields
 
     def get(key: str, default: Any = None) -> Any:
-        f = fields.get(key)
-        return default if f is None else f.contents()
+        return fields.get(key, default)
 
     kind = get("tokenizer.ggml.model")
     if kind != "gpt2":

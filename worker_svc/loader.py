@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared.gguf_file import GgufFile
 from shared.model_source import ModelSource
 from worker_svc.gguf_blocks import BLOCK_FORMATS, GgufBlocks
 from worker_svc.model_config import ModelConfig, ModelConfigError
@@ -103,14 +104,9 @@ def read_config(source: ModelSource) -> ModelConfig:
             gen_path = source.path / "generation_config.json"
             return ModelConfig.from_hf(json.loads(path.read_text()),
                                        json.loads(gen_path.read_text()) if gen_path.is_file() else None)
-        import gguf
-
-        reader = gguf.GGUFReader(str(source.path))
-        meta = {k: f.contents() for k, f in reader.fields.items() if k not in _BIG_ARRAYS}
-        if "tokenizer.ggml.tokens" in reader.fields:
-            meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
-        return ModelConfig.from_gguf(meta, has_output_weight=any(t.name == "output.weight"
-                                                                 for t in reader.tensors))
+        reader = GgufFile(source.path)
+        return ModelConfig.from_gguf(_gguf_meta(reader), has_output_weight=any(t.name == "output.weight"
+                                                                               for t in reader.tensors))
     except ModelConfigError:
         raise
     except Exception as e:
@@ -174,15 +170,20 @@ def _load_hf(path: Path) -> tuple[ModelConfig, LazyWeights]:
 # ---------------------------------------------------------------------------------------------
 # GGUF file
 # ---------------------------------------------------------------------------------------------
+def _gguf_meta(reader: GgufFile) -> dict:
+    """The metadata ModelConfig.from_gguf reads; the vocabulary only as its size."""
+    meta = {k: v for k, v in reader.fields.items() if k not in _BIG_ARRAYS}
+    if "tokenizer.ggml.tokens" in reader.fields:
+        meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"]))
+    return meta
+
+
 def _load_gguf(path: Path) -> tuple[ModelConfig, Weights]:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    meta = {k: f.contents() for k, f in reader.fields.items() if k not in _BIG_ARRAYS}
-    if "tokenizer.ggml.tokens" in reader.fields:
-        meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
+    reader = GgufFile(path)
     names = {t.name for t in reader.tensors}
-    cfg = ModelConfig.from_gguf(meta, has_output_weight="output.weight" in names)
+    cfg = ModelConfig.from_gguf(_gguf_meta(reader), has_output_weight="output.weight" in names)
     if "rope_freqs.weight" in names:
         raise ModelLoadError(f"{str(path)!r}: GGUF rope frequency factors (Llama 3.1 scaling) "
                              "are not supported; use the Hugging Face directory instead")
