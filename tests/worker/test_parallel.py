@@ -20,7 +20,7 @@ from scheduler_svc.remote_executor import RemoteExecutor, WorkerError, WorkerLay
 from shared.sampling import SamplingParams
 from tests.support.e2e_stack import ROOT
 from tests.support.engine_helpers import make_executor, make_tiny_checkpoint, use_threads
-from tests.support.parallel_helpers import BS, Replica, children_alive, cli, make_scheduler, make_wide_checkpoint, run
+from tests.support.parallel_helpers import BS, Replica, children_alive, make_scheduler, make_wide_checkpoint, run
 
 NUM_BLOCKS = 18          # 288 token slots: the requests below need more, so some are preempted
 TOKEN_BUDGET = 24        # tau: prompts of 30-60 tokens are prefilled in chunks
@@ -144,15 +144,25 @@ def test_torchrun_starts_one_rank_per_process(tmp_path, tiny, reference):
     (["--pp", "2", "--pp-layers", "2,1"], {}, r"--pp-layers 2,1 must give 2 stages"),
     (["--tp", "2", "--rank", "0"], {"WORLD_SIZE": "4"}, r"tp x pp = 2 x 1 = 2 ranks, but the world size is 4"),
 ])
-def test_bad_layout_is_a_clear_error_before_any_weight_is_read(tiny, tmp_path, args, env, message):
+def test_bad_layout_is_a_clear_error_before_any_weight_is_read(tiny, tmp_path, args, env, message, monkeypatch,
+                                                              capsys):
+    """`sarathi worker`'s own entry point, in this process (the exit code is what main returns;
+    test_parallel_smollm2 runs the same refusal as a real process)."""
+    from sarathi import cli as sarathi_cli
+
     # weights truncated to nothing: an error about them would mean they were read first
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((tiny / "config.json").read_text())
     (broken / "model.safetensors").write_bytes(b"")
-    r = cli("--model", str(broken), "--bind", f"ipc://{tmp_path}/x.sock", *args, env=env)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert re.search(message, r.stderr.splitlines()[-1]), r.stderr[-2000:]
+    for k in [k for k in os.environ if k.startswith("SARATHI_")]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc = sarathi_cli.main(["worker", "--model", str(broken), "--bind", f"ipc://{tmp_path}/x.sock", *args])
+    err = capsys.readouterr().err
+    assert rc == 2, err[-2000:]
+    assert re.search(message, err.strip().splitlines()[-1]), err[-2000:]
 
 
 def test_scheduler_refuses_addresses_that_are_not_the_replicas_ranks(tmp_path, tiny):
