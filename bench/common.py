@@ -64,7 +64,7 @@ class Layout:
 
 
 FULL = Layout(decodes=128, chunk=2048)       # engine_iteration's whole sweep: 8,448 blocks
-SMALL = Layout(decodes=32, chunk=512)        # the issue-11 target cases: 2,112 blocks (1.6 GB fp32 KV)
+SMALL = Layout(decodes=32, chunk=512)        # the target cases: 2,112 blocks (1.6 GB fp32 KV)
 
 
 def make_batch(series: str, size: int, layout: Layout = FULL) -> Batch:
@@ -86,7 +86,7 @@ def make_batch(series: str, size: int, layout: Layout = FULL) -> Batch:
 
 def make_executor(spec: str, layout: Layout = FULL) -> ModelRunner:
     """DTYPE[:KV[:WEIGHTS[:ATTENTION]]] -> a ModelRunner with the layout's cache. A bare DTYPE (the
-    --dtypes runs) keeps the KV cache in the compute dtype and float weights, as before issue 11.
+    --dtypes runs) keeps the KV cache in the compute dtype and float weights (the exact path).
     The name stays: ENGINE_PROCESS calls it by name inside older source trees."""
     from worker_svc.model_runner import ModelRunner  # torch: only for scripts that build an engine
 

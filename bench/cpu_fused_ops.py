@@ -1,4 +1,4 @@
-"""A/B(/C) of the fused native CPU ops and the per-step Python trims (issue 11): one decode step
+"""A/B(/C) of the fused native CPU ops and the per-step Python trims: one decode step
 of SmolLM2-135M at 1k context, CPU defaults (fp32 compute, int8 weights, bf16 KV, native decode
 attention), in up to three variants, each in its own process (pinned like this driver):
 

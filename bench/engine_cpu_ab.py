@@ -1,5 +1,5 @@
-"""Quick A/B of the CPU engine before/after issue 11 on the issue's target cases, each next to
-its bandwidth bound (bench.common.step_bytes / bench.membw read bandwidth).
+"""Quick A/B of the CPU engine: fp32 against the defaults, or two source trees, case by case,
+each next to its bandwidth bound (bench.common.step_bytes / bench.membw read bandwidth).
 
 before = fp32 weights, fp32 KV; after = the CPU defaults (bf16 KV, int8 weights for small
 batches, fp32 GEMM above); int8-bf16 = the opt-in `--weight-quant int8-bf16` (bf16 GEMM above).

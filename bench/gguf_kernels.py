@@ -21,7 +21,7 @@ T (worker_svc/backends/cpu/gguf.py GGUF_MAX_TOKENS records the tile kernels' on 
 largest T timed when it never loses).
 
 Part "engine": SmolLM2's real GGUF on the ModelRunner, one process per arm (ARMS: --base-tree's code,
-e.g. main before a change; the default now, with the decode stack; the same with
+e.g. the code before a change; the default now, with the decode stack; the same with
 SARATHI_NATIVE_STACK=0, layer by layer; the 8-token tile kernels; llama.cpp's 8-bit
 activations) stepped in turn
 (bench.common.EngineProcess), cases decode:1 and decode:32 at 1k context, prefill:512; llama.cpp's

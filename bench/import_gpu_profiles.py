@@ -1,13 +1,13 @@
 """Copy the A100 operator and network profiles the simulated GPU worker uses into the package
 (sarathi/measure/data/gpu/), trimmed to the medians it reads, with their provenance.
 
-Source: the reference folder ../shared/profiles beside the repository (figures from the open
-Vidur project's profiling runs, Microsoft, MIT licence; see its README). Each output CSV keeps,
+Source: the open Vidur project's profiling data (its data/profiling folder: A100 runs by
+Microsoft, MIT licence), given with --src. Each output CSV keeps,
 per (token count, TP degree) or (ranks, devices per node, message bytes), the median time in
 milliseconds (duplicated rows: the median of their medians). PROVENANCE.md records the source
 files' sha256, row counts and this command, so the copy can be checked and redone:
 
-    python -m bench.import_gpu_profiles [--src ../shared/profiles]
+    python -m bench.import_gpu_profiles --src VIDUR/data/profiling
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def network(src: Path, topo: str, coll: str) -> tuple[Path, Path, int]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--src", default="../shared/profiles")
+    ap.add_argument("--src", required=True, help="Vidur's data/profiling folder (compute/, network/)")
     a = ap.parse_args(argv)
     src = Path(a.src)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -73,14 +73,14 @@ def main(argv: list[str] | None = None) -> None:
         "# Provenance of the GPU profiles in this folder",
         "",
         "Measured on NVIDIA A100 GPUs by the open **Vidur** project's profiling runs (Microsoft,",
-        "MIT licence), as kept in the reference folder `../shared/profiles` beside this repository.",
+        "MIT licence), from its data/profiling folder.",
         "Trimmed copies: the median time (ms) per (token count, TP degree) of each per-layer",
         "operator (`*_linear.csv`: one transformer layer's token-wise operators, times per TP",
         "shard), and per (ranks, devices per node, message bytes) of each collective (fp16",
         "messages; `size_bytes` as Vidur records it). Written by",
-        "`python -m bench.import_gpu_profiles --src ../shared/profiles`.",
+        "`python -m bench.import_gpu_profiles --src VIDUR/data/profiling`.",
         "",
-        "| copy | source (under ../shared/profiles) | source rows | source sha256 |",
+        "| copy | source (under data/profiling) | source rows | source sha256 |",
         "|---|---|---|---|",
     ]
     for path, out, n in done:

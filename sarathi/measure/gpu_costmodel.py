@@ -28,7 +28,7 @@ Where each term comes from (all times in seconds; per TP shard, per pipeline sta
   / `kv_link_gbs`; zero for colocated serving (kept as its own term so that issue can add it).
 
 H100: the A100 operator times scaled per operator by the ratio of the two devices' roofline times
-(effective GEMM rate and bandwidth from ../shared/GPU.md: 650 TFLOP/s, 3.0 TB/s measured), the
+(effective GEMM rate and bandwidth as measured on an H100: 650 TFLOP/s, 3.0 TB/s), the
 A100 network profiles with their bandwidth term scaled by NVLink 4 / NVLink 3 (900 / 600 GB/s).
 """
 from __future__ import annotations
@@ -109,7 +109,7 @@ class Device:
     copy_tbs: float           # effective, streaming reads
     nvlink_gbs: float         # per-GPU NVLink bandwidth (GB/s), scales the network profile
     attn_flops_eff: float = 0.5    # FlashAttention-2 forward reaches 50-73% of A100 peak
-    attn_bw_eff: float = 0.82      # decode attention: 2.74 of 3.35 TB/s measured on H100 (GPU.md)
+    attn_bw_eff: float = 0.82      # decode attention: 2.74 of 3.35 TB/s measured on an H100
     launch_s: float = 5e-6         # one kernel launch
 
 

@@ -1,7 +1,7 @@
 """CUDA graphs for decode-only batches: captured once at start-up, replayed every decode step.
 
 A decode step of an 8B model is ~1,400 kernel launches; launched one by one from Python they
-cost more than the GPU work (../shared/GPU.md: 59 ms of CPU for 18 ms of GPU at 32 decodes).
+cost more than the GPU work (the profiles in bench/results/gpu/).
 A graph replays them with one launch. Graphs have fixed shapes, so a batch of n decodes runs in
 the graph of the smallest captured size >= n (capture_sizes), its inputs and attention metadata
 padded with dummy sequences that read and write only the scratch block (flashinfer_meta.
