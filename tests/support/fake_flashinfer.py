@@ -33,7 +33,7 @@ class _Wrapper:
                               q_dtype=q_data_type, kv_dtype=kv_data_type,
                               scale=sm_scale if sm_scale is not None else head_dim ** -0.5)
 
-    def run(self, q, paged_kv_cache):
+    def run(self, q, paged_kv_cache, out=None):
         a = self.plan_args
         assert a is not None, "run() before plan()"
         k, v = paged_kv_cache
@@ -43,7 +43,12 @@ class _Wrapper:
         assert q.dtype == a["q_dtype"] and k.dtype == a["kv_dtype"]
         assert a["causal"], "paged prefill without causal=True would let chunks see the future"
         self.runs += 1
-        return reference_attention(q, k, v, a["pb"], a["scale"])
+        result = reference_attention(q, k, v, a["pb"], a["scale"])
+        if out is None:
+            return result
+        assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+        out.copy_(result)
+        return out
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):

@@ -90,13 +90,36 @@ def test_hybrid_batches_give_the_torch_paths_logits(fake_backend, ckpt):
                Batch(1, [chunk(r, [4 + i], len(p), tables[r], True) for i, (r, p) in enumerate(prompts.items())]
                      + [chunk("p", long_p[33:], 33, long_t, True)]),
                Batch(2, [chunk(r, [9], len(p) + 1, tables[r], True) for r, p in prompts.items()])]  # graph
+    att = flash.backend.attention
+    runs = []
     for b in batches:
         got, want = flash.compute_logits(b), ref.compute_logits(b)
         assert got.keys() == want.keys()
         for r in want:
             assert (got[r] - want[r]).abs().max().item() < 1e-4, (b.batch_id, r)
+        runs.append((att.decode.runs, att.prefill.runs))
+    # batch 0: chunks only (prefill kernel); batch 1: 3 decodes, then a chunk: split, the decodes
+    # on the decode kernel and the chunk on the prefill kernel; batch 2: decode-only, a graph
+    assert runs[0][0] == 0 and runs[0][1] > 0
+    assert runs[1][0] > runs[0][0] and runs[1][1] > runs[0][1]
+    assert runs[2] == runs[1] and flash.graphs.wrappers[4].runs > 0   # 3 decodes -> graph of 4
+
+
+def test_a_hybrid_batch_not_led_by_its_decodes_runs_on_the_prefill_kernel(fake_backend, ckpt):
+    """A chunk before a decode: one prefill-kernel call for every row, same logits."""
+    flash, ref = flash_runner(ckpt, graphs=False), make_executor(ckpt, num_blocks=NUM_BLOCKS)
+    pool = BlockPool(NUM_BLOCKS, shuffle_seed=5)
+    a, ta = prompt(20, 1), pool.take(blocks_for(22, BS))
+    c, tc = prompt(40, 2), pool.take(blocks_for(40, BS))
+    for ex in (flash, ref):
+        ex.compute_logits(Batch(0, [chunk("a", a, 0, ta, True), chunk("c", c[:17], 0, tc, False)]))
+    mixed = Batch(1, [chunk("c", c[17:], 17, tc, True), chunk("a", [7], 20, ta, True)])
     att = flash.backend.attention
-    assert att.prefill.runs > 0 and flash.graphs.wrappers[4].runs > 0   # 3 decodes -> graph of 4
+    decode_runs = att.decode.runs
+    got, want = flash.compute_logits(mixed), ref.compute_logits(mixed)
+    assert att.decode.runs == decode_runs
+    for r in want:
+        assert (got[r] - want[r]).abs().max().item() < 1e-4, r
 
 
 def test_graph_sizes_padding_and_eager_fallback(fake_backend, ckpt):

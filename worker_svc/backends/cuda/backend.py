@@ -52,10 +52,14 @@ WORKSPACE_BYTES = 256 * 1024 * 1024     # FlashInfer's split-k scratch (it recom
 @dataclass
 class FlashInferMetadata:
     """One batch's attention state: slot_mapping [T] int64 on the device, and the wrapper whose
-    plan() describes this batch (every layer calls its run())."""
+    plan() describes this batch (every layer calls its run()). A hybrid batch whose rows start
+    with its decodes is split: decodes = that count, `wrapper` (the decode wrapper) planned for
+    those rows and `prefill` (the paged prefill wrapper) for the rest."""
 
     slot_mapping: torch.Tensor
     wrapper: Any
+    decodes: int = 0
+    prefill: Any = None
 
 
 class FlashInferAttention:
@@ -118,17 +122,41 @@ class FlashInferAttention:
 
     def build_metadata(self, seqs: list[tuple[int, int, list[int]]], block_size: int,
                        device: torch.device | str) -> FlashInferMetadata:
+        """Decode-only batches plan the decode wrapper. A hybrid batch that starts with decodes
+        (the order Sarathi's policies build: running decodes, then prefill chunks) is split in
+        two: its decodes on the decode kernel, its chunks on the paged prefill kernel. The
+        prefill kernel would run each decode as a one-row query tile, reading the decode's whole
+        context at a tile's cost; on a 32-decode + 512-token batch that made attention 3-4x the
+        two kernels' time (bench/results/gpu/README.md). Any other order takes the prefill
+        kernel for every row."""
         pb = build_paged_batch(seqs, block_size)
-        wrapper = self.decode if pb.decode_only else self.prefill
-        self.plan(wrapper, pb)
-        return self.metadata(wrapper, pb.slot_mapping.to(device, non_blocking=True))
+        slots = pb.slot_mapping.to(device, non_blocking=True)
+        if pb.decode_only:
+            self.plan(self.decode, pb)
+            return self.metadata(self.decode, slots)
+        decodes = next((i for i, (_, n, _) in enumerate(seqs) if n != 1), len(seqs))
+        if decodes == 0:
+            self.plan(self.prefill, pb)
+            return self.metadata(self.prefill, slots)
+        self.plan(self.decode, build_paged_batch(seqs[:decodes], block_size))
+        self.plan(self.prefill, build_paged_batch(seqs[decodes:], block_size))
+        return FlashInferMetadata(slots, self.decode, decodes, self.prefill)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, layer: int,
                 meta: FlashInferMetadata, scale: float) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens (rotated) -> out [T, Hq, D].
-        The softmax scale was fixed at plan time (bind(scale)); `scale` is the same number."""
+        The softmax scale was fixed at plan time (bind(scale)); `scale` is the same number.
+        The two wrappers of a split batch share the workspace: they run one after the other on
+        the same stream, and each plan's scratch is used within its own run."""
         cache.write(layer, meta.slot_mapping, k, v)
-        return meta.wrapper.run(q, (cache.k[layer], cache.v[layer]))
+        kv = (cache.k[layer], cache.v[layer])
+        if meta.prefill is None:
+            return meta.wrapper.run(q, kv)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        d = meta.decodes
+        meta.wrapper.run(q[:d], kv, out=out[:d])
+        meta.prefill.run(q[d:], kv, out=out[d:])
+        return out
 
 
 def flashinfer_unavailable_reason() -> str | None:
