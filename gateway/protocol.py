@@ -5,6 +5,11 @@ that we cannot honour (best_of > 1, echo, suffix, functions / function_call, aud
 prediction) are rejected with a 400 naming the parameter, never silently dropped. Fields that
 only label a request (user, metadata, store, service_tier) are accepted and ignored.
 
+Every list, text and object field has a size bound (shared.limits), stated in the OpenAPI schema
+and checked while the body is parsed, so an oversized field is a 400 naming it before any
+tokenization, template rendering or grammar compile. A JSON schema given as an object is
+bounded by the length of its compact JSON text (its description in the schema says so).
+
 Output constraints (structured outputs), at most one per request: `response_format`
 (json_object, json_schema), or as vLLM's extensions `structured_outputs` {json | regex | choice |
 grammar | json_object} or the older `guided_json` / `guided_regex` / `guided_choice` /
@@ -16,14 +21,40 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
+from shared import limits as L
 from shared.sampling import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 
 _NAME = r"^[a-zA-Z0-9_-]{1,64}$"     # OpenAI's rule for schema and function names
 
 MAX_N = 16           # choices per prompt (each is one request to the scheduler)
-MAX_CHOICES = 64     # prompts x n of one /v1/completions call
+MAX_CHOICES = L.MAX_PROMPTS     # prompts x n of one /v1/completions call
+_INT32 = 2**31 - 1   # token ids (a vocabulary is far smaller; the vocabulary check follows)
+
+Name = Annotated[str, Field(max_length=L.MAX_NAME_CHARS)]
+Text = Annotated[str, Field(max_length=L.MAX_TEXT_CHARS)]
+Description = Annotated[str, Field(max_length=L.MAX_DESCRIPTION_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=_INT32)]
+StopString = Annotated[str, Field(max_length=L.MAX_STOP_CHARS)]
+Regex = Annotated[str, Field(min_length=1, max_length=L.MAX_REGEX_CHARS)]
+Grammar = Annotated[str, Field(min_length=1, max_length=L.MAX_GRAMMAR_CHARS, pattern=r"\S")]
+Choices = Annotated[list[Annotated[str, Field(min_length=1, max_length=L.MAX_GUIDED_CHOICE_CHARS)]],
+                    Field(min_length=1, max_length=L.MAX_GUIDED_CHOICES)]
+_SCHEMA_NOTE = f"a JSON schema: an object of at most {L.MAX_SCHEMA_CHARS} characters as compact JSON, or its JSON text"
+JsonSchema = dict[str, Any] | Annotated[str, Field(max_length=L.MAX_SCHEMA_CHARS)]
+
+
+def json_chars(value: Any) -> int:
+    """Characters of value's compact JSON text (the measure of the object-valued bounds)."""
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+
+
+def _bounded_schema(value: Any, limit: int = L.MAX_SCHEMA_CHARS) -> Any:
+    """A field validator's body: refuse a schema object over `limit` characters of JSON."""
+    if isinstance(value, dict) and json_chars(value) > limit:
+        raise ValueError(f"the schema is larger than {limit} characters as JSON")
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -33,9 +64,11 @@ class StreamOptions(BaseModel):
 class JSONSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
     name: str = Field(default="response", pattern=_NAME)
-    description: str | None = None
-    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    description: Description | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema", description=_SCHEMA_NOTE)
     strict: bool | None = None
+
+    _schema_size = field_validator("schema_")(_bounded_schema)
 
 
 class ResponseFormat(BaseModel):
@@ -53,11 +86,13 @@ class StructuredOutputs(BaseModel):
     GBNF), json_object."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    json_: JsonSchema | None = Field(default=None, alias="json", description=_SCHEMA_NOTE)
+    regex: Regex | None = None
+    choice: Choices | None = None
+    grammar: Grammar | None = None
     json_object: bool | None = None
+
+    _schema_size = field_validator("json_")(_bounded_schema)
 
 
 class _GenerationFields(BaseModel):
@@ -65,38 +100,44 @@ class _GenerationFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: Name | None = None
     # The bounds below are the ones shared.sampling.SamplingParams enforces, stated in the
     # schema so that the served OpenAPI document agrees with what is refused (400).
-    max_tokens: int | None = Field(None, ge=1)   # tokens to generate; None = fill up to the default cap
+    max_tokens: int | None = Field(None, ge=1, le=L.MAX_TOKENS)  # None = up to the default cap
     temperature: float | None = Field(None, ge=0, le=100)   # None = 1.0 (OpenAI's default)
     top_p: float | None = Field(None, gt=0, le=1)           # None = 1.0
     top_k: int | None = Field(None, ge=-1)       # extension (vLLM's): None or -1 disables
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str | int] | None = None   # strings; ints are taken as stop token ids
-    stop_token_ids: list[int] | None = None     # extension (vLLM's)
-    seed: int | None = None
+    # strings; ints are taken as stop token ids
+    stop: StopString | Annotated[list[StopString | TokenId], Field(max_length=L.MAX_STOP)] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=L.MAX_STOP_TOKEN_IDS)  # extension (vLLM's)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     ignore_eos: bool = False               # extension: generate past EOS (benchmarks)
     presence_penalty: float | None = Field(None, ge=-2, le=2)   # None = 0
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)  # extension (vLLM's): None = 1.0 (off)
     min_tokens: int | None = Field(None, ge=0)                   # extension (vLLM's): None = 0
-    logit_bias: dict[str, float] | None = None   # token id (as a string) -> bias in [-100, 100]
+    # token id (as a string) -> bias
+    logit_bias: dict[Annotated[str, Field(max_length=16)], Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=L.MAX_LOGIT_BIAS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None   # extension (vLLM's)
-    guided_json: dict[str, Any] | str | None = None       # extensions (vLLM's older names)
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_json: JsonSchema | None = Field(None, description=_SCHEMA_NOTE)   # extensions (vLLM's older names)
+    guided_regex: Regex | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Grammar | None = None
     # labels only: accepted, ignored (they do not change the output)
-    user: str | None = None
-    metadata: dict[str, Any] | None = None
+    user: Name | None = None
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=L.MAX_METADATA)
     store: bool | None = None
-    service_tier: str | None = None
+    service_tier: Annotated[str, Field(max_length=64)] | None = None
     # would change the output, not supported: a non-empty value is a 400 naming it
     prediction: Any = None
+
+    _schema_size = field_validator("guided_json")(_bounded_schema)
 
     @property
     def include_usage(self) -> bool:
@@ -188,20 +229,24 @@ class _GenerationFields(BaseModel):
                               logit_bias=list(logit_bias), constraint=constraint)
 
 
-_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "maxItems": L.MAX_PROMPT_TOKEN_IDS,
+              "items": {"type": "integer", "minimum": 0, "maximum": _INT32}}
+_PROMPT_TEXT = {"type": "string", "minLength": 1, "maxLength": L.MAX_TEXT_CHARS}
+TokenIds = Annotated[list[TokenId], Field(max_length=L.MAX_PROMPT_TOKEN_IDS)]
 # what prompts() accepts: no empty prompt in any form (token ids must also be < the vocabulary size)
-Prompt = Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema({"anyOf": [
-    {"type": "string", "minLength": 1},
-    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-    _TOKEN_IDS,
-    {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]})]
+Prompt = Annotated[Text | Annotated[list[Text], Field(max_length=L.MAX_PROMPTS)] | TokenIds
+                   | Annotated[list[TokenIds], Field(max_length=L.MAX_PROMPTS)], WithJsonSchema({"anyOf": [
+                       _PROMPT_TEXT,
+                       {"type": "array", "minItems": 1, "maxItems": L.MAX_PROMPTS, "items": _PROMPT_TEXT},
+                       _TOKEN_IDS,
+                       {"type": "array", "minItems": 1, "maxItems": L.MAX_PROMPTS, "items": _TOKEN_IDS}]})]
 
 
 class CompletionRequest(_GenerationFields):
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
     def check_supported(self) -> None:
@@ -233,19 +278,19 @@ class CompletionRequest(_GenerationFields):
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: str
-    text: str | None = None
+    type: Annotated[str, Field(max_length=64)]
+    text: Text | None = None
 
 
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    name: str
-    arguments: str = "{}"      # JSON text, as OpenAI sends it
+    name: Name
+    arguments: Annotated[str, Field(max_length=L.MAX_ARGUMENTS_CHARS)] = "{}"   # JSON text, as OpenAI sends it
 
 
 class MessageToolCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    id: str | None = None
+    id: Name | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -253,10 +298,10 @@ class MessageToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None     # assistant: the calls it made
-    tool_call_id: str | None = None                     # tool: the call this result answers
+    content: Text | Annotated[list[ContentPart], Field(max_length=L.MAX_CONTENT_PARTS)] | None = None
+    name: Name | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=L.MAX_TOOL_CALLS)  # assistant: its calls
+    tool_call_id: Name | None = None                    # tool: the call this result answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -269,9 +314,12 @@ class ChatMessage(BaseModel):
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str = Field(pattern=_NAME)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None    # a JSON schema of the arguments; None: no arguments
+    description: Description | None = None
+    # a JSON schema of the arguments; None: no arguments
+    parameters: dict[str, Any] | None = Field(None, description=_SCHEMA_NOTE)
     strict: bool | None = None
+
+    _schema_size = field_validator("parameters")(_bounded_schema)
 
 
 class Tool(BaseModel):
@@ -281,7 +329,7 @@ class Tool(BaseModel):
 
 
 class NamedFunction(BaseModel):
-    name: str
+    name: Name
 
 
 class NamedToolChoice(BaseModel):
@@ -291,18 +339,39 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=L.MAX_MESSAGES, description=(
+        f"at most {L.MAX_MESSAGES} messages with at most {L.MAX_TEXT_CHARS} characters of text in all"))
+    max_completion_tokens: int | None = Field(None, ge=1, le=L.MAX_TOKENS)
     logprobs: bool | None = None
+    # with logprobs unset, top_logprobs turns logprobs on; logprobs=false turns both off
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=L.MAX_TOOLS, description=(
+        f"at most {L.MAX_TOOLS} tools of at most {L.MAX_TOOLS_CHARS} characters as JSON in all"))
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None     # None = true (OpenAI's default)
     # would change the output, not supported: a non-empty value is a 400 naming it
-    functions: list[Any] | None = None          # the deprecated form of tools
+    functions: list[Any] | None = Field(None, max_length=L.MAX_TOOLS)   # the deprecated form of tools
     function_call: Any = None
-    modalities: list[str] | None = None          # only ["text"]
+    modalities: list[Annotated[str, Field(max_length=16)]] | None = Field(None, max_length=4)  # only ["text"]
     audio: Any = None
+
+    @field_validator("messages")
+    @classmethod
+    def _text_bound(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        total = 0
+        for m in messages:
+            parts = [m.content] if isinstance(m.content, str) else [p.text or "" for p in m.content or ()]
+            total += sum(len(t) for t in parts) + sum(len(c.function.arguments) for c in m.tool_calls or ())
+            if total > L.MAX_TEXT_CHARS:
+                raise ValueError(f"the messages have more than {L.MAX_TEXT_CHARS} characters of text")
+        return messages
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_bound(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        if tools and json_chars([t.model_dump(exclude_none=True) for t in tools]) > L.MAX_TOOLS_CHARS:
+            raise ValueError(f"the tools are larger than {L.MAX_TOOLS_CHARS} characters as JSON")
+        return tools
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -310,8 +379,6 @@ class ChatCompletionRequest(_GenerationFields):
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None:
-            if not self.logprobs:
-                raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
                                           "top_logprobs")
@@ -341,7 +408,10 @@ class ChatCompletionRequest(_GenerationFields):
         return choice or "auto"
 
     def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
+        """logprobs=true: top_logprobs alternatives (0 when unset); logprobs unset: on when
+        top_logprobs is given (it asks for them); logprobs=false: off."""
+        on = self.logprobs if self.logprobs is not None else self.top_logprobs is not None
+        return (self.top_logprobs or 0) if on else None
 
     def template_messages(self, tool_calls_as_text: bool = False) -> list[dict[str, Any]]:
         """The messages as chat templates take them. "developer" is the newer name of "system"

@@ -37,3 +37,34 @@ def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len:
             message.format(max_model_len=max_model_len, total=total,
                            num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens),
             param, "context_length_exceeded")
+
+
+# --------------------------------------------------------------------------------------------
+# Size bounds of one API request. The gateway states each in its OpenAPI schema (pydantic
+# constraints in gateway.protocol) and answers a request over any of them with a 400 naming the
+# field, while parsing the body: before tokenizing, rendering a template or compiling a grammar,
+# so an oversized field costs the server no more than reading it. docs/api.md has the table.
+# Characters are Unicode code points (what JSON strings hold); a schema's size is the length of
+# its compact JSON text.
+MAX_TEXT_CHARS = 1 << 20           # one prompt, or all chat messages' text together
+MAX_PROMPT_TOKEN_IDS = 1 << 20     # one prompt given as token ids
+MAX_PROMPTS = 64                   # prompts of one /v1/completions call (and prompts x n)
+MAX_MESSAGES = 2048                # chat messages of one call
+MAX_CONTENT_PARTS = 256            # content parts of one message
+MAX_NAME_CHARS = 256               # model, names, ids, labels
+MAX_STOP = 16                      # entries of `stop` (strings or token ids)
+MAX_STOP_CHARS = 1024              # one stop string
+MAX_STOP_TOKEN_IDS = 256           # stop_token_ids
+MAX_LOGIT_BIAS = 1024              # logit_bias entries
+MAX_GUIDED_CHOICES = 1024          # entries of a choice constraint
+MAX_GUIDED_CHOICE_CHARS = 1024     # one choice
+MAX_REGEX_CHARS = 16 << 10         # a regex constraint
+MAX_GRAMMAR_CHARS = 64 << 10       # a Lark / GBNF grammar
+MAX_SCHEMA_CHARS = 64 << 10        # one JSON schema (response_format, guided_json, a tool's parameters)
+MAX_TOOLS = 128                    # tools of one call
+MAX_TOOLS_CHARS = 256 << 10        # all tools' definitions together
+MAX_DESCRIPTION_CHARS = 8 << 10    # a tool's or a schema's description
+MAX_TOOL_CALLS = 128               # tool calls of one assistant message
+MAX_ARGUMENTS_CHARS = 64 << 10     # one tool call's arguments (JSON text)
+MAX_METADATA = 16                  # metadata entries (keys <= 64, values <= 512 characters)
+MAX_TOKENS = 1 << 20               # max_tokens / max_completion_tokens (the context caps it further)

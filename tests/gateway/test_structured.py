@@ -112,7 +112,7 @@ def test_logit_bias_reaches_the_scheduler_and_ids_outside_the_vocabulary_are_400
     assert sorted(stack.fake.received[-1].sampling.logit_bias) == [(7, 5.5), (42, -100.0)]
     expect_400(lambda: c.chat.completions.create(model=MODEL, messages=MSG,
                                                  logit_bias={str(tokenizer.vocab_size): 1}), "logit_bias")
-    expect_400(lambda: c.chat.completions.create(model=MODEL, messages=MSG, logit_bias={"1": 101}), "logit_bias")
+    expect_400(lambda: c.chat.completions.create(model=MODEL, messages=MSG, logit_bias={"1": 101}), "logit_bias.1")
 
 
 def tool_stack(make_stack, text: str, **kw):
