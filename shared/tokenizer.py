@@ -3,11 +3,21 @@
 Built from library parts only: the BPE itself is the `tokenizers` library's (a GGUF's vocab and
 merges are fed to `tokenizers.models.BPE`), chat templates are rendered with jinja2 the way
 `transformers` renders them. Torch-free, so the gateway does not pay for importing torch.
+
+Control tokens (the vocabulary's special tokens: `<|im_start|>`, `<|eot_id|>`...) in a chat come
+from the template only: text of the messages or tools that spells one is tokenized as plain text,
+so a client cannot forge a turn or a role (encode_chat; `parse_control_tokens` restores the old
+behaviour for trusted clients).
+
+Encoding releases the GIL (the `tokenizers` batch call does; its single call does not), so a
+long prompt tokenized on a worker thread does not stall the event loop of the server.
 """
 from __future__ import annotations
 
 import functools
 import json
+import re
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,16 +53,71 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of text; control tokens spelled in it are control tokens (a raw prompt is
+        the client's whole input). add_special_tokens: BOS as the model wants it."""
+        ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token is not None:
             bos = self.backend.token_to_id(self.bos_token)
             if bos is not None and (not ids or ids[0] != bos):
                 ids = [bos] + ids
         return ids
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
-        """Prompt ids of a chat. The template writes any BOS itself, so none is added here."""
-        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, *,
+                    parse_control_tokens: bool = False) -> list[int]:
+        """Prompt ids of a chat. The template writes any BOS itself, so none is added here.
+
+        Every control token of the result is one the template wrote: a control token's text in a
+        message or a tool definition is tokenized as text (as if the vocabulary had no such
+        token). parse_control_tokens=True (trusted clients) tokenizes the rendered text as a
+        whole instead, so such text becomes the control token. Both give the same ids when no
+        message spells a control token."""
+        if parse_control_tokens or self._controls is None:
+            return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
+        spelled: dict[str, str] = {}
+        marker = secrets.token_hex(4)
+
+        def escape(value: Any) -> Any:
+            if isinstance(value, str):
+                def hide(m: re.Match) -> str:
+                    key = f"\ue000{marker}{len(spelled)}\ue001"
+                    spelled[key] = m.group(0)
+                    return key
+                return self._controls.sub(hide, value)
+            if isinstance(value, dict):
+                return {k: escape(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [escape(v) for v in value]
+            return value
+
+        messages, tools = escape(messages), escape(tools)
+        rendered = self.apply_chat_template(messages, tools=tools)
+        if not spelled:
+            return self.encode(rendered, add_special_tokens=False)
+        restore = re.compile("|".join(re.escape(k) for k in spelled))
+        ids: list[int] = []
+        pos = 0
+        for m in self._controls.finditer(rendered):  # the template's own control tokens
+            ids += self._encode_text(restore.sub(lambda k: spelled[k.group(0)], rendered[pos:m.start()]))
+            ids.append(self.backend.token_to_id(m.group(0)))
+            pos = m.end()
+        return ids + self._encode_text(restore.sub(lambda k: spelled[k.group(0)], rendered[pos:]))
+
+    @functools.cached_property
+    def _controls(self) -> re.Pattern | None:
+        """Matches any control (special) token's text, longest first; None: the vocabulary has none."""
+        names = sorted({t.content for t in self.backend.get_added_tokens_decoder().values() if t.special},
+                       key=len, reverse=True)
+        return re.compile("|".join(re.escape(n) for n in names)) if names else None
+
+    @functools.cached_property
+    def _text_backend(self) -> HFTokenizer:
+        """A copy of the backend that reads control tokens' text as plain text."""
+        backend = HFTokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self._text_backend.encode_batch([text], add_special_tokens=False)[0].ids if text else []
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
