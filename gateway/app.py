@@ -1,9 +1,13 @@
 """The OpenAI-compatible gateway: a FastAPI app over a tokenizer and a GatewayQueue.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET
-/v1/models/{model} (all behind the optional bearer API key); GET /health (the process is alive),
-GET /ready (model loaded, event stream running, a scheduler reachable, not draining), GET
-/metrics (Prometheus). Torch-free.
+/v1/models/{model}; GET /health (the process is alive), GET /ready (model loaded, event stream
+running, a scheduler reachable, not draining), GET /metrics (Prometheus). Torch-free.
+
+With an API key, /v1/* and /metrics need `Authorization: Bearer <key>` (else 401); /health,
+/ready and /openapi.json stay open (probes carry no key; they say nothing about requests).
+gateway.server refuses to serve without a key on a non-loopback address. Answers never carry
+exception text: the exception is logged, the client gets a fixed message.
 
 Request bodies above max_body_bytes get 413 (before any parsing). While draining (SIGTERM, see
 gateway.server) new generation requests get 503 and /ready answers 503; requests already
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import time
 from typing import Awaitable, Callable
 
@@ -24,21 +29,25 @@ from gateway import openapi
 from gateway.errors import APIError, BodySizeLimit, install_error_handlers
 from gateway.generation import Dispatcher
 from gateway.metrics import GatewayMetrics
+from gateway.preprocess import PreprocessConfig
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.serving import Serving, ServingConfig
 from shared.config import ModelInfo
 from shared.queue import GatewayQueue
 
 ReadyCheck = Callable[[], Awaitable[bool]]
+log = logging.getLogger(__name__)
 
 
 def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key: str | None = None,
                max_queue_depth: int = 1024, model_name: str | None = None, default_max_tokens: int = 256,
                ready_check: ReadyCheck | None = None, event_timeout_s: float | None = 600.0,
-               metrics: GatewayMetrics | None = None, max_body_bytes: int = 4 << 20) -> FastAPI:
+               metrics: GatewayMetrics | None = None, max_body_bytes: int = 4 << 20,
+               parse_control_tokens: bool = False, preprocess: PreprocessConfig | None = None,
+               sse_send_timeout_s: float | None = 30.0) -> FastAPI:
     """The gateway app. It owns `queue` from here on (closes it at shutdown).
 
-    api_key: if set, /v1/* need `Authorization: Bearer <api_key>` (else 401).
+    api_key: if set, /v1/* and /metrics need `Authorization: Bearer <api_key>` (else 401).
     max_queue_depth: requests queued and not yet taken; at or above it: 429 + Retry-After.
     model_name: the name served (default model_info.name); requests naming another model (other
         than model_info.name) get 404 model_not_found.
@@ -46,12 +55,14 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
     ready_check: async () -> bool, the "scheduler reachable" half of /ready (default: a fresh
         scheduler heartbeat in the queue, queue.scheduler_alive).
     event_timeout_s: seconds without a token event before a request fails (None: never).
+    parse_control_tokens, preprocess, sse_send_timeout_s: see gateway.serving.ServingConfig.
     """
     metrics = metrics or GatewayMetrics()
     dispatcher = Dispatcher(queue)
     cfg = ServingConfig(model_name=model_name or model_info.name, max_queue_depth=max_queue_depth,
                         default_max_tokens=default_max_tokens, event_timeout_s=event_timeout_s,
-                        aliases=(model_info.name,))
+                        aliases=(model_info.name,), parse_control_tokens=parse_control_tokens,
+                        preprocess=preprocess or PreprocessConfig(), sse_send_timeout_s=sse_send_timeout_s)
     serving = Serving(tokenizer, model_info, queue, dispatcher, metrics, cfg)
     dispatcher.on_queue_reset = serving.resubmit_unfinished
     ready_check = ready_check or queue.scheduler_alive
@@ -66,10 +77,12 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            serving.pre.close()
             await queue.close()
 
     app = FastAPI(title="sarathi gateway", lifespan=lifespan)
     app.state.serving, app.state.metrics, app.state.queue = serving, metrics, queue
+    app.state.has_api_key = bool(api_key)   # gateway.server checks it against the bind address
 
     def count_rejection(err: APIError) -> None:
         if err.status < 500 or err.status == 503:  # answered before queueing
@@ -118,14 +131,15 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
                 if not await ready_check():
                     reason = "no scheduler is reachable"
             except Exception as exc:  # noqa: BLE001 - e.g. Redis down: not ready, not a crash
-                reason = f"readiness check failed: {exc}"
+                log.warning("readiness check failed: %r", exc)
+                reason = "the readiness check failed (the queue is unreachable?)"
         if reason:
             return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ready", "model": cfg.model_name})
 
-    @app.get("/metrics", response_class=PlainTextResponse,
+    @app.get("/metrics", response_class=PlainTextResponse, dependencies=auth,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                              "description": "Prometheus text format"}})
+                              "description": "Prometheus text format"}, **openapi.errors(401)})
     async def prometheus() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)

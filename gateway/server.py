@@ -1,7 +1,14 @@
 """Running the gateway as a service: build tokenizer, model info and queue from a model path and
-a Redis URL, then serve with uvicorn. `sarathi gateway` calls run_gateway."""
+a Redis URL, then serve with uvicorn. `sarathi gateway` calls run_gateway.
+
+A gateway reachable from other machines needs an API key: serve_app refuses to bind a
+non-loopback address with an app that has none, unless told to (allow_unauthenticated), which it
+then logs as a warning at start. The key comes from a flag, SARATHI_API_KEY or a file
+(read_api_key; a Kubernetes Secret mounted as a file).
+"""
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import signal
@@ -48,7 +55,50 @@ def build_gateway(config: GatewayConfig, gateway_id: str | None = None):
                                gateway_id=gateway_id)
     log.info("gateway %s: model %s (context %d tokens), queue %s", queue.gateway_id, info.name,
              info.max_model_len, config.redis_url)
-    return create_app(tokenizer, info, queue, api_key=config.api_key, max_queue_depth=config.max_queue_depth)
+    return create_app(tokenizer, info, queue, api_key=config.api_key, max_queue_depth=config.max_queue_depth,
+                      parse_control_tokens=config.parse_control_tokens)
+
+
+class UnauthenticatedBindError(RuntimeError):
+    """A non-loopback bind without an API key and without the explicit opt-out."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server reachable from this machine only. A host name
+    other than localhost counts as reachable from outside (it is not resolved here)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def read_api_key(key: str | None, key_file: str | None) -> str | None:
+    """The API key: `key` as given, or the first line of `key_file` (surrounding whitespace
+    dropped), or None when neither is set. Both set, or an empty key, is a ValueError."""
+    if key and key_file:
+        raise ValueError("give the API key either directly or as a file, not both")
+    if key_file:
+        lines = Path(key_file).read_text().strip().splitlines()
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"the API key file {key_file} is empty")
+    return key or None
+
+
+def check_exposure(app, host: str, allow_unauthenticated: bool = False) -> None:
+    """Raise UnauthenticatedBindError when `app` would serve `host` (non-loopback) with no API
+    key; with allow_unauthenticated, log a warning instead."""
+    if is_loopback(host) or getattr(app.state, "has_api_key", True):
+        return
+    if not allow_unauthenticated:
+        raise UnauthenticatedBindError(
+            f"refusing to serve on {host} without an API key: anyone who reaches the port could use "
+            "the model. Set --api-key or --api-key-file (or SARATHI_API_KEY / SARATHI_API_KEY_FILE), "
+            "bind 127.0.0.1, or pass --allow-unauthenticated to accept the risk")
+    log.warning("SECURITY: serving on %s WITHOUT an API key (--allow-unauthenticated): anyone who can "
+                "reach this port can generate and read /metrics", host)
 
 
 class DrainingServer(uvicorn.Server):
@@ -82,13 +132,17 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve_app(app, *, host: str, port: int, log_level: str = "info", drain_timeout_s: float = 30.0) -> None:
-    """Run `app` (from create_app) with uvicorn until SIGTERM (drained) or SIGINT."""
+def serve_app(app, *, host: str, port: int, log_level: str = "info", drain_timeout_s: float = 30.0,
+              allow_unauthenticated: bool = False) -> None:
+    """Run `app` (from create_app) with uvicorn until SIGTERM (drained) or SIGINT. Refuses a
+    non-loopback host without an API key unless allow_unauthenticated (check_exposure)."""
+    check_exposure(app, host, allow_unauthenticated)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     DrainingServer(config, drain_timeout_s).run()
 
 
 def run_gateway(config: GatewayConfig) -> None:
     """Serve until interrupted (SIGTERM drains: see DrainingServer)."""
-    serve_app(build_gateway(config), host=config.host, port=config.port, log_level=config.log_level,
-              drain_timeout_s=config.drain_timeout_s)
+    app = build_gateway(config)
+    serve_app(app, host=config.host, port=config.port, log_level=config.log_level,
+              drain_timeout_s=config.drain_timeout_s, allow_unauthenticated=config.allow_unauthenticated)

@@ -17,14 +17,16 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
 from gateway.errors import APIError
 from gateway.generation import Dispatcher, Generation
 from gateway.metrics import GatewayMetrics
+from gateway.preprocess import PreprocessConfig, Preprocessor
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, _GenerationFields
 from gateway.responses import SSE_DONE, LogprobFormat, ResponseShape, TokenLogprob, sse
+from gateway.streaming import TimedStreamingResponse
 from gateway.tools import ToolPlan, fallback_system_prompt, parser_for_template, required_schema, template_has_tools
 from shared.config import ModelInfo
 from shared.constraints import check_grammar, grammar_for, ll_tokenizer
@@ -32,6 +34,7 @@ from shared.limits import check_context_length, check_token_ids
 from shared.messages import RequestMsg
 from shared.queue import GatewayQueue
 from shared.sampling import InvalidRequestError
+from shared.tokenizer import ChatTemplateError
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +48,13 @@ class ServingConfig:
         is left of the context).
     event_timeout_s: seconds without any event before a request ends with an error (None:
         wait forever).
+    sse_send_timeout_s: seconds one SSE write may wait for a client that does not read; past
+        it the stream is dropped and the request aborted (gateway.streaming; None: no bound).
     aliases: other model names accepted in requests (besides model_name); any other name
-        gets 404 model_not_found. A request without a model gets model_name."""
+        gets 404 model_not_found. A request without a model gets model_name.
+    parse_control_tokens: control tokens spelled in chat messages are control tokens (trusted
+        clients only); False: they are text, only the chat template writes control tokens.
+    preprocess: the bounded pool that tokenizes, renders templates and compiles grammars."""
 
     model_name: str
     aliases: tuple[str, ...] = ()
@@ -54,6 +62,9 @@ class ServingConfig:
     default_max_tokens: int = 256
     retry_after_s: int = 1
     event_timeout_s: float | None = 600.0
+    sse_send_timeout_s: float | None = 30.0
+    parse_control_tokens: bool = False
+    preprocess: PreprocessConfig = dataclasses.field(default_factory=PreprocessConfig)
 
 
 class Serving:
@@ -66,6 +77,24 @@ class Serving:
         self.active: set[Generation] = set()       # started and not yet closed (drain waits on it)
         self.draining = False                      # SIGTERM: new requests get 503
         self.logprob_format = LogprobFormat(functools.lru_cache(maxsize=65536)(self._token_str))
+        self.pre = Preprocessor(cfg.preprocess)
+
+    @functools.cached_property
+    def _max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for: the longest vocabulary entry
+        (its byte-level or piece spelling is at least as long as its text)."""
+        backend = getattr(self.tok, "backend", None)
+        if backend is None:
+            return 1 << 30   # unknown: no bound
+        return max(map(len, backend.get_vocab(with_added_tokens=True)), default=1)
+
+    def _check_text_fits(self, chars: int, param: str) -> None:
+        """A text of `chars` characters needs at least chars / _max_token_chars tokens: when that
+        is over the context length, refuse it without tokenizing it."""
+        if chars > self.info.max_model_len * self._max_token_chars:
+            raise InvalidRequestError(f"This model's maximum context length is {self.info.max_model_len} "
+                                      f"tokens, and the {param} ({chars} characters) is longer than that",
+                                      param, "context_length_exceeded")
 
     def _token_str(self, token_id: int) -> str:
         return self.tok.decode([token_id], skip_special_tokens=False)
@@ -90,7 +119,8 @@ class Serving:
         prompts = []
         for p in body.prompts():
             if isinstance(p, str):
-                prompts.append(await asyncio.to_thread(self.tok.encode, p))
+                self._check_text_fits(len(p), "prompt")
+                prompts.append(await self.pre.run("tokenizing the prompt", self.tok.encode, p))
             else:
                 prompts.append(self._checked_ids(p))
         grammar = await self._grammar(body.constraint())
@@ -102,12 +132,16 @@ class Serving:
         self.check_model(body.model)
         body.check_supported()
         plan, messages, tools = self._tool_plan(body)
+        self._check_text_fits(sum(len(m["content"] or "") for m in messages), "messages")
         try:
-            prompt_ids = await asyncio.to_thread(self._encode_chat, messages, tools)
-        except InvalidRequestError:
+            prompt_ids = await self.pre.run("rendering the chat template", self._encode_chat, messages, tools)
+        except (InvalidRequestError, APIError):
             raise
-        except Exception as exc:  # the template's own raise_exception (e.g. roles out of order)
+        except ChatTemplateError as exc:  # the template's own raise_exception (e.g. roles out of order)
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+        except Exception as exc:
+            log.exception("the chat template failed on a request's messages")
+            raise APIError(400, "the chat template could not render these messages", param="messages") from exc
         constraint = body.constraint()
         if plan is not None and plan.mode == "required":
             constraint = ("json_schema", required_schema(plan.tools, body.parallel_tool_calls is not False), "tools")
@@ -146,13 +180,17 @@ class Serving:
         if constraint is None:
             return None
         kind, value, param = constraint
-        grammar = grammar_for(kind, value, param)
-        await asyncio.to_thread(lambda: check_grammar(grammar, ll_tokenizer(self.tok), param))
-        return grammar
+
+        def compile_() -> str:
+            grammar = grammar_for(kind, value, param)
+            check_grammar(grammar, ll_tokenizer(self.tok), param)
+            return grammar
+
+        return await self.pre.run(f"compiling {param}", compile_)
 
     def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if hasattr(self.tok, "encode_chat"):  # shared.tokenizer: no second BOS after the template's
-            return self.tok.encode_chat(messages, tools=tools)
+            return self.tok.encode_chat(messages, tools=tools, parse_control_tokens=self.cfg.parse_control_tokens)
         return self.tok.encode(self.tok.apply_chat_template(messages, tools=tools))
 
     def _checked_ids(self, ids: list[int]) -> list[int]:
@@ -178,7 +216,9 @@ class Serving:
         try:
             depth = await self.queue.depth()
         except Exception as exc:  # noqa: BLE001 - the queue is down: say so, queue nothing
-            raise APIError(503, f"the request queue is unavailable: {exc}", code="queue_unavailable") from exc
+            log.warning("queue depth check failed: %r", exc)
+            raise APIError(503, "the request queue is unavailable", code="queue_unavailable",
+                           headers={"Retry-After": str(self.cfg.retry_after_s)}) from exc
         if depth >= self.cfg.max_queue_depth:
             raise APIError(429, f"the server is busy ({depth} requests queued); retry later",
                            code="queue_full", headers={"Retry-After": str(self.cfg.retry_after_s)})
@@ -212,14 +252,17 @@ class Serving:
                 await gen.start()
                 self.active.add(gen)
         except Exception as exc:  # noqa: BLE001
+            log.warning("could not queue %s: %r", base_id, exc)
             await self._close_all(gens)
-            raise APIError(503, f"could not queue the request: {exc}", code="queue_unavailable") from exc
+            raise APIError(503, "could not queue the request", code="queue_unavailable",
+                           headers={"Retry-After": str(self.cfg.retry_after_s)}) from exc
         shape = ResponseShape(base_id, self.cfg.model_name, chat, body.include_usage)
         num_prompt = sum(len(ids) for ids in prompts)
         if body.stream:
-            return StreamingResponse(self._stream(gens, shape, num_prompt, plan), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(self._close_all, gens))
+            return TimedStreamingResponse(self._stream(gens, shape, num_prompt, plan), media_type="text/event-stream",
+                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                          background=BackgroundTask(self._close_all, gens),
+                                          send_timeout_s=self.cfg.sse_send_timeout_s)
         return await self._whole(gens, shape, num_prompt, request, plan)
 
     def _logprobs(self, shape: ResponseShape, entries: list[TokenLogprob] | None, text_offset: int) -> dict | None:
@@ -340,7 +383,7 @@ class Serving:
                 except Exception as exc:  # noqa: BLE001 - e.g. a pooled connection Redis closed
                     if attempt == attempts - 1:
                         log.error("could not resubmit %s after a queue reset: %s", gen.req.req_id, exc)
-                        gen.fail(f"the request was lost in a queue restart and could not be resubmitted: {exc}")
+                        gen.fail("the request was lost in a queue restart and could not be resubmitted")
                     else:
                         await asyncio.sleep(backoff_s * (attempt + 1))
         log.info("resubmitted %d unfinished requests", sent)

@@ -74,7 +74,13 @@ def _net_args(p: argparse.ArgumentParser, gateway: bool) -> None:
     if gateway:
         _add(p, "host", "127.0.0.1", "HTTP bind address")
         _add(p, "port", 8000, "HTTP port")
-        _add(p, "api-key", None, "require 'Authorization: Bearer <key>'")
+        _add(p, "api-key", None, "require 'Authorization: Bearer <key>' on /v1/* and /metrics (needed to "
+             "bind a non-loopback --host)")
+        _add(p, "api-key-file", None, "read the API key from the first line of this file (a mounted Secret)")
+        _add(p, "allow-unauthenticated", False, "serve a non-loopback --host without an API key (anyone who "
+             "reaches the port can use it; logged as a warning)")
+        _add(p, "parse-control-tokens", False, "control tokens spelled in chat messages (<|im_start|>...) count "
+             "as control tokens, not text: for trusted clients only, it lets them forge turns and roles")
         _add(p, "drain-timeout", 30.0, "on SIGTERM: seconds for started requests to finish (new ones get 503)")
 
 

@@ -44,7 +44,8 @@ def serve(a: argparse.Namespace) -> int:
     run_embedded(ServeConfig(
         worker=engine_config(a), scheduler=scheduler_config(a), host=a.host, port=a.port,
         redis_url=a.redis_url, queue_prefix=a.queue_prefix, max_model_len=a.max_model_len or None,
-        api_key=a.api_key, drain_timeout_s=a.drain_timeout,
+        api_key=_api_key(a), allow_unauthenticated=a.allow_unauthenticated,
+        parse_control_tokens=a.parse_control_tokens, drain_timeout_s=a.drain_timeout,
         worker_restart_timeout_s=a.worker_restart_timeout,
         workers=a.workers if (a.workers != 1 or not a.prefill_workers) else 0,
         prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
@@ -62,9 +63,16 @@ def gateway(a: argparse.Namespace) -> int:
                          "for one process use `sarathi serve`")
     run_gateway(GatewayConfig(
         model=a.model, redis_url=a.redis_url, queue_prefix=a.queue_prefix, host=a.host, port=a.port,
-        api_key=a.api_key, max_queue_depth=a.max_queue_depth, max_model_len=a.max_model_len or None,
-        drain_timeout_s=a.drain_timeout))
+        api_key=_api_key(a), allow_unauthenticated=a.allow_unauthenticated,
+        parse_control_tokens=a.parse_control_tokens, max_queue_depth=a.max_queue_depth,
+        max_model_len=a.max_model_len or None, drain_timeout_s=a.drain_timeout))
     return 0
+
+
+def _api_key(a: argparse.Namespace) -> str | None:
+    from gateway.server import read_api_key
+
+    return read_api_key(a.api_key, a.api_key_file)
 
 
 def scheduler(a: argparse.Namespace) -> int:

@@ -97,10 +97,12 @@ def run_embedded(config: ServeConfig) -> None:
                                                                      registry=registry, stop=stop))
             sched_thread.start()
             app = create_app(tokenizer, dataclasses.replace(info, max_model_len=max_len),
-                             gateway_queue, api_key=c.api_key, metrics=GatewayMetrics(registry))
+                             gateway_queue, api_key=c.api_key, metrics=GatewayMetrics(registry),
+                             parse_control_tokens=c.parse_control_tokens)
             log.info("serving %s on http://%s:%d (queue: %s, workers: %s)", info.name, c.host, c.port,
                      c.redis_url or "in-process", ", ".join(f"{r} {ex.addresses[0]}" for r, ex in executors))
-            serve_app(app, host=c.host, port=c.port, log_level=c.log_level, drain_timeout_s=c.drain_timeout_s)
+            serve_app(app, host=c.host, port=c.port, log_level=c.log_level, drain_timeout_s=c.drain_timeout_s,
+                      allow_unauthenticated=c.allow_unauthenticated)
         finally:
             stop.set()
             if sched_thread is not None:

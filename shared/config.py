@@ -291,7 +291,9 @@ class SchedulerServiceConfig:
 class GatewayConfig:
     """A gateway process. model: whose tokenizer and chat template (None: the default SmolLM2).
     max_model_len: tokens, None = the model's. max_queue_depth: queued requests beyond which new
-    ones get 429. api_key: require `Authorization: Bearer <key>` on /v1/*. drain_timeout_s: on
+    ones get 429. api_key: require `Authorization: Bearer <key>` on /v1/* and /metrics (required
+    on a non-loopback host unless allow_unauthenticated). parse_control_tokens: control tokens
+    spelled in chat messages count as control tokens (trusted clients only). drain_timeout_s: on
     SIGTERM, seconds for started requests to finish (new ones get 503)."""
 
     model: str | None = None
@@ -300,6 +302,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    allow_unauthenticated: bool = False
+    parse_control_tokens: bool = False
     max_queue_depth: int = 1024
     max_model_len: int | None = None
     drain_timeout_s: float = 30.0
@@ -329,6 +333,8 @@ class ServeConfig:
     queue_prefix: str = "sarathi:"
     max_model_len: int | None = None
     api_key: str | None = None
+    allow_unauthenticated: bool = False    # as in GatewayConfig
+    parse_control_tokens: bool = False     # as in GatewayConfig
     drain_timeout_s: float = 30.0
     worker_restart_timeout_s: float = 30.0
     worker_mode: str = "process"

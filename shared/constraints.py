@@ -13,6 +13,10 @@ vllm#38696 / xgrammar#212) and the output is one line.
 `check_grammar` compiles a grammar against the model's tokenizer (about 1 ms for a JSON schema):
 the gateway calls it so a bad schema is a 400 naming the parameter, never a failed batch.
 
+Compiles and matchers run under explicit resource limits (`parser_limits`, the same in the
+gateway's check and in the worker's matchers, so a grammar the gateway accepts is one the worker
+can run); their error messages leave out the parser's internal state.
+
 Torch-free (llguidance has no dependencies).
 """
 from __future__ import annotations
@@ -25,6 +29,25 @@ from shared.sampling import InvalidRequestError
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+# llguidance's resource limits, written out rather than left to the library's defaults (these
+# are its documented defaults). Fuel is work units (about 50k per ms building the lexer, 14k per
+# ms in one mask step); a lexer state costs 1-2 kB; grammar size counts symbols.
+PARSER_LIMITS = {
+    "max_items_in_row": 2000,          # branching of one production row
+    "initial_lexer_fuel": 1_000_000,   # building the lexer's regexes (~20 ms)
+    "step_lexer_fuel": 200_000,        # one token mask (~14 ms)
+    "step_max_items": 50_000,          # Earley items of one mask step
+    "max_lexer_states": 250_000,       # lexer states of one matcher (memory)
+    "max_grammar_size": 500_000,       # symbols of the grammar's productions
+}
+
+
+def parser_limits():
+    """llguidance.LLParserLimits of PARSER_LIMITS, with terse errors (no parser state in them)."""
+    import llguidance
+
+    return llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
 
 
 def grammar_for(kind: str, value: Any, param: str) -> str:
@@ -70,7 +93,7 @@ def check_grammar(grammar: str, ll_tokenizer, param: str) -> None:
     (unsupported schema keyword, bad regex, grammar syntax, resource limits)."""
     import llguidance
 
-    error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
+    error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer, limits=parser_limits())
     if error:
         raise InvalidRequestError(f"{param} cannot be compiled: {error.strip()[:500]}", param)
 

@@ -30,6 +30,12 @@ from tokenizers import Tokenizer as HFTokenizer
 from shared.model_source import ModelSource
 
 # GGUF token types (llama.cpp's llama_token_type): CONTROL tokens are special.
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the messages (its own raise_exception, e.g. roles out of order):
+    the message is the template author's, meant for the client."""
+
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
 
 
@@ -152,7 +158,7 @@ def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
     def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
+        raise ChatTemplateError(message)
 
     env.globals["raise_exception"] = raise_exception
     env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)

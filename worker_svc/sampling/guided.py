@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from shared.constraints import parser_limits
 from shared.messages import SeqChunk
 from worker_svc.sampling.token_history import TokenHistory
 
@@ -161,7 +162,7 @@ class Guides:
         g = self._guides.get(chunk.req_id)
         if g is None or g.grammar != grammar:
             # log_level 0: llguidance's own stderr warnings off; failures are logged here
-            matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+            matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0, limits=parser_limits())
             g = self._guides[chunk.req_id] = _Guide(grammar, matcher)
             if g.matcher.is_error():
                 log.warning("request %s: grammar error %s", chunk.req_id, g.matcher.get_error())

@@ -1,0 +1,74 @@
+"""The CPU work of admitting a request (tokenization, chat templates, grammar compiles), run on a
+bounded pool of threads, off the event loop that streams every other request's tokens.
+
+Bounds, so that no burst of requests can queue unbounded work or hold a request forever:
+* `workers` threads run jobs; at most `max_pending` jobs are admitted at once (running or
+  waiting for a thread). One more is refused at once: 503, code `server_busy`, Retry-After.
+* a job not done within `deadline_s` seconds is answered 503, code `preprocessing_timeout`. A
+  thread cannot be interrupted, so the job finishes in the background and keeps its slot in
+  `max_pending` until it does: the bound counts work, not waiting clients.
+
+The tokenizers library releases the GIL while it encodes (shared.tokenizer) and llguidance while
+it compiles, so these threads run beside the event loop rather than taking turns with it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+from gateway.errors import APIError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class PreprocessConfig:
+    """workers: threads. max_pending: jobs admitted at once (running + waiting).
+    deadline_s: seconds a request waits for one job before a 503. retry_after_s: the
+    Retry-After of the 503s (seconds)."""
+
+    workers: int = 4
+    max_pending: int = 64
+    deadline_s: float = 10.0
+    retry_after_s: int = 1
+
+
+class Preprocessor:
+    def __init__(self, cfg: PreprocessConfig | None = None):
+        self.cfg = cfg or PreprocessConfig()
+        self._pool = ThreadPoolExecutor(self.cfg.workers, thread_name_prefix="preprocess")
+        self.pending = 0   # admitted jobs not yet finished (event-loop thread only)
+
+    async def run(self, what: str, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the pool; its exceptions propagate. what: names the job in the 503s."""
+        if self.pending >= self.cfg.max_pending:
+            raise APIError(503, "the server is busy preparing other requests; retry later", code="server_busy",
+                           headers={"Retry-After": str(self.cfg.retry_after_s)})
+        loop = asyncio.get_running_loop()
+        self.pending += 1
+        future = self._pool.submit(fn, *args)
+        future.add_done_callback(lambda _: self._release(loop))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.cfg.deadline_s)
+        except TimeoutError:
+            log.warning("%s did not finish within %.1f s", what, self.cfg.deadline_s)
+            raise APIError(503, f"{what} did not finish within {self.cfg.deadline_s:g} s",
+                           code="preprocessing_timeout",
+                           headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
+
+    def _release(self, loop: asyncio.AbstractEventLoop) -> None:
+        def release() -> None:
+            self.pending -= 1
+
+        try:
+            loop.call_soon_threadsafe(release)
+        except RuntimeError:  # the loop is closed: the server is gone, nothing to count
+            pass
+
+    def close(self) -> None:
+        """Drop the jobs still waiting; running ones finish in their threads."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
