@@ -59,8 +59,9 @@ def build_gateway(config: GatewayConfig, gateway_id: str | None = None):
                       parse_control_tokens=config.parse_control_tokens)
 
 
-class UnauthenticatedBindError(RuntimeError):
-    """A non-loopback bind without an API key and without the explicit opt-out."""
+class UnauthenticatedBindError(ValueError):
+    """A non-loopback bind without an API key and without the explicit opt-out (a ValueError:
+    the command line prints it as one line)."""
 
 
 def is_loopback(host: str) -> bool:
@@ -87,10 +88,10 @@ def read_api_key(key: str | None, key_file: str | None) -> str | None:
     return key or None
 
 
-def check_exposure(app, host: str, allow_unauthenticated: bool = False) -> None:
-    """Raise UnauthenticatedBindError when `app` would serve `host` (non-loopback) with no API
-    key; with allow_unauthenticated, log a warning instead."""
-    if is_loopback(host) or getattr(app.state, "has_api_key", True):
+def check_exposure(host: str, has_api_key: bool, allow_unauthenticated: bool = False) -> None:
+    """Raise UnauthenticatedBindError when a server without an API key would bind `host`
+    (non-loopback); with allow_unauthenticated, log a warning instead."""
+    if is_loopback(host) or has_api_key:
         return
     if not allow_unauthenticated:
         raise UnauthenticatedBindError(
@@ -136,13 +137,15 @@ def serve_app(app, *, host: str, port: int, log_level: str = "info", drain_timeo
               allow_unauthenticated: bool = False) -> None:
     """Run `app` (from create_app) with uvicorn until SIGTERM (drained) or SIGINT. Refuses a
     non-loopback host without an API key unless allow_unauthenticated (check_exposure)."""
-    check_exposure(app, host, allow_unauthenticated)
+    check_exposure(host, getattr(app.state, "has_api_key", True), allow_unauthenticated)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     DrainingServer(config, drain_timeout_s).run()
 
 
 def run_gateway(config: GatewayConfig) -> None:
     """Serve until interrupted (SIGTERM drains: see DrainingServer)."""
+    if not config.allow_unauthenticated:  # fail before loading anything (serve_app warns otherwise)
+        check_exposure(config.host, bool(config.api_key))
     app = build_gateway(config)
     serve_app(app, host=config.host, port=config.port, log_level=config.log_level,
               drain_timeout_s=config.drain_timeout_s, allow_unauthenticated=config.allow_unauthenticated)

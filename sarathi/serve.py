@@ -50,6 +50,10 @@ def run_embedded(config: ServeConfig) -> None:
     from shared.tokenizer import load_tokenizer
 
     c = config
+    from gateway.server import check_exposure
+
+    if not c.allow_unauthenticated:  # fail before starting anything (serve_app warns otherwise)
+        check_exposure(c.host, bool(c.api_key))
     if not logging.getLogger().handlers:
         logging.basicConfig(level=c.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     source = resolve_model(c.worker.model)  # fail fast on a bad path or file, before starting anything
