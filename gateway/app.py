@@ -24,15 +24,17 @@ from typing import Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 
 from gateway import openapi
 from gateway.errors import APIError, BodySizeLimit, install_error_handlers
 from gateway.generation import Dispatcher
 from gateway.metrics import GatewayMetrics
-from gateway.preprocess import PreprocessConfig
+from gateway.preprocess import PreprocessConfig, off_loop_json_route
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.serving import Serving, ServingConfig
 from shared.config import ModelInfo
+from shared.limits import MAX_BODY_COLONS, MAX_BODY_COMMAS
 from shared.queue import GatewayQueue
 
 ReadyCheck = Callable[[], Awaitable[bool]]
@@ -90,7 +92,11 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
 
     install_error_handlers(app, on_error=count_rejection)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    auth = [Depends(_bearer_check(api_key))] if api_key else []
+    check_key = _bearer_check(api_key) if api_key else None
+    auth = [Depends(check_key)] if check_key else []
+    # the generation routes: the key checked, then the body parsed off the event loop
+    app.router.route_class = off_loop_json_route(serving.pre, MAX_BODY_COMMAS, MAX_BODY_COLONS,
+                                                 authorize=check_key)
 
     @app.post("/v1/completions", dependencies=auth, responses=openapi.generation(openapi.Completion))
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -99,6 +105,8 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
     @app.post("/v1/chat/completions", dependencies=auth, responses=openapi.generation(openapi.ChatCompletion))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
+
+    app.router.route_class = APIRoute
 
     def model_card() -> dict:
         return {"id": cfg.model_name, "object": "model", "created": started, "owned_by": "sarathi",

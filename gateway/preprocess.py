@@ -1,5 +1,5 @@
-"""The CPU work of admitting a request (tokenization, chat templates, grammar compiles), run on a
-bounded pool of threads, off the event loop that streams every other request's tokens.
+"""The CPU work of admitting a request (parsing its JSON body, tokenization, chat templates,
+grammar compiles), run on a bounded pool of threads, off the event loop that streams every other request's tokens.
 
 Bounds, so that no burst of requests can queue unbounded work or hold a request forever:
 * `workers` threads run jobs; at most `max_pending` jobs are admitted at once (running or
@@ -14,10 +14,14 @@ it compiles, so these threads run beside the event loop rather than taking turns
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
+
+from fastapi import Request
+from fastapi.routing import APIRoute
 
 from gateway.errors import APIError
 
@@ -72,3 +76,40 @@ class Preprocessor:
     def close(self) -> None:
         """Drop the jobs still waiting; running ones finish in their threads."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def off_loop_json_route(pre: Preprocessor, max_commas: int, max_colons: int,
+                        authorize: Callable[[Request], Awaitable[None]] | None = None) -> type[APIRoute]:
+    """A FastAPI route class whose JSON body is parsed on `pre`'s pool, not on the event loop.
+
+    Parsing holds the GIL, so on a thread it still pauses the loop, but for one body at a time
+    (threads take turns at the GIL) rather than for every body queued on the loop. A body with
+    more than max_commas commas or max_colons colons (bounds on its JSON values and object
+    members, so on the parse's cost) is a 400 before it is parsed. FastAPI then validates the
+    parsed body as usual: Starlette's Request keeps a parsed body in `_json` and request.json()
+    returns it. authorize(request) runs first (raising to refuse), so a client without the API
+    key gets its 401 before its body is read."""
+
+    class OffLoopJsonRoute(APIRoute):
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def parse_then_handle(request: Request):
+                if authorize is not None:
+                    await authorize(request)
+                body = await request.body()
+                if body and "json" in request.headers.get("content-type", "json"):
+                    for sign, most, what in ((b",", max_commas, "commas (JSON values)"),
+                                             (b":", max_colons, "colons (object members)")):
+                        if body.count(sign) > most:
+                            raise APIError(400, f"the request body has more than {most} {what}",
+                                           code="too_many_values")
+                    try:
+                        request._json = await pre.run("parsing the request body", json.loads, body)
+                    except ValueError:  # not JSON: FastAPI parses it again and answers its 400
+                        pass
+                return await handler(request)
+
+            return parse_then_handle
+
+    return OffLoopJsonRoute

@@ -47,7 +47,12 @@ def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len:
 # Characters are Unicode code points (what JSON strings hold); a schema's size is the length of
 # its compact JSON text.
 MAX_TEXT_CHARS = 1 << 20           # one prompt, or all chat messages' text together
-MAX_PROMPT_TOKEN_IDS = 1 << 20     # one prompt given as token ids
+MAX_PROMPT_TOKEN_IDS = 1 << 18     # one prompt given as token ids
+# Commas and colons in a request body: bounds on its JSON values and object members, checked
+# before parsing, since parsing holds the GIL for about 0.1 us per number and 1 us per member
+# (those inside strings count too: text full of them is refused as well).
+MAX_BODY_COMMAS = MAX_PROMPT_TOKEN_IDS + (1 << 14)
+MAX_BODY_COLONS = 1 << 15
 MAX_PROMPTS = 64                   # prompts of one /v1/completions call (and prompts x n)
 MAX_MESSAGES = 2048                # chat messages of one call
 MAX_CONTENT_PARTS = 256            # content parts of one message
