@@ -98,11 +98,12 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
     app.router.route_class = off_loop_json_route(serving.pre, MAX_BODY_COMMAS, MAX_BODY_COLONS,
                                                  authorize=check_key)
 
-    @app.post("/v1/completions", dependencies=auth, responses=openapi.generation(openapi.Completion))
+    # (the route class checks the key: before the body is read)
+    @app.post("/v1/completions", responses=openapi.generation(openapi.Completion))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving.completion(body, request)
 
-    @app.post("/v1/chat/completions", dependencies=auth, responses=openapi.generation(openapi.ChatCompletion))
+    @app.post("/v1/chat/completions", responses=openapi.generation(openapi.ChatCompletion))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 

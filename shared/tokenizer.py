@@ -9,8 +9,10 @@ from the template only: text of the messages or tools that spells one is tokeniz
 so a client cannot forge a turn or a role (encode_chat; `parse_control_tokens` restores the old
 behaviour for trusted clients).
 
-Encoding releases the GIL (the `tokenizers` batch call does; its single call does not), so a
-long prompt tokenized on a worker thread does not stall the event loop of the server.
+Encoding a long text releases the GIL (the `tokenizers` batch call does; its single call does
+not), so a long prompt tokenized on a worker thread does not stall the event loop of the server.
+A short one takes the single call: the batch call hands work to a thread pool, which costs more
+than the GIL is held for a short text.
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; control tokens spelled in it are control tokens (a raw prompt is
         the client's whole input). add_special_tokens: BOS as the model wants it."""
-        ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        ids = _encode(self.backend, text, add_special_tokens)
         if add_special_tokens and self.add_bos and self.bos_token is not None:
             bos = self.backend.token_to_id(self.bos_token)
             if bos is not None and (not ids or ids[0] != bos):
@@ -77,7 +79,7 @@ class Tokenizer:
         token). parse_control_tokens=True (trusted clients) tokenizes the rendered text as a
         whole instead, so such text becomes the control token. Both give the same ids when no
         message spells a control token."""
-        if parse_control_tokens or self._controls is None:
+        if parse_control_tokens or self._controls is None or not self._spells_control([messages, tools]):
             return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
         spelled: dict[str, str] = {}
         marker = secrets.token_hex(4)
@@ -95,10 +97,7 @@ class Tokenizer:
                 return [escape(v) for v in value]
             return value
 
-        messages, tools = escape(messages), escape(tools)
-        rendered = self.apply_chat_template(messages, tools=tools)
-        if not spelled:
-            return self.encode(rendered, add_special_tokens=False)
+        rendered = self.apply_chat_template(escape(messages), tools=escape(tools))
         restore = re.compile("|".join(re.escape(k) for k in spelled))
         ids: list[int] = []
         pos = 0
@@ -107,6 +106,16 @@ class Tokenizer:
             ids.append(self.backend.token_to_id(m.group(0)))
             pos = m.end()
         return ids + self._encode_text(restore.sub(lambda k: spelled[k.group(0)], rendered[pos:]))
+
+    def _spells_control(self, value: Any) -> bool:
+        """Whether any string in value (nested lists and dicts) spells a control token."""
+        if isinstance(value, str):
+            return self._controls.search(value) is not None
+        if isinstance(value, dict):
+            return any(self._spells_control(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return any(self._spells_control(v) for v in value)
+        return False
 
     @functools.cached_property
     def _controls(self) -> re.Pattern | None:
@@ -123,7 +132,7 @@ class Tokenizer:
         return backend
 
     def _encode_text(self, text: str) -> list[int]:
-        return self._text_backend.encode_batch([text], add_special_tokens=False)[0].ids if text else []
+        return _encode(self._text_backend, text, False) if text else []
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -152,6 +161,15 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
 
 
 # --------------------------------------------------------------------------------------------
+GIL_FREE_CHARS = 4096   # texts at least this long are encoded with the GIL released
+
+
+def _encode(backend: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) < GIL_FREE_CHARS:
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
 @functools.lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
     """Compiled once per template: every chat request renders it."""

@@ -142,3 +142,13 @@ def test_a_body_with_too_many_values_is_a_fast_400_before_it_is_parsed(client, e
 def test_a_token_id_prompt_at_the_bound_still_parses(client):
     r = client.post("/v1/completions", json={"prompt": [1] * L.MAX_PROMPT_TOKEN_IDS, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+
+
+def test_the_bounds_table_in_the_docs_states_the_limits():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    for name in ("MAX_TEXT_CHARS", "MAX_PROMPT_TOKEN_IDS", "MAX_BODY_COMMAS", "MAX_BODY_COLONS", "MAX_MESSAGES",
+                 "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS", "MAX_GUIDED_CHOICES", "MAX_REGEX_CHARS", "MAX_GRAMMAR_CHARS",
+                 "MAX_SCHEMA_CHARS", "MAX_TOOLS_CHARS", "MAX_ARGUMENTS_CHARS", "MAX_DESCRIPTION_CHARS", "MAX_TOKENS"):
+        assert f"{getattr(L, name):,}" in doc, name
