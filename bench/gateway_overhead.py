@@ -168,11 +168,17 @@ def main() -> None:
             after.close()
 
     def summary(metric: str, higher_is_better: bool = True) -> dict:
-        """Medians over the rounds; overhead_pct: how much worse "after" is (negative: better)."""
+        """Medians over the rounds. overhead_pct: how much worse the median "after" is than the
+        median "before" (negative: better); paired_overhead_pct: the median over rounds of the
+        same within each round (neighbours' load moves both sides of a round alike)."""
+        def worse(b: float, f: float) -> float:
+            return 100 * ((b - f) if higher_is_better else (f - b)) / b
+
         b = statistics.median(r[f"before_{metric}"] for r in rounds)
         f = statistics.median(r[f"after_{metric}"] for r in rounds)
-        worse = (b - f) if higher_is_better else (f - b)
-        return {"before_median": round(b, 3), "after_median": round(f, 3), "overhead_pct": round(100 * worse / b, 1)}
+        paired = statistics.median(worse(r[f"before_{metric}"], r[f"after_{metric}"]) for r in rounds)
+        return {"before_median": round(b, 3), "after_median": round(f, 3), "overhead_pct": round(worse(b, f), 1),
+                "paired_overhead_pct": round(paired, 1)}
 
     report = {"command": shlex.join(["python", "-m", "bench.gateway_overhead", *sys.argv[1:]]),
               "machine": machine_line(), "lscpu": lscpu(), "python": platform.python_version(),
@@ -187,7 +193,32 @@ def main() -> None:
               "rounds": rounds}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, a.out.with_suffix(".png"))
     print(json.dumps(report["summary"]))
+
+
+def plot(report: dict, path: Path) -> None:
+    """Per round, before vs after: the two rates and the two CPU costs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [("completions_per_s", "tiny completions / s"), ("cpu_ms_per_completion", "CPU ms / completion"),
+               ("sse_events_per_s", "SSE events / s"), ("cpu_us_per_event", "CPU us / SSE event")]
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.4))
+    rounds = report["rounds"]
+    x = range(len(rounds))
+    for ax, (metric, title) in zip(axes, metrics):
+        ax.bar([i - 0.2 for i in x], [r[f"before_{metric}"] for r in rounds], 0.4, label="before")
+        ax.bar([i + 0.2 for i in x], [r[f"after_{metric}"] for r in rounds], 0.4, label="controls on")
+        s = report["summary"][metric]
+        ax.set_title(f"{title}\nmedian {s['before_median']:g} -> {s['after_median']:g}", fontsize=9)
+        ax.set_xlabel("round")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"gateway overhead, {report['before_rev']} vs {report['after_rev']}: {report['machine']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 if __name__ == "__main__":
