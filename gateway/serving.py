@@ -37,6 +37,10 @@ from shared.sampling import InvalidRequestError
 from shared.tokenizer import ChatTemplateError
 
 log = logging.getLogger(__name__)
+# Work this small (well under a millisecond) is done on the event loop: the trip to the
+# preprocessing pool would cost more than the work. Anything larger goes to the pool.
+INLINE_CHARS = 2048      # a prompt's or a chat's text, in characters
+INLINE_MESSAGES = 16     # a chat's messages (and no tools)
 
 
 @dataclass
@@ -120,7 +124,8 @@ class Serving:
         for p in body.prompts():
             if isinstance(p, str):
                 self._check_text_fits(len(p), "prompt")
-                prompts.append(await self.pre.run("tokenizing the prompt", self.tok.encode, p))
+                prompts.append(self.tok.encode(p) if len(p) <= INLINE_CHARS
+                               else await self.pre.run("tokenizing the prompt", self.tok.encode, p))
             else:
                 prompts.append(self._checked_ids(p))
         grammar = await self._grammar(body.constraint())
@@ -132,9 +137,13 @@ class Serving:
         self.check_model(body.model)
         body.check_supported()
         plan, messages, tools = self._tool_plan(body)
-        self._check_text_fits(sum(len(m["content"] or "") for m in messages), "messages")
+        chars = sum(len(m["content"] or "") for m in messages)
+        self._check_text_fits(chars, "messages")
         try:
-            prompt_ids = await self.pre.run("rendering the chat template", self._encode_chat, messages, tools)
+            if chars <= INLINE_CHARS and len(messages) <= INLINE_MESSAGES and not tools:
+                prompt_ids = self._encode_chat(messages, tools)
+            else:
+                prompt_ids = await self.pre.run("rendering the chat template", self._encode_chat, messages, tools)
         except (InvalidRequestError, APIError):
             raise
         except ChatTemplateError as exc:  # the template's own raise_exception (e.g. roles out of order)

@@ -15,7 +15,7 @@ import asyncio
 import logging
 
 from starlette.responses import StreamingResponse
-from starlette.types import Message, Send
+from starlette.types import Send
 
 log = logging.getLogger(__name__)
 
@@ -32,28 +32,22 @@ class TimedStreamingResponse(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         if self.send_timeout_s is None:
             return await super().stream_response(send)
-        # A watchdog rather than a timeout around each send: a send costs two assignments here,
-        # not a timer (or, before Python 3.12, a task) per event.
+        # Starlette's loop, with the send in progress marked inline and a watchdog per stream
+        # rather than a timeout per send: two assignments per event, no timer or wrapper.
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
-        pending_since: float | None = None
-
-        async def tracked_send(message: Message) -> None:
-            nonlocal pending_since
-            pending_since = loop.time()
-            await send(message)
-            pending_since = None
-
-        async def watchdog() -> None:
-            while True:
-                await asyncio.sleep(self.send_timeout_s / 4)
-                if pending_since is not None and loop.time() - pending_since > self.send_timeout_s:
-                    self.dropped = True
-                    task.cancel()
-                    return
-
-        dog = asyncio.ensure_future(watchdog())
+        self._sending_since: float | None = None
+        dog = asyncio.ensure_future(self._watch(loop, task))
         try:
-            await super().stream_response(tracked_send)
+            self._sending_since = loop.time()
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                if not isinstance(chunk, bytes | memoryview):
+                    chunk = chunk.encode(self.charset)
+                self._sending_since = loop.time()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self._sending_since = None
+            self._sending_since = loop.time()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not self.dropped:
                 raise
@@ -64,3 +58,13 @@ class TimedStreamingResponse(StreamingResponse):
                 await aclose()   # runs the generator's cleanup (aborts the requests)
         finally:
             dog.cancel()
+
+    async def _watch(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> None:
+        """Cancel `task` once one send has waited longer than send_timeout_s."""
+        while True:
+            await asyncio.sleep(self.send_timeout_s / 4)
+            since = self._sending_since
+            if since is not None and loop.time() - since > self.send_timeout_s:
+                self.dropped = True
+                task.cancel()
+                return
