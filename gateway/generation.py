@@ -21,6 +21,7 @@ from shared.messages import RequestMsg, TokenEvent
 from shared.queue import GatewayQueue, QueueResetError
 
 log = logging.getLogger(__name__)
+INTERNAL_ERROR = "internal error"   # the scheduler's prefix for errors that carry exception text
 
 
 class Dispatcher:
@@ -145,7 +146,7 @@ class Generation:
                 if self._logprobs is not None and ev.logprob is not None:
                     self._logprobs.append(TokenLogprob(ev.token_id, ev.logprob, ev.top_logprobs or []))
         if ev.finish_reason == "error":
-            return self._finish("error", "", ev.error or "generation failed")
+            return self._finish("error", "", self._client_error(ev.error))
         if ev.finish_reason is not None:
             text += self._detok.flush()
         out, matched = self._stops.feed(text)
@@ -154,6 +155,17 @@ class Generation:
         if ev.finish_reason is not None:
             return self._finish(ev.finish_reason, out + self._stops.flush())
         return Delta(out, self.num_tokens) if out else None
+
+    def _client_error(self, error: str | None) -> str:
+        """The error text the client sees. The scheduler's own messages (a worker that does not
+        answer, a failed KV transfer) go through; one that carries an exception's text (prefix
+        "internal error") is logged here and answered without it."""
+        if not error:
+            return "generation failed"
+        if error.startswith(INTERNAL_ERROR):
+            log.error("request %s failed: %s", self.req.req_id, error)
+            return f"{INTERNAL_ERROR} (the server's log has the details)"
+        return error
 
     def _observe_token(self, ev: TokenEvent) -> None:
         t = time.time()

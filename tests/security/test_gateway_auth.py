@@ -129,3 +129,21 @@ def test_a_broken_queue_answers_no_exception_text(make_stack):
     r = httpx.post(stack.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "queue_unavailable"
     assert "hunter2" not in r.text and "10.1.2.3" not in r.text
+
+
+def test_a_failed_generation_answers_no_exception_text(make_stack):
+    from tests.support.gateway_fakes import Plan
+
+    leak = "internal error: OSError: [Errno 13] /srv/secret/weights.bin"
+    stack = make_stack(plan=lambda req: Plan("Hi", error_after=1))
+    original = stack.fake.events_for
+
+    def events(req, plan):   # the error event carries an exception's text, as the scheduler's may
+        evs = original(req, plan)
+        evs[-1].error = leak
+        return evs
+
+    stack.fake.events_for = events
+    r = httpx.post(stack.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=20)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "generation_error"
+    assert "secret" not in r.text and "Errno" not in r.text and "internal error" in r.text
