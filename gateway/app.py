@@ -94,11 +94,11 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     check_key = _bearer_check(api_key) if api_key else None
     auth = [Depends(check_key)] if check_key else []
-    # the generation routes: the key checked, then the body parsed off the event loop
+    # The generation routes' class checks the key before the body is read, then parses the body
+    # off the event loop (gateway.preprocess); the other routes are plain.
     app.router.route_class = off_loop_json_route(serving.pre, MAX_BODY_COMMAS, MAX_BODY_COLONS,
                                                  authorize=check_key)
 
-    # (the route class checks the key: before the body is read)
     @app.post("/v1/completions", responses=openapi.generation(openapi.Completion))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving.completion(body, request)
@@ -141,7 +141,7 @@ def create_app(tokenizer, model_info: ModelInfo, queue: GatewayQueue, *, api_key
                     reason = "no scheduler is reachable"
             except Exception as exc:  # noqa: BLE001 - e.g. Redis down: not ready, not a crash
                 log.warning("readiness check failed: %r", exc)
-                reason = "the readiness check failed (the queue is unreachable?)"
+                reason = "the readiness check failed (the server's log has the details)"
         if reason:
             return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ready", "model": cfg.model_name})

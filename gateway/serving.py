@@ -82,15 +82,7 @@ class Serving:
         self.draining = False                      # SIGTERM: new requests get 503
         self.logprob_format = LogprobFormat(functools.lru_cache(maxsize=65536)(self._token_str))
         self.pre = Preprocessor(cfg.preprocess)
-
-    @functools.cached_property
-    def _max_token_chars(self) -> int:
-        """An upper bound on the characters one token stands for: the longest vocabulary entry
-        (its byte-level or piece spelling is at least as long as its text)."""
-        backend = getattr(self.tok, "backend", None)
-        if backend is None:
-            return 1 << 30   # unknown: no bound
-        return max(map(len, backend.get_vocab(with_added_tokens=True)), default=1)
+        self._max_token_chars = _longest_token(tokenizer)
 
     def _check_text_fits(self, chars: int, param: str) -> None:
         """A text of `chars` characters needs at least chars / _max_token_chars tokens: when that
@@ -397,6 +389,15 @@ class Serving:
                         await asyncio.sleep(backoff_s * (attempt + 1))
         log.info("resubmitted %d unfinished requests", sent)
         return sent
+
+
+def _longest_token(tokenizer) -> int:
+    """An upper bound on the characters one token stands for: the longest vocabulary entry (its
+    byte-level or piece spelling is at least as long as its text). Unknown: no bound."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None:
+        return 1 << 30
+    return max(map(len, backend.get_vocab(with_added_tokens=True)), default=1)
 
 
 async def _merged(gens: list[Generation]):
