@@ -1,5 +1,6 @@
 """The CPU work of admitting a request (parsing its JSON body, tokenization, chat templates,
-grammar compiles), run on a bounded pool of threads, off the event loop that streams every other request's tokens.
+grammar compiles), run on a bounded pool of threads, off the event loop that streams every
+other request's tokens.
 
 Bounds, so that no burst of requests can queue unbounded work or hold a request forever:
 * `workers` threads run jobs; at most `max_pending` jobs are admitted at once (running or
@@ -125,8 +126,8 @@ def off_loop_json_route(pre: Preprocessor, max_commas: int, max_colons: int,
                     try:
                         request._json = (json.loads(body) if len(body) <= INLINE_PARSE_BYTES
                                          else await pre.run("parsing the request body", json.loads, body))
-                    except ValueError:  # not JSON: FastAPI parses it again and answers its 400
-                        pass
+                    except (ValueError, RecursionError):  # not JSON (or nested too deep to parse):
+                        pass                                 # FastAPI parses it again and answers 400
                 return await handler(request)
 
             return parse_then_handle
