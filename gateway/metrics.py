@@ -11,6 +11,7 @@ Names:
   sarathi_gateway_requests_rejected_total{status}  answered with an error before queueing
   sarathi_gateway_prompt_tokens_total, sarathi_gateway_generation_tokens_total
   sarathi_gateway_duplicate_events_dropped_total  token events already seen (after a replay)
+  sarathi_gateway_streams_dropped_total         streams cut because their client stopped reading
   sarathi_gateway_requests_in_flight            gauge: accepted and not finished
 """
 from __future__ import annotations
@@ -42,6 +43,8 @@ class GatewayMetrics:
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens received", registry=reg)
         self.duplicates = Counter(p + "duplicate_events_dropped", "Token events dropped as already seen",
                                   registry=reg)
+        self.streams_dropped = Counter(p + "streams_dropped", "Streams cut because their client stopped reading",
+                                       registry=reg)
         self.in_flight = Gauge(p + "requests_in_flight", "Accepted requests not yet finished", registry=reg)
 
     def render(self) -> tuple[bytes, str]:

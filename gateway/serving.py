@@ -263,7 +263,8 @@ class Serving:
             return TimedStreamingResponse(self._stream(gens, shape, num_prompt, plan), media_type="text/event-stream",
                                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                           background=BackgroundTask(self._close_all, gens),
-                                          send_timeout_s=self.cfg.sse_send_timeout_s)
+                                          send_timeout_s=self.cfg.sse_send_timeout_s,
+                                          on_drop=self.metrics.streams_dropped.inc)
         return await self._whole(gens, shape, num_prompt, request, plan)
 
     def _logprobs(self, shape: ResponseShape, entries: list[TokenLogprob] | None, text_offset: int) -> dict | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 from starlette.responses import StreamingResponse
 from starlette.types import Send
@@ -22,11 +23,13 @@ log = logging.getLogger(__name__)
 
 class TimedStreamingResponse(StreamingResponse):
     """A StreamingResponse whose every send must complete within send_timeout_s seconds (None:
-    no bound). `dropped` tells whether the stream was cut for a slow reader."""
+    no bound). `dropped` tells whether the stream was cut for a slow reader; on_drop() is called
+    when it is (metrics)."""
 
-    def __init__(self, content, *, send_timeout_s: float | None, **kwargs):
+    def __init__(self, content, *, send_timeout_s: float | None, on_drop: Callable[[], None] | None = None,
+                 **kwargs):
         super().__init__(content, **kwargs)
-        self.send_timeout_s = send_timeout_s
+        self.send_timeout_s, self.on_drop = send_timeout_s, on_drop
         self.dropped = False
 
     async def stream_response(self, send: Send) -> None:
@@ -53,6 +56,8 @@ class TimedStreamingResponse(StreamingResponse):
                 raise
             task.uncancel()   # our own cancel: end this stream, not the server's task
             log.warning("dropped a stream: its client read nothing for %.1f s", self.send_timeout_s)
+            if self.on_drop is not None:
+                self.on_drop()
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()   # runs the generator's cleanup (aborts the requests)

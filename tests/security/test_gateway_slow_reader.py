@@ -15,7 +15,7 @@ import pytest
 
 from gateway.errors import APIError
 from gateway.preprocess import PreprocessConfig, Preprocessor
-from tests.support.gateway_fakes import Plan
+from tests.support.gateway_fakes import Plan, metric
 
 
 @pytest.fixture
@@ -56,10 +56,11 @@ def test_a_client_that_stops_reading_is_dropped_and_its_request_aborted(stack):
         assert fake.wait_aborted(fake.received[-1].req_id, timeout=15), "the stalled stream was not dropped"
     finally:
         sock.close()
-    # the server still serves others
+    # the server still serves others, and counts the drop
     r = httpx.post(server.url + "/v1/chat/completions", timeout=20,
                    json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
     assert r.status_code == 200
+    assert metric(server.url, "sarathi_gateway_streams_dropped_total") == 1
 
 
 def run(coro):
