@@ -83,6 +83,8 @@ class Serving:
         self.logprob_format = LogprobFormat(functools.lru_cache(maxsize=65536)(self._token_str))
         self.pre = Preprocessor(cfg.preprocess)
         self._max_token_chars = _longest_token(tokenizer)
+        if hasattr(tokenizer, "warm"):
+            tokenizer.warm()   # not on a request's event-loop turn
 
     def _check_text_fits(self, chars: int, param: str) -> None:
         """A text of `chars` characters needs at least chars / _max_token_chars tokens: when that
