@@ -51,6 +51,29 @@ def test_the_opt_out_serves_and_says_so_loudly(redis_server_url):
         proc.wait(10)
 
 
+def test_a_key_file_from_the_environment_opens_a_public_bind(redis_server_url, tmp_path):
+    key_file = tmp_path / "api-key"
+    key_file.write_text(KEY + "\n")
+    port = free_port()
+    proc = sarathi("gateway", "--host", "0.0.0.0", "--port", str(port), "--redis-url", redis_server_url,
+                   env={"SARATHI_API_KEY_FILE": str(key_file)})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                httpx.get(url + "/health", timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+    assert "SECURITY" not in out
+
+
 def test_loopback_binds_need_no_key_and_names_count_as_public():
     for host in ("127.0.0.1", "::1", "[::1]", "localhost", "127.3.4.5"):
         assert is_loopback(host)
