@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench/results/deploy/compose_check.json}
-BASE=${BASE_IMAGE:-sarathi-base:bookworm}
+BASE=${BASE_IMAGE:-sarathi-base:bookworm-nocc}
 PY=${PYTHON:-$(command -v .venv/bin/python || command -v python3)}
 PROJECT=sarathi-check
 if docker compose version >/dev/null 2>&1; then COMPOSE=(docker compose); else COMPOSE=(docker-compose); fi
@@ -24,6 +24,7 @@ ls deploy/wheelhouse/*.whl >/dev/null 2>&1 || PYTHON="$PY" deploy/wheelhouse.sh 
 tb=$(date +%s)
 docker build -q --build-arg BASE_IMAGE="$BASE" -t sarathi-serve:latest . >/dev/null
 build_s=$(( $(date +%s) - tb ))
+image_mb=$(( $(docker image inspect sarathi-serve:latest --format '{{.Size}}') / 1048576 ))
 
 # one stack after the other: colocated (docker-compose.yml) and prefill/decode disaggregated
 # (+ docker-compose.disagg.yml), each brought up, smoke-tested with the openai client, torn down
@@ -47,24 +48,30 @@ for stack in "${STACKS[@]}"; do
         echo "compose check FAILED ($stack); logs in ${OUT%.json}.$stack.logs.txt" >&2
         exit 1
     fi
+    # the workers run the native kernels built into the image (no compiler in it), not the torch path
+    backend=$("${COMPOSE[@]}" -p "$PROJECT" "${files[@]}" logs --no-color 2>&1 | grep -o "device cpu: .*" | sort -u)
+    if ! grep -q "attention native.*kernels: prebuilt" <<<"$backend"; then
+        echo "compose check FAILED ($stack): the workers do not run the prebuilt native kernels: $backend" >&2
+        exit 1
+    fi
     services=$("${COMPOSE[@]}" -p "$PROJECT" "${files[@]}" ps --services | sort | tr '\n' ' ')
-    RESULTS+=("$stack" "${files[*]}" "$services" "$(( $(date +%s) - ts ))" "$smoke")
+    RESULTS+=("$stack" "${files[*]}" "$services" "$(( $(date +%s) - ts ))" "$smoke" "$backend")
     down
     trap - EXIT
 done
-"$PY" - "$OUT" "$build_s" "$(( $(date +%s) - t0 ))" "${COMPOSE[*]}" "${RESULTS[@]}" <<'PY'
+"$PY" - "$OUT" "$build_s" "$image_mb" "$(( $(date +%s) - t0 ))" "${COMPOSE[*]}" "${RESULTS[@]}" <<'PY'
 import datetime, json, platform, subprocess, sys
-out, build_s, total_s, compose, *rest = sys.argv[1:]
+out, build_s, image_mb, total_s, compose, *rest = sys.argv[1:]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 stacks = {}
-for i in range(0, len(rest), 5):
-    name, files, services, seconds, smoke = rest[i:i + 5]
+for i in range(0, len(rest), 6):
+    name, files, services, seconds, smoke, backend = rest[i:i + 6]
     stacks[name] = {"files": files.split(), "services": services.split(), "up_and_smoke_s": int(seconds),
-                    "smoke": json.loads(smoke)}
+                    "smoke": json.loads(smoke), "worker_backends": sorted(set(backend.splitlines()))}
 res = {"command": "deploy/compose_check.sh " + out, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
        "machine": f"{cpu}, {platform.platform()}",
        "docker": subprocess.run(["docker", "version", "--format", "{{.Server.Version}}"], capture_output=True, text=True).stdout.strip(),
-       "compose": compose, "image_build_s": int(build_s), "total_s": int(total_s), "stacks": stacks}
+       "compose": compose, "image_build_s": int(build_s), "image_mb": int(image_mb), "total_s": int(total_s), "stacks": stacks}
 open(out, "w").write(json.dumps(res, indent=2) + "\n")
 print(json.dumps(res, indent=2))
 PY
