@@ -60,9 +60,9 @@ log = logging.getLogger("sarathi.remote")
 MAX_REPLY_BYTES = 64 << 20   # a batch's reply: sampled ids, timings, logprobs of every row
 QUEUED_MSGS = 64             # per worker: the loop keeps pp batches (and a ping) in flight
 _HANDSHAKE_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the worker refused this scheduler's key",
-                     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake failed (keys on one side only, "
-                                                          "or not the worker's public key)",
-                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed"}
+                     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake failed (link keys on one side only?)",
+                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed (not the workers' public "
+                                                           "key, or link keys on one side only?)"}
 
 
 class WorkerError(RuntimeError):

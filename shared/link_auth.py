@@ -188,6 +188,16 @@ def process_keys(role: str) -> LinkKeys | None:
     return _process_keys[role]
 
 
+def use_settings(key_dir: str | None, insecure: bool) -> None:
+    """Make this process (and the processes it starts) use the link keys in key_dir and/or allow
+    plain links on network addresses: the command line's --link-keys / --insecure-links."""
+    if key_dir:
+        os.environ[ENV_DIR] = str(key_dir)
+    if insecure:
+        os.environ[ENV_INSECURE] = "1"
+    _process_keys.clear()
+
+
 def insecure_allowed(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     return env.get(ENV_INSECURE, "").lower() in ("1", "true", "yes", "on")
