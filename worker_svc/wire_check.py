@@ -126,7 +126,8 @@ def _check_chunk(d: dict, st: SeqState | None, limits: WireLimits) -> list[int]:
         start = _count(d.get("p", st.next_pos), f"request {rid!r}: start position")
         new = _ids(d.get("t", []), f"request {rid!r}: tokens", vocab)
         have = st.known(start, n)
-        if have < 0 or have + len(new) != n:
+        if (have < 0 or have + len(new) != n
+                or (new and start + have != st.base + len(st.tokens))):   # new tokens after a hole
             raise WireCheckError(f"request {rid!r}: the diff's tokens do not continue what the worker holds")
         if "b" in d:
             table = _ids(d["b"], f"request {rid!r}: block table", nblk)
