@@ -97,7 +97,7 @@ def check_batch_message(msg: Any, states: Mapping[str, SeqState], limits: WireLi
         if "sp" not in d and st is None:
             tables[rid] = None    # the decoder answers unknown_request: nothing to check
             continue
-        tables[rid] = _check_chunk(d, st, limits)
+        tables[rid] = _check_chunk(d, None if "sp" in d else st, limits)   # a full entry stands alone
     _check_kv_sends(msg.get("kv_sends"), tables, limits)
 
 

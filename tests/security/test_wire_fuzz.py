@@ -174,3 +174,78 @@ def test_a_diff_whose_tokens_leave_a_hole_is_refused():
         assert runner.batches == []
     finally:
         server.close()
+
+
+class RoomyRunner(Runner):
+    model_info = ModelInfo("fuzz", max_model_len=32, vocab_size=VOCAB, eos_token_ids=[0],
+                           block_size=BLOCK_SIZE, num_blocks=64)
+
+
+def scheduler_steps(ops):
+    """Batches a scheduler could send for 3 requests: prompt chunks (sampling at random),
+    decodes of the sampled token, recomputes from position 0 into other blocks (preemption), and
+    frees. Each request i owns blocks 8i.. (or 32 + 8i.. after a recompute)."""
+    sp, reqs = SamplingParams(temperature=0.0), {}
+    for step, (kind, i, n) in enumerate(ops):
+        rid = f"r{i}"
+        r = reqs.setdefault(rid, {"toks": [], "c": 0, "outs": 0, "base": 8 * i})
+        pending = len(r["toks"]) > r["c"]          # a sampled token not yet computed
+        table = lambda end: [r["base"] + b for b in range(cdiv(end, BLOCK_SIZE))]  # noqa: E731
+        if kind == "f":
+            del reqs[rid]
+            yield Batch(step, [], [rid])
+            continue
+        if kind == "r":
+            length = len(r["toks"]) if pending else r["c"]
+            if length == 0:
+                continue
+            r["base"] = 8 * i if r["base"] >= 32 else 32 + 8 * i
+            chunk = SeqChunk(rid, r["toks"][:length], 0, table(length), pending, sp, r["outs"])
+        elif pending:
+            chunk = SeqChunk(rid, r["toks"][r["c"]:r["c"] + 1], r["c"], table(r["c"] + 1), True, sp, r["outs"])
+        else:
+            new = [(r["c"] + k) * 7 % (VOCAB - 1) + 1 for k in range(n)]
+            r["toks"] += new
+            chunk = SeqChunk(rid, new, r["c"], table(r["c"] + n), n % 2 == 0, sp, r["outs"])
+        end = chunk.start_pos + len(chunk.token_ids)
+        if end > 32 - 1:
+            del reqs[rid]
+            yield Batch(step, [], [rid])
+            continue
+        r["c"] = end
+        if chunk.sample:
+            r["toks"] = r["toks"][:end] + [1]
+            r["outs"] += 1
+        yield Batch(step, [chunk])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from("ccdrf"), st.integers(0, 2), st.integers(1, 6)), max_size=20))
+def test_every_batch_a_scheduler_sends_is_accepted_and_decoded_as_sent(ops):
+    """The checks refuse nothing the scheduler's encoder makes: full entries, diffs, and full
+    entries again for requests the worker holds (a recompute)."""
+    runner, enc = RoomyRunner(), BatchEncoder()
+    server = WorkerServer(runner, f"inproc://fuzz-{next(_names)}", keys=None)
+    try:
+        for batch in scheduler_steps(ops):
+            reply = server.handle_bytes(pack(enc.encode(batch)))
+            assert reply["ok"], reply
+            assert runner.batches[-1] == batch
+            enc.on_output(BatchOutput.from_wire(reply))
+    finally:
+        server.close()
+
+
+def test_a_full_entry_for_a_request_the_worker_holds_replaces_it():
+    """The encoder sends a held request in full when its chunk cannot be a diff (tokens that differ
+    from the worker's, or a gap): the checks judge such an entry on its own, not as a diff."""
+    server, runner, _, epoch = primed_server()
+    try:
+        full = {"r": "a", "t": [9, 9], "p": 0, "b": [3], "s": False,
+                "sp": SamplingParams(temperature=0.0).to_dict(), "o": 0}
+        reply = server.handle_bytes(pack({"op": "batch", "epoch": epoch, "batch_id": 1, "freed": [],
+                                          "seqs": [full]}))
+        assert reply["ok"], reply
+        assert runner.batches[-1].seqs[0].token_ids == [9, 9] and server.decoder.states["a"].block_table == [3]
+    finally:
+        server.close()
