@@ -248,11 +248,13 @@ def run_worker(config: WorkerServiceConfig, *, runner: ServedRunner | None = Non
     Raises SystemExit(3) when a fatal error (a lost rank) stopped the server.
     """
     address, parallel = config.address, config.parallel
+    if parallel is not None:
+        address = rank_address(address, parallel.rank)
+    # before the model loads: a refused address should not cost a minute of loading first
+    link_auth.check_bind(address, link_auth.process_keys("worker"), "the worker")
     if runner is None:
         from worker_svc.model_runner import ModelRunner  # torch: imported only where a model runs
         runner = ModelRunner(config.engine, parallel=parallel)
-    if parallel is not None:
-        address = rank_address(address, parallel.rank)
     link = kv_link(runner, config.kv_address) if kv_link is not None else None
     server = WorkerServer(runner, address, role=config.role, kv_link=link)
     log.info("worker (%s) serving %s on %s%s", config.role, runner.model_info.name, server.address,

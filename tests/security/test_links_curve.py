@@ -150,6 +150,13 @@ def test_a_worker_without_keys_refuses_every_interface_unless_told_the_network_i
     WorkerServer(Runner(), "tcp://0.0.0.0:0", keys=None).close()
 
 
+def test_sarathi_worker_refuses_a_network_bind_without_keys_before_loading_a_model(monkeypatch, capsys):
+    monkeypatch.delenv(link_auth.ENV_INSECURE, raising=False)
+    monkeypatch.delenv(link_auth.ENV_DIR, raising=False)
+    assert cli_main(["worker", "--bind", "tcp://0.0.0.0:0", "--model", "/no/such/model"]) == 2
+    assert "without link keys" in capsys.readouterr().err
+
+
 def test_keys_from_environment_variables_equal_keys_from_files(key_dir):
     w, s = link_auth.load_keys_dir("worker", key_dir), link_auth.load_keys_dir("scheduler", key_dir)
     env_w = link_auth.load_keys("worker", {link_auth.ENV_SECRET: w.secret.decode(),
