@@ -8,7 +8,7 @@ step by step between plain and keyed, so that the machine's load falls on both a
 * decode: 32 running requests, one token each (the wire's diffs: a few hundred bytes a step);
 * prefill: one new request with a 2048-token chunk per step (a full entry, ~6-10 kB).
 
-    python -m bench.link_auth_overhead [--steps 1500 --rounds 3]
+    python -m bench.link_auth_overhead [--steps 800 --prefill-steps 200 --rounds 3]
         [--out bench/results/security/link_auth_overhead.json]
 
 Per case and link: median, p90 and mean of the round trip (microseconds; overhead = keyed
@@ -36,7 +36,7 @@ from shared.messages import Batch, SeqChunk
 from shared.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCK_SIZE, BLOCKS_PER_REQ, DECODES = 16, 160, 32
+BLOCK_SIZE, BLOCKS_PER_REQ, DECODES = 16, 512, 32   # 8192 positions: room for every step
 GREEDY = SamplingParams(temperature=0.0)
 
 WORKER = f"""
@@ -77,13 +77,14 @@ def start_worker(env: dict) -> tuple[subprocess.Popen, str]:
 
 def decode_batch(step: int) -> Batch:
     pos = BLOCK_SIZE + step - 1   # each request holds 16 prompt tokens, then step - 1 decoded ones
-    return Batch(step, [SeqChunk(f"r{j}", [1], pos, [j * BLOCKS_PER_REQ + b for b in range(cdiv(pos + 1, BLOCK_SIZE))],
+    blocks = cdiv(pos + 1, BLOCK_SIZE)
+    return Batch(step, [SeqChunk(f"r{j}", [1], pos, list(range(j * BLOCKS_PER_REQ, j * BLOCKS_PER_REQ + blocks)),
                                  True, GREEDY, step) for j in range(DECODES)])
 
 
 def prefill_batch(step: int) -> Batch:
     n = 2048
-    table = [DECODES * BLOCKS_PER_REQ + b for b in range(cdiv(n, BLOCK_SIZE))]
+    table = list(range(DECODES * BLOCKS_PER_REQ, DECODES * BLOCKS_PER_REQ + cdiv(n, BLOCK_SIZE)))
     return Batch(step, [SeqChunk(f"p{step}", [(i * 7) % 100 for i in range(n)], 0, table, True, GREEDY)],
                  freed_req_ids=[f"p{step - 1}"] if step else [])
 
@@ -130,8 +131,8 @@ def summary(us: list[float]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=1500, help="decode steps per round and link")
-    ap.add_argument("--prefill-steps", type=int, default=300, help="prefill steps per round and link")
+    ap.add_argument("--steps", type=int, default=800, help="decode steps per round and link")
+    ap.add_argument("--prefill-steps", type=int, default=200, help="prefill steps per round and link")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="bench/results/security/link_auth_overhead.json")
     a = ap.parse_args(argv)
@@ -153,14 +154,16 @@ def main(argv: list[str] | None = None) -> int:
             warm = {key: [] for key in samples}
             timed(remotes, decode_batch, 1, 50, warm, "decode")
             step = 51
-            for _ in range(a.rounds):
+            for r in range(a.rounds):
                 timed(remotes, decode_batch, step, a.steps, samples, "decode")
                 step += a.steps
                 timed(remotes, prefill_batch, step, a.prefill_steps, samples, "prefill")
                 step += a.prefill_steps
                 for case, make, n in (("decode", decode_batch, a.steps), ("prefill", prefill_batch, a.prefill_steps)):
-                    for link, remote in remotes.items():
-                        cpu[case, link].append(cpu_per_step(remote, pids[link], make, step, n))
+                    # the same steps on each link (the same context lengths), in turn, the
+                    # first link swapped every round
+                    for link in (list(remotes) if r % 2 else list(remotes)[::-1]):
+                        cpu[case, link].append(cpu_per_step(remotes[link], pids[link], make, step, n))
                     step += n
         finally:
             for remote in remotes.values():
@@ -181,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                            "overhead_median": round(curve["median_us"] / plain["median_us"] - 1, 4),
                            "added_median_us": round(curve["median_us"] - plain["median_us"], 1)},
             "cpu_per_step_us": {"plain": round(cpu_plain, 1), "curve": round(cpu_curve, 1),
+                                "min_of_rounds": {link: round(min(cpu[case, link]), 1) for link in remotes},
                                 "per_round": {link: [round(x, 1) for x in cpu[case, link]] for link in remotes},
                                 "overhead": round(cpu_curve / cpu_plain - 1, 4),
                                 "added_us": round(cpu_curve - cpu_plain, 1)}}
