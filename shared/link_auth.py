@@ -249,13 +249,21 @@ def check_bind(address: str, keys: LinkKeys | None, what: str) -> None:
 # sockets
 # ---------------------------------------------------------------------------------------------
 class _Allowed:
-    """The ZAP credentials provider of one server socket: its allow-list of client keys."""
+    """The ZAP credentials provider of one server socket: its allow-list of client keys. A refused
+    key is logged once (up to 100 distinct keys), so a misconfigured peer shows in the log
+    without a stranger being able to flood it."""
 
     def __init__(self, keys: Iterable[bytes]):
         self.keys = frozenset(keys)
+        self.refused: set[bytes] = set()
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys
+        if key in self.keys:
+            return True
+        if len(self.refused) < 100 and key not in self.refused:
+            self.refused.add(key)
+            log.warning("refused a link from an unauthorized key %s", key.decode(errors="replace"))
+        return False
 
 
 _auth_lock = threading.Lock()
