@@ -240,3 +240,41 @@ def test_a_transfer_of_a_batch_given_up_on_is_cancelled_and_writes_nothing(keys,
     finally:
         gate.set()
         remote.close()
+
+
+def test_a_message_larger_than_the_cache_drops_its_sender_and_the_receiver_goes_on(tmp_path):
+    receiver = KvReceiver(Cache(), f"ipc://{tmp_path}/kv.sock", keys=None)
+    sender = KvSender(Cache(fill=1.0), keys=None)
+    try:
+        receiver.expect("a", [5], 10.0)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(receiver.address)
+        header, _ = export_frames(Cache(fill=3.0), [0])
+        sock.send_multipart([msgpack.packb({"id": 1, "req_id": "a", "dst_blocks": [5], "kv": header,
+                                            "accept_until": time.time() + 10}), b"x" * (4 << 20)])
+        assert not sock.poll(1000)            # no ack: the connection was dropped unread
+        sock.close(0)
+        sender.send([2], receiver.address, [5], timeout_s=5.0, req_id="a")
+        assert receiver.cache.block(5) > 0 and receiver.num_refused == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_send_to_a_receiver_that_reads_nothing_gives_up_within_its_lease():
+    stuck = zmq.Context.instance().socket(zmq.ROUTER)    # accepts connections, never reads
+    stuck.setsockopt(zmq.LINGER, 0)
+    stuck.bind(LOOPBACK)
+    sender = KvSender(Cache(fill=1.0), keys=None)
+    try:
+        address = stuck.getsockopt(zmq.LAST_ENDPOINT).decode()
+        for _ in range(3):
+            t0 = time.monotonic()
+            with pytest.raises(KvTransferError, match="timeout"):
+                sender.send([0, 1, 2], address, [0, 1, 2], timeout_s=0.3, req_id="a")
+            assert time.monotonic() - t0 < 1.0
+            assert sender._socks == {}             # its queue went with the socket
+    finally:
+        sender.close()
+        stuck.close(0)
