@@ -157,6 +157,15 @@ def test_sarathi_worker_refuses_a_network_bind_without_keys_before_loading_a_mod
     assert "without link keys" in capsys.readouterr().err
 
 
+def test_the_link_keys_flag_gives_this_process_and_its_children_the_keys(key_dir, monkeypatch):
+    monkeypatch.delenv(link_auth.ENV_DIR, raising=False)     # restored (unset) after the test
+    monkeypatch.setattr(link_auth, "_process_keys", {})
+    monkeypatch.delenv("SARATHI_REDIS_URL", raising=False)
+    assert cli_main(["scheduler", "--link-keys", str(key_dir), "--redis-url", ""]) == 2   # stops at the URL
+    assert os.environ[link_auth.ENV_DIR] == str(key_dir)
+    assert link_auth.process_keys("scheduler") == link_auth.load_keys_dir("scheduler", key_dir)
+
+
 def test_keys_from_environment_variables_equal_keys_from_files(key_dir):
     w, s = link_auth.load_keys_dir("worker", key_dir), link_auth.load_keys_dir("scheduler", key_dir)
     env_w = link_auth.load_keys("worker", {link_auth.ENV_SECRET: w.secret.decode(),
