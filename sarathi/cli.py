@@ -97,6 +97,13 @@ def _liveness_args(p: argparse.ArgumentParser) -> None:
          "seconds to hold a lost worker's requests for a worker to answer again (then they fail)")
 
 
+def _link_args(p: argparse.ArgumentParser) -> None:
+    _add(p, "link-keys", None, "directory of internal-link keys made by `sarathi keys` (ZeroMQ CURVE on "
+         "tcp:// links); the keys can also come in SARATHI_LINK_SECRET_KEY and friends (docs/internal-links.md)")
+    _add(p, "insecure-links", False, "allow plain (unauthenticated) internal links on a non-loopback "
+         "address: only on a network where everyone who can reach it may drive the workers")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sarathi", description="Stall-free LLM serving (Sarathi-Serve).")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -146,11 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add(p, "metrics-port", 9100, "Prometheus port of the scheduler")
     _add(p, "consumer", None, "queue consumer name (default: stable per host; a restart replays its pending)")
     _liveness_args(p)
+    _link_args(p)
 
     p = sub.add_parser("worker", help="a worker service: holds the model, runs batches from ZeroMQ")
     _model_args(p)
-    _add(p, "bind", "tcp://0.0.0.0:5555", "ZeroMQ address to bind (rank r of a TP x PP replica: "
-         "TCP port + r, or an ipc path + '.rank<r>')")
+    _add(p, "bind", "tcp://127.0.0.1:5555", "ZeroMQ address to bind (rank r of a TP x PP replica: "
+         "TCP port + r, or an ipc path + '.rank<r>'); another interface than loopback needs --link-keys "
+         "(or --insecure-links)")
     _add(p, "max-num-seqs", 128, "CUDA: largest decode batch (graphs are captured up to it)")
     _add(p, "max-num-batched-tokens", 4096, "CUDA: tokens of the profiling pass that sizes the KV cache")
     _add(p, "role", "mixed", "mixed (prefill and decode), prefill or decode (prefill/decode "
@@ -159,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
          "(decode workers), as prefill workers reach it, e.g. tcp://decode-0:5600 (tcp: every interface of this "
          "host listens on that port; ipc://path also works on one machine)")
     _parallel_args(p)
+    _link_args(p)
+
+    p = sub.add_parser("keys", help="write a key set for the internal links (ZeroMQ CURVE): the workers' "
+                       "and the scheduler's keypairs and the allow-lists")
+    p.add_argument("out", help="directory to write (created, mode 0700; secret files 0600)")
+    p.add_argument("--force", action="store_true", help="replace a key set already there")
 
     _measure_parsers(sub)
     return parser
@@ -324,6 +339,10 @@ MEASUREMENT_COMMANDS = ("bench", "capacity", "simulate", "profile", "plan")   # 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "link_keys", None) or getattr(args, "insecure_links", False):
+        # flags win over the environment; processes started from here (ranks) inherit them
+        from shared.link_auth import use_settings
+        use_settings(args.link_keys, args.insecure_links)
     # heavy imports only after parsing (fast --help)
     if args.cmd in MEASUREMENT_COMMANDS:
         from sarathi.measure import commands

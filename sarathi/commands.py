@@ -136,3 +136,12 @@ def worker(a: argparse.Namespace) -> int:
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else None
+
+
+def keys(a: argparse.Namespace) -> int:
+    """`sarathi keys DIR`: a deployment's link keys (shared.link_auth.write_key_set)."""
+    from shared.link_auth import write_key_set
+
+    for path in write_key_set(a.out, force=a.force):
+        print(path)
+    return 0
