@@ -78,23 +78,26 @@ class SchedulerService:
     idle_block_ms: ms to wait on the queue when there is nothing to run. replay_interval_s:
     seconds between claims of dead replicas' work. How long the requests of a lost worker wait
     for it is the engine's (restart_timeout_s). heartbeat_interval_s: seconds between the
-    heartbeat thread's heartbeats. stall_timeout_s: seconds without a finished loop turn, while
-    requests are unfinished, after which the loop counts as stalled (see the module doc).
-    gateway_check_interval_s: seconds between checks of the gateways' leases."""
+    heartbeat thread's heartbeats (None: the queue's QueueConfig.heartbeat_interval_s).
+    stall_timeout_s: seconds without a finished loop turn, while requests are unfinished, after
+    which the loop counts as stalled (see the module doc).
+    gateway_check_interval_s: seconds between checks of the gateways' leases (None: a third of
+    the queue's QueueConfig.gateway_ttl_s)."""
 
     def __init__(self, engine: Engine, queue: SchedulerQueue, metrics: SchedulerMetrics, *,
                  max_waiting: int = 64, idle_block_ms: int = 50, replay_interval_s: float = 5.0,
-                 heartbeat_interval_s: float = 1.0, stall_timeout_s: float = 180.0,
-                 gateway_check_interval_s: float = 5.0):
+                 heartbeat_interval_s: float | None = None, stall_timeout_s: float = 180.0,
+                 gateway_check_interval_s: float | None = None):
         self.engine = engine
         self.queue = queue
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.idle_block_ms = idle_block_ms
         self.replay_interval_s = replay_interval_s
-        self.heartbeat_interval_s = heartbeat_interval_s
+        qcfg = getattr(queue, "cfg", None)
+        self.heartbeat_interval_s = heartbeat_interval_s or getattr(qcfg, "heartbeat_interval_s", 1.0)
         self.stall_timeout_s = stall_timeout_s
-        self.gateway_check_interval_s = gateway_check_interval_s
+        self.gateway_check_interval_s = gateway_check_interval_s or getattr(qcfg, "gateway_ttl_s", 15.0) / 3
         self._progress_at = time.monotonic()  # end of the loop's last turn
         self._busy = False                    # unfinished requests at that moment
         self._disowned: set[str] = set()      # claimed away: their events are not ours to send
@@ -381,11 +384,14 @@ def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, s
 
 
 def stall_timeout(c: SchedulerServiceConfig) -> float:
-    """The watchdog's stall_timeout_s: the configured one (c.stall_timeout_s; 0 or absent: the
-    worker reply timeout plus 60 s), never below the worker reply timeout plus 10 s, since a
-    turn may legitimately wait that long for one batch."""
+    """The watchdog's stall_timeout_s: the configured one (c.stall_timeout_s; 0: the worker
+    reply timeout plus 60 s), never below the worker reply timeout, since a turn may
+    legitimately wait that long for one batch."""
     configured = c.stall_timeout_s or c.worker_timeout_s + 60.0
-    return max(configured, c.worker_timeout_s + 10.0)
+    if configured <= c.worker_timeout_s:
+        log.warning("the stall timeout (%g s) must exceed the worker reply timeout (%g s); using the latter",
+                    configured, c.worker_timeout_s)
+    return max(configured, c.worker_timeout_s)
 
 
 def _queue(c: SchedulerServiceConfig, queue: SchedulerQueue | None) -> SchedulerQueue:

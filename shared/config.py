@@ -270,7 +270,7 @@ class SchedulerServiceConfig:
     worker_timeout_s: seconds to wait for a batch's reply. worker_restart_timeout_s: seconds to
         hold the requests of a lost worker for a worker to answer again (then they fail).
     stall_timeout_s: seconds without a finished loop turn, with requests unfinished, after which
-        /health answers 503 (0: worker_timeout_s + 60; never below worker_timeout_s + 10).
+        /health answers 503 (0: worker_timeout_s + 60; never below worker_timeout_s).
     metrics_port: HTTP port of /metrics /health /ready /stats (None: no server; 0: any free port).
     disagg: worker pools and prefill/decode disaggregation (DisaggConfig); when enabled,
         worker_addrs are mixed workers, one pool each (with separate_mixed).

@@ -152,7 +152,7 @@ class LocalSchedulerQueue(SchedulerQueue):
     heartbeat may come from another thread."""
 
     def __init__(self, broker: LocalBroker, consumer: str):
-        self.broker, self.consumer = broker, consumer
+        self.broker, self.consumer, self.cfg = broker, consumer, broker.cfg
         self._epochs: dict[str, int] = {}   # req_id -> this consumer's epoch of it
         self._lost: list[str] = []
         self._recent_lost = RecentIds(broker.cfg.aborts_maxlen)

@@ -50,8 +50,19 @@ def client_options(asyncio: bool, url: str | None = None) -> dict:
         from redis.asyncio.retry import Retry
     else:
         from redis.retry import Retry
+
+    class _Retry(Retry):
+        """Retries a lost connection, not a refused password (redis-py counts an
+        AuthenticationError as a ConnectionError): that one fails at once."""
+
+        def call_with_retry(self, do, fail, is_retryable=None, **kw):
+            def retryable(error) -> bool:
+                return (not isinstance(error, redis.AuthenticationError)
+                        and (is_retryable is None or is_retryable(error)))
+            return super().call_with_retry(do, fail, retryable, **kw)
+
     return dict(decode_responses=True, health_check_interval=HEALTH_CHECK_INTERVAL_S,
-                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+                retry=_Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
                 retry_on_error=[redis.ConnectionError, redis.TimeoutError],
                 **(auth_options(url) if url else {}))
 
@@ -178,17 +189,20 @@ class RedisGatewayQueue(GatewayQueue):
         key = self.cfg.out_key(self.gateway_id)
         await self._check_instance()
         await self._renew_lease()
-        last_trim = time.monotonic()
+        renew_every = min(1.0, self.cfg.gateway_ttl_s / 3)  # seconds
+        last_trim = last_renew = time.monotonic()
         while True:
-            resp = await self.r.xread({key: self._cursor}, count=PAGE, block=1000)
+            resp = await self.r.xread({key: self._cursor}, count=PAGE, block=max(1, int(renew_every * 1000)))
             for eid, fields in entries_of(resp):
                 self._cursor = eid
                 for ev in decode_events(fields["events"]):
                     if self._admit_event(ev):
                         yield ev
+            if time.monotonic() - last_renew > renew_every:
+                await self._renew_lease()
+                last_renew = time.monotonic()
             if time.monotonic() - last_trim > 1.0:
                 await self._check_instance()
-                await self._renew_lease()
                 if self._cursor != "0-0":
                     # Entries we have read are of no further use: free them now instead of
                     # waiting for MAXLEN or the TTL.
