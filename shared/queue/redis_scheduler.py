@@ -44,23 +44,19 @@ end
 return lost
 """
 
-# KEYS: epochs hash, the gateway's reply stream. ARGV: out_maxlen, out_ttl_s, then (req_id, epoch,
-# events JSON without brackets) triples; epoch "0": not fenced. A request whose epoch in the hash
-# is another one's is left out and returned. A missing epoch is not a conflict: the owner acked
+# KEYS: epochs hash, the gateway's reply stream. ARGV: out_maxlen, out_ttl_s, the events (one JSON
+# list), then (req_id, epoch) pairs of the fenced requests among them. If any of those has another
+# epoch in the hash, nothing is sent and those req_ids are returned (the caller sends the rest
+# again); else the events go out as one entry. A missing epoch is not a conflict: the owner acked
 # (the gateway's own fence drops what is late), or Redis restarted empty.
 _PUBLISH = """
-local parts, stale = {}, {}
-for i = 3, #ARGV, 3 do
-  local rid, epoch, body = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local cur = (epoch ~= '0') and redis.call('HGET', KEYS[1], rid)
-  if cur and cur ~= epoch then
-    stale[#stale + 1] = rid
-  else
-    parts[#parts + 1] = body
-  end
+local stale = {}
+for i = 4, #ARGV, 2 do
+  local cur = redis.call('HGET', KEYS[1], ARGV[i])
+  if cur and cur ~= ARGV[i + 1] then stale[#stale + 1] = ARGV[i] end
 end
-if #parts > 0 then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'events', '[' .. table.concat(parts, ',') .. ']')
+if #stale == 0 then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'events', ARGV[3])
   redis.call('EXPIRE', KEYS[2], ARGV[2])
 end
 return stale
@@ -69,7 +65,9 @@ return stale
 
 def _unavailable_as_queue_error(method):
     """Redis down / restarting -> QueueUnavailableError (the service retries); a stream or group
-    gone with a restarted Redis is re-created instead of failing."""
+    gone with a restarted Redis is re-created, and scripts it forgot are loaded again, instead of
+    failing (the call is made once more: a publish may then repeat events, which the gateway
+    drops by index)."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         try:
@@ -77,9 +75,13 @@ def _unavailable_as_queue_error(method):
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
             raise QueueUnavailableError(f"Redis unavailable: {exc}") from exc
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):  # also inside a pipeline's "Command # n (...) caused error"
+            # also inside a pipeline's "Command # n (...) caused error"
+            if isinstance(exc, redis.exceptions.NoScriptError):
+                self._load_scripts()
+            elif "NOGROUP" in str(exc):
+                self._ensure_group()
+            else:
                 raise
-            self._ensure_group()
             return method(self, *args, **kwargs)
     return wrapper
 
@@ -100,8 +102,10 @@ class RedisSchedulerQueue(SchedulerQueue):
         self._recent_lost = RecentIds(config.aborts_maxlen)  # their late events are dropped
         self._reply_to: dict[str, str] = {}     # req_id -> gateway id
         self._taken_at: dict[str, float] = {}   # req_id -> time.time() when fetched/replayed
-        self._heartbeat_script = self.r.register_script(_HEARTBEAT)
-        self._publish_script = self.r.register_script(_PUBLISH)
+        # EVALSHA in pipelines by hand: a registered Script would check SCRIPT EXISTS on every
+        # pipeline execute (one more round trip per publish)
+        self._heartbeat_sha = self._publish_sha = ""
+        self._load_scripts()
         self._recent_aborts = RecentIds(config.aborts_maxlen)
         self._abort_buffer: list[str] = []
         self._aborts_cursor = "0-0"
@@ -112,6 +116,10 @@ class RedisSchedulerQueue(SchedulerQueue):
         self._read_aborts(buffer=False)
 
     # -- requests ------------------------------------------------------------------------------
+    def _load_scripts(self) -> None:
+        self._heartbeat_sha = self.r.script_load(_HEARTBEAT)
+        self._publish_sha = self.r.script_load(_PUBLISH)
+
     def _ensure_group(self) -> None:
         try:
             self.r.xgroup_create(self.cfg.requests_key, self.cfg.group, id="0", mkstream=True)
@@ -253,10 +261,9 @@ class RedisSchedulerQueue(SchedulerQueue):
     # -- events and aborts ---------------------------------------------------------------------
     @_unavailable_as_queue_error
     def publish(self, events: list[TokenEvent], reply_to: dict[str, str] | None = None) -> None:
-        # gateway -> req_id -> its events, in order
-        by_gateway: dict[str, dict[str, list[TokenEvent]]] = {}
+        by_gateway: dict[str, list[TokenEvent]] = {}
         with self._lock:
-            epochs = dict(self._epochs)
+            epochs = {e.req_id: self._epochs.get(e.req_id, 0) for e in events}
         for ev in events:
             if ev.req_id in self._recent_lost:
                 continue  # claimed away: the new owner speaks for it
@@ -264,20 +271,22 @@ class RedisSchedulerQueue(SchedulerQueue):
             if gw is None:
                 log.warning("no gateway known for %s; dropping its event", ev.req_id)
                 continue
-            ev.epoch = epochs.get(ev.req_id, 0)
-            by_gateway.setdefault(gw, {}).setdefault(ev.req_id, []).append(ev)
-        if not by_gateway:
-            return
+            ev.epoch = epochs[ev.req_id]
+            by_gateway.setdefault(gw, []).append(ev)
         stamp_scheduled(events, self._taken_at)
-        pipe = self.r.pipeline(transaction=False)
-        for gw, by_req in by_gateway.items():
-            args: list = [self.cfg.out_maxlen, self.cfg.out_ttl_s]
-            for req_id, evs in by_req.items():
-                args += [req_id, evs[0].epoch, encode_events(evs)[1:-1]]
-            self._publish_script(keys=[self.cfg.epochs_key, self.cfg.out_key(gw)], args=args, client=pipe)
-        stale = [r for rs in pipe.execute() for r in rs]
-        if stale:
-            self._forget_lost(stale)
+        while by_gateway:  # again without the requests found claimed away, if any
+            pipe = self.r.pipeline(transaction=False)
+            for gw, evs in by_gateway.items():
+                fenced = {e.req_id: e.epoch for e in evs if e.epoch}
+                pipe.evalsha(self._publish_sha, 2, self.cfg.epochs_key, self.cfg.out_key(gw),
+                             self.cfg.out_maxlen, self.cfg.out_ttl_s, encode_events(evs),
+                             *[x for pair in fenced.items() for x in pair])
+            refused = {gw: set(stale) for gw, stale in zip(by_gateway, pipe.execute()) if stale}
+            if not refused:
+                return
+            self._forget_lost(set().union(*refused.values()))
+            by_gateway = {gw: kept for gw, stale in refused.items()
+                          if (kept := [e for e in by_gateway[gw] if e.req_id not in stale])}
 
     @_unavailable_as_queue_error
     def poll_aborts(self) -> list[str]:
@@ -314,7 +323,7 @@ class RedisSchedulerQueue(SchedulerQueue):
         pipe.set(self.cfg.heartbeat_key(self.consumer), str(now()), px=int(self.cfg.heartbeat_ttl_s * 1000))
         if held:  # XCLAIM to ourselves resets the idle time: nobody XAUTOCLAIMs them
             args = [self.cfg.group, self.consumer] + [x for triple in held for x in triple]
-            self._heartbeat_script(keys=[self.cfg.requests_key, self.cfg.epochs_key], args=args, client=pipe)
+            pipe.evalsha(self._heartbeat_sha, 2, self.cfg.requests_key, self.cfg.epochs_key, *args)
         results = pipe.execute()
         if held and results[-1]:
             self._forget_lost(set(results[-1]))

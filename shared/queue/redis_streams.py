@@ -181,6 +181,7 @@ class RedisGatewayQueue(GatewayQueue):
         old, self._run_id = self._run_id, run_id
         if old is not None and old != run_id:
             self._cursor, self._group_ready = "0-0", False
+            self._epochs.clear()  # the epochs were in the old instance: they start over
             raise QueueResetError(f"Redis restarted (run_id {old[:8]} -> {run_id[:8]})")
 
     async def events(self) -> AsyncIterator[TokenEvent]:

@@ -202,3 +202,33 @@ def test_a_live_gateways_requests_run_to_the_end(redis_server_url, redis_prefix)
         assert evs[-1].finish_reason == "length" and len(evs) == 60
     finally:
         sched.close()
+
+
+
+def test_a_publish_racing_a_claim_sends_only_the_requests_still_owned(redis_server_url, redis_prefix):
+    """The claim lands between the owner's last heartbeat and its publish: Redis refuses the
+    claimed request's events in the same atomic step, the owner's other request goes out."""
+    fast = QueueConfig(prefix=redis_prefix, claim_min_idle_ms=CLAIM_IDLE_MS, heartbeat_interval_s=0.05)
+    slow = QueueConfig(prefix=redis_prefix, claim_min_idle_ms=CLAIM_IDLE_MS, heartbeat_interval_s=3600)
+    gq = make_gateway_queue(redis_server_url, config=fast, gateway_id="gw")
+    a = make_scheduler_queue(redis_server_url, config=slow, consumer="a")  # heartbeats once, at its first call
+    b = make_scheduler_queue(redis_server_url, config=fast, consumer="b")
+    r = redis.Redis.from_url(redis_server_url, decode_responses=True)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(gq.submit(request("lost", max_tokens=4)))
+        assert [m.req_id for m in a.fetch(1)] == ["lost"]
+        time.sleep(CLAIM_IDLE_MS / 1000 + 0.1)
+        assert [m.req_id for m in b.replay_pending()] == ["lost"]
+        loop.run_until_complete(gq.submit(request("kept", max_tokens=4)))
+        assert [m.req_id for m in a.fetch(1)] == ["kept"]
+        a.publish([TokenEvent("lost", 0, 1), TokenEvent("kept", 0, 2), TokenEvent("lost", 1, 3)])
+        assert [(e["req_id"], e["token_id"], e["epoch"]) for e in _out_events(r, fast, "gw")] == [("kept", 2, 1)]
+        assert a.take_lost() == ["lost"]
+        a.publish([TokenEvent("lost", 2, 4)])  # known lost now: not even sent to Redis
+        assert len(_out_events(r, fast, "gw")) == 1
+    finally:
+        a.close()
+        b.close()
+        loop.run_until_complete(gq.close())
+        loop.close()
