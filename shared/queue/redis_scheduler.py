@@ -45,15 +45,24 @@ return lost
 """
 
 # KEYS: epochs hash, the gateway's reply stream. ARGV: out_maxlen, out_ttl_s, the events (one JSON
-# list), then (req_id, epoch) pairs of the fenced requests among them. If any of those has another
+# list), and the fenced requests among them as one string "req_id\nepoch\n" per request (one
+# argument and one HMGET, not two arguments and an HGET per request). If any of those has another
 # epoch in the hash, nothing is sent and those req_ids are returned (the caller sends the rest
 # again); else the events go out as one entry. A missing epoch is not a conflict: the owner acked
 # (the gateway's own fence drops what is late), or Redis restarted empty.
 _PUBLISH = """
-local stale = {}
-for i = 4, #ARGV, 2 do
-  local cur = redis.call('HGET', KEYS[1], ARGV[i])
-  if cur and cur ~= ARGV[i + 1] then stale[#stale + 1] = ARGV[i] end
+local ids, eps, stale = {}, {}, {}
+for rid, ep in string.gmatch(ARGV[4], '([^\\n]+)\\n([^\\n]+)\\n') do
+  ids[#ids + 1] = rid
+  eps[#eps + 1] = ep
+end
+for i = 1, #ids, 1000 do
+  local last = math.min(i + 999, #ids)
+  local cur = redis.call('HMGET', KEYS[1], unpack(ids, i, last))
+  for j = i, last do
+    local c = cur[j - i + 1]
+    if c and c ~= eps[j] then stale[#stale + 1] = ids[j] end
+  end
 end
 if #stale == 0 then
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'events', ARGV[3])
@@ -280,7 +289,7 @@ class RedisSchedulerQueue(SchedulerQueue):
                 fenced = {e.req_id: e.epoch for e in evs if e.epoch}
                 pipe.evalsha(self._publish_sha, 2, self.cfg.epochs_key, self.cfg.out_key(gw),
                              self.cfg.out_maxlen, self.cfg.out_ttl_s, encode_events(evs),
-                             *[x for pair in fenced.items() for x in pair])
+                             "".join(f"{r}\n{e}\n" for r, e in fenced.items()))
             refused = {gw: set(stale) for gw, stale in zip(by_gateway, pipe.execute()) if stale}
             if not refused:
                 return
