@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import time
 
+import httpx
 import pytest
 import redis
 
@@ -190,3 +191,12 @@ def test_the_in_process_queue_is_bounded_too():
             await gq.submit(_req("c", "gw"))
     asyncio.run(main())
     assert [r.req_id for r in broker.waiting] == ["a", "b"]
+
+
+def test_a_full_request_stream_is_a_503_at_the_gateway(make_stack):
+    """Through the real gateway app (uvicorn): the bound is an answer, not a growing Redis."""
+    stack = make_stack(backend="redis", admitting=False)
+    stack.queue_config.requests_maxlen = 2  # the gateway's queue shares this config object
+    stack.prefill(2)
+    resp = httpx.post(stack.url + "/v1/completions", json={"model": "smol-test", "prompt": "x", "max_tokens": 2})
+    assert resp.status_code == 503
