@@ -192,6 +192,7 @@ class LocalSchedulerQueue(SchedulerQueue):
             for req_id, p in list(b.pending.items()):
                 if req_id in b.recent_aborts:
                     del b.pending[req_id]
+                    b.epochs.pop(req_id, None)
                 elif p.consumer == self.consumer or time.monotonic() - p.touched >= idle_s:
                     p.consumer, p.touched = self.consumer, time.monotonic()
                     self._own(req_id)
@@ -199,10 +200,14 @@ class LocalSchedulerQueue(SchedulerQueue):
             return out
 
     def ack(self, req_id: str) -> None:
-        with self.broker.cond:
-            self.broker.pending.pop(req_id, None)
-            if self._epochs.pop(req_id, None) is not None:
-                self.broker.epochs.pop(req_id, None)
+        """Only a request pending under this consumer: one claimed away is its new owner's."""
+        b = self.broker
+        with b.cond:
+            p = b.pending.get(req_id)
+            if p is not None and p.consumer == self.consumer:
+                del b.pending[req_id]
+                b.epochs.pop(req_id, None)
+            self._epochs.pop(req_id, None)
 
     def take_lost(self) -> list[str]:
         with self.broker.cond:

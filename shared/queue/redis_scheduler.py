@@ -71,6 +71,17 @@ end
 return stale
 """
 
+# KEYS: requests stream, epochs hash. ARGV: group, req_id, this consumer's epoch, entry ids.
+# Acks and deletes the entries (and forgets the epoch) only while the epoch is still ours.
+_ACK = """
+local cur = redis.call('HGET', KEYS[2], ARGV[2])
+if cur and cur ~= ARGV[3] then return 0 end
+redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 4))
+redis.call('XDEL', KEYS[1], unpack(ARGV, 4))
+redis.call('HDEL', KEYS[2], ARGV[2])
+return 1
+"""
+
 
 def _unavailable_as_queue_error(method):
     """Redis down / restarting -> QueueUnavailableError (the service retries); a stream or group
@@ -113,7 +124,7 @@ class RedisSchedulerQueue(SchedulerQueue):
         self._taken_at: dict[str, float] = {}   # req_id -> time.time() when fetched/replayed
         # EVALSHA in pipelines by hand: a registered Script would check SCRIPT EXISTS on every
         # pipeline execute (one more round trip per publish)
-        self._heartbeat_sha = self._publish_sha = ""
+        self._heartbeat_sha = self._publish_sha = self._ack_sha = ""
         self._load_scripts()
         self._recent_aborts = RecentIds(config.aborts_maxlen)
         self._abort_buffer: list[str] = []
@@ -128,6 +139,7 @@ class RedisSchedulerQueue(SchedulerQueue):
     def _load_scripts(self) -> None:
         self._heartbeat_sha = self.r.script_load(_HEARTBEAT)
         self._publish_sha = self.r.script_load(_PUBLISH)
+        self._ack_sha = self.r.script_load(_ACK)
 
     def _ensure_group(self) -> None:
         try:
@@ -225,20 +237,26 @@ class RedisSchedulerQueue(SchedulerQueue):
 
     @_unavailable_as_queue_error
     def ack(self, req_id: str) -> None:
+        """Only while the request is ours (its epoch): one claimed away meanwhile is left to its
+        new owner. Local state goes only once Redis answered, so a failed ack can be retried."""
         with self._lock:
-            eids = self._entry_ids.pop(req_id, None)
-            epoch = self._epochs.pop(req_id, None)
+            eids = list(self._entry_ids.get(req_id) or ())
+            epoch = self._epochs.get(req_id)
+        if eids and epoch is None:
+            self._ack_and_delete(eids)
+        elif eids and not self.r.evalsha(self._ack_sha, 2, self.cfg.requests_key, self.cfg.epochs_key,
+                                         self.cfg.group, req_id, epoch, *eids):
+            log.info("request %s was claimed by another scheduler before its ack", req_id)
+        with self._lock:
+            self._entry_ids.pop(req_id, None)
+            self._epochs.pop(req_id, None)
         self._reply_to.pop(req_id, None)
         self._taken_at.pop(req_id, None)
-        if eids:
-            self._ack_and_delete(eids, req_id if epoch is not None else None)
 
-    def _ack_and_delete(self, eids: list[str], req_id: str | None = None) -> None:
+    def _ack_and_delete(self, eids: list[str]) -> None:
         pipe = self.r.pipeline(transaction=True)  # ack and delete together: depth stays exact
         pipe.xack(self.cfg.requests_key, self.cfg.group, *eids)
         pipe.xdel(self.cfg.requests_key, *eids)
-        if req_id is not None:
-            pipe.hdel(self.cfg.epochs_key, req_id)
         pipe.execute()
 
     def take_lost(self) -> list[str]:

@@ -232,3 +232,17 @@ def test_a_publish_racing_a_claim_sends_only_the_requests_still_owned(redis_serv
         b.close()
         loop.run_until_complete(gq.close())
         loop.close()
+
+
+def test_the_former_owners_ack_leaves_the_request_with_its_new_owner(sides):
+    gq, scheduler, loop = sides
+    a, b = scheduler("a"), scheduler("b")
+    loop.run_until_complete(gq.submit(request("r", max_tokens=4)))
+    assert [m.req_id for m in a.fetch(1)] == ["r"]
+    time.sleep(CLAIM_IDLE_MS / 1000 + 0.1)
+    assert [m.req_id for m in b.replay_pending()] == ["r"]
+    a.ack("r")  # "a" finished its run before it noticed the claim
+    restarted_b = scheduler("b")  # b's pending entry is still there: a restart of b replays it
+    assert [m.req_id for m in restarted_b.replay_pending()] == ["r"]
+    restarted_b.ack("r")
+    assert scheduler("b").replay_pending() == []
