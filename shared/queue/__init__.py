@@ -49,8 +49,16 @@ from shared.queue.base import (
 )
 
 __all__ = ["GatewayQueue", "QueueConfig", "QueueFullError", "QueueResetError", "QueueUnavailableError",
-           "SchedulerQueue", "default_consumer_name", "make_gateway_queue", "make_queues", "make_scheduler_queue",
-           "new_gateway_id"]
+           "SchedulerQueue", "default_consumer_name", "make_gateway_queue", "make_queues",
+           "make_scheduler_queue", "new_gateway_id", "redis_auth_options"]
+
+
+def redis_auth_options(url: str) -> dict:
+    """Password and TLS keyword arguments for redis.Redis.from_url(url) from the environment, as
+    the queue's own clients use them (shared.queue.redis_streams.auth_options): for any other
+    Redis client of the deployment."""
+    from shared.queue.redis_streams import auth_options
+    return auth_options(url)
 
 
 def make_gateway_queue(redis_url: str | None, *, config: QueueConfig | None = None,
