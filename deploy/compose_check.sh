@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench/results/deploy/compose_check.json}
-BASE=${BASE_IMAGE:-sarathi-base:bookworm}
+BASE=${BASE_IMAGE:-sarathi-base:bookworm-nocc}
 PY=${PYTHON:-$(command -v .venv/bin/python || command -v python3)}
 PROJECT=sarathi-check
 if docker compose version >/dev/null 2>&1; then COMPOSE=(docker compose); else COMPOSE=(docker-compose); fi
@@ -29,6 +29,7 @@ tb=$(date +%s)
 IMAGE=sarathi-serve:0.1.0   # the tag the compose files pin
 docker build -q --build-arg BASE_IMAGE="$BASE" -t "$IMAGE" . >/dev/null
 build_s=$(( $(date +%s) - tb ))
+image_mb=$(( $(docker image inspect "$IMAGE" --format '{{.Size}}') / 1048576 ))
 
 # secrets: readable by the image's user (uid 10001) only, in a directory only we can enter
 SARATHI_SECRETS_DIR=$(mktemp -d)
@@ -71,6 +72,12 @@ for stack in "${STACKS[@]}"; do
         echo "compose check FAILED ($stack); logs in ${OUT%.json}.$stack.logs.txt" >&2
         exit 1
     fi
+    # the workers run the native kernels built into the image (no compiler in it), not the torch path
+    backend=$("${COMPOSE[@]}" -p "$PROJECT" "${files[@]}" logs --no-color 2>&1 | grep -o "device cpu: .*" | sort -u)
+    if ! grep -q "attention native.*kernels: prebuilt" <<<"$backend"; then
+        echo "compose check FAILED ($stack): the workers do not run the prebuilt native kernels: $backend" >&2
+        exit 1
+    fi
     # Redis without the password: refused
     noauth=$("${COMPOSE[@]}" -p "$PROJECT" "${files[@]}" exec -T redis redis-cli ping 2>&1 || true)
     case "$noauth" in
@@ -79,23 +86,23 @@ for stack in "${STACKS[@]}"; do
     esac
     smoke=$("$PY" -c 'import json, sys; d = json.loads(sys.argv[1]); d["redis_without_password"] = "NOAUTH"; d["link_keys"] = sys.argv[2]; print(json.dumps(d))' "$smoke" "$LINK_KEYS")
     services=$("${COMPOSE[@]}" -p "$PROJECT" "${files[@]}" ps --services | sort | tr '\n' ' ')
-    RESULTS+=("$stack" "${files[*]}" "$services" "$(( $(date +%s) - ts ))" "$smoke")
+    RESULTS+=("$stack" "${files[*]}" "$services" "$(( $(date +%s) - ts ))" "$smoke" "$backend")
     down
     trap cleanup_secrets EXIT
 done
-"$PY" - "$OUT" "$build_s" "$(( $(date +%s) - t0 ))" "${COMPOSE[*]}" "${RESULTS[@]}" <<'PY'
+"$PY" - "$OUT" "$build_s" "$image_mb" "$(( $(date +%s) - t0 ))" "${COMPOSE[*]}" "${RESULTS[@]}" <<'PY'
 import datetime, json, platform, subprocess, sys
-out, build_s, total_s, compose, *rest = sys.argv[1:]
+out, build_s, image_mb, total_s, compose, *rest = sys.argv[1:]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 stacks = {}
-for i in range(0, len(rest), 5):
-    name, files, services, seconds, smoke = rest[i:i + 5]
+for i in range(0, len(rest), 6):
+    name, files, services, seconds, smoke, backend = rest[i:i + 6]
     stacks[name] = {"files": files.split(), "services": services.split(), "up_and_smoke_s": int(seconds),
-                    "smoke": json.loads(smoke)}
+                    "smoke": json.loads(smoke), "worker_backends": sorted(set(backend.splitlines()))}
 res = {"command": "deploy/compose_check.sh " + out, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
        "machine": f"{cpu}, {platform.platform()}",
        "docker": subprocess.run(["docker", "version", "--format", "{{.Server.Version}}"], capture_output=True, text=True).stdout.strip(),
-       "compose": compose, "image_build_s": int(build_s), "total_s": int(total_s), "stacks": stacks}
+       "compose": compose, "image_build_s": int(build_s), "image_mb": int(image_mb), "total_s": int(total_s), "stacks": stacks}
 open(out, "w").write(json.dumps(res, indent=2) + "\n")
 print(json.dumps(res, indent=2))
 PY

@@ -93,8 +93,13 @@ def scheduler(a: argparse.Namespace) -> int:
 
 
 def worker(a: argparse.Namespace) -> int:
+    import logging
+
     from worker_svc.service import run_worker
 
+    # INFO: the worker's start-up lines (which backend and kernels run, the KV cache) are for operators
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = dataclasses.replace(engine_config(a), max_num_seqs=a.max_num_seqs,
                                  max_num_batched_tokens=a.max_num_batched_tokens)
     config = WorkerServiceConfig(engine, address=a.bind, role=a.role, kv_address=a.kv_address or None)
@@ -106,12 +111,7 @@ def worker(a: argparse.Namespace) -> int:
         return 0
     if a.role != "mixed" or a.kv_address:
         raise ValueError("prefill/decode roles run on one-rank workers only (no --tp/--pp yet)")
-    import logging
-
     from worker_svc.parallel import parse_pp_layers
-
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     pc = ParallelConfig(tp=a.tp, pp=a.pp, rank=max(rank or 0, 0), pp_layers=parse_pp_layers(a.pp_layers),
                         master_addr=a.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1",
