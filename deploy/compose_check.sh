@@ -42,7 +42,7 @@ export SARATHI_API_KEY
 mkdir -p "$SARATHI_SECRETS_DIR/link-keys"
 chown -R 10001:10001 "$SARATHI_SECRETS_DIR/link-keys"
 if docker run --rm --entrypoint sarathi "$IMAGE" keys --help >/dev/null 2>&1; then
-    docker run --rm -v "$SARATHI_SECRETS_DIR/link-keys:/keys" --entrypoint sarathi "$IMAGE" keys /keys --force >/dev/null
+    docker run --rm -v "$SARATHI_SECRETS_DIR/link-keys:/keys" --entrypoint sarathi "$IMAGE" keys /keys >/dev/null
     LINK_KEYS=on
 else
     LINK_KEYS=off   # an image without `sarathi keys`: the links run on the project network only
