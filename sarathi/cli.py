@@ -68,7 +68,9 @@ def _sched_args(p: argparse.ArgumentParser) -> None:
 
 
 def _net_args(p: argparse.ArgumentParser, gateway: bool) -> None:
-    _add(p, "redis-url", None, "Redis URL (embedded mode: omit for an in-process queue)")
+    _add(p, "redis-url", None, "Redis URL (embedded mode: omit for an in-process queue); rediss:// for TLS")
+    _add(p, "redis-password-file", None, "a file holding the Redis password (e.g. a mounted Secret)")
+    _add(p, "redis-tls-ca-file", None, "rediss://: the CA certificate that signed the Redis server's")
     _add(p, "queue-prefix", "sarathi:", "Redis key prefix of the queue's streams")
     _add(p, "max-model-len", 0, "context length in tokens (0 = the model's)")
     if gateway:
@@ -151,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
          "started with --kv-address)")
     _disagg_args(p)
     _add(p, "metrics-port", 9100, "Prometheus port of the scheduler")
+    _add(p, "stall-timeout", 0.0, "seconds the scheduling loop may go without finishing a turn while "
+         "requests are unfinished before /health answers 503 (0: the worker reply timeout + 60)")
     _add(p, "consumer", None, "queue consumer name (default: stable per host; a restart replays its pending)")
     _liveness_args(p)
     _link_args(p)
@@ -343,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
         # flags win over the environment; processes started from here (ranks) inherit them
         from shared.link_auth import use_settings
         use_settings(args.link_keys, args.insecure_links)
+    for flag, var in (("redis_password_file", "SARATHI_REDIS_PASSWORD_FILE"),
+                      ("redis_tls_ca_file", "SARATHI_REDIS_TLS_CA_FILE")):
+        if getattr(args, flag, None):  # the queue's Redis clients read them from the environment
+            os.environ[var] = getattr(args, flag)
     # heavy imports only after parsing (fast --help)
     if args.cmd in MEASUREMENT_COMMANDS:
         from sarathi.measure import commands

@@ -84,6 +84,7 @@ def scheduler(a: argparse.Namespace) -> int:
         # with prefill/decode workers, --worker-addr names mixed workers only when given
         worker_addrs=addrs(a.worker_addr) if (explicit_mixed or not (prefill or decode)) else [],
         worker_restart_timeout_s=a.worker_restart_timeout, metrics_port=a.metrics_port,
+        stall_timeout_s=a.stall_timeout,
         disagg=DisaggConfig(prefill, decode, separate_mixed=bool(prefill or decode), mode=a.disaggregation,
                             threshold_tokens=a.disagg_threshold, backlog_margin_tokens=a.disagg_backlog_margin,
                             kv_transfer_timeout_s=a.kv_transfer_timeout,

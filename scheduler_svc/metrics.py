@@ -135,15 +135,18 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
 
 
 def start_http(port: int, host: str, registry: CollectorRegistry, is_ready: Callable[[], bool],
-               stats: Callable[[], dict]) -> tuple[WSGIServer, threading.Thread]:
+               stats: Callable[[], dict], health: Callable[[], tuple[bool, str]] | None = None
+               ) -> tuple[WSGIServer, threading.Thread]:
     """Serve /metrics, /health, /ready and /stats on host:port in a daemon thread (port 0:
-    any free port; read it from server.server_port)."""
+    any free port; read it from server.server_port). health: (healthy, reason) for /health
+    (200 or 503 with the reason; default: always healthy)."""
     metrics_app = make_wsgi_app(registry)
 
     def app(environ, start_response):
         path = environ.get("PATH_INFO", "/")
         if path == "/health":
-            return _text(start_response, "200 OK", "ok")
+            ok, reason = health() if health is not None else (True, "ok")
+            return _text(start_response, "200 OK" if ok else "503 Service Unavailable", reason)
         if path == "/ready":
             ok = is_ready()
             return _text(start_response, "200 OK" if ok else "503 Service Unavailable",

@@ -269,6 +269,8 @@ class SchedulerServiceConfig:
     worker_addrs: ZeroMQ addresses of every rank of this replica in rank order, or rank 0's alone.
     worker_timeout_s: seconds to wait for a batch's reply. worker_restart_timeout_s: seconds to
         hold the requests of a lost worker for a worker to answer again (then they fail).
+    stall_timeout_s: seconds without a finished loop turn, with requests unfinished, after which
+        /health answers 503 (0: worker_timeout_s + 60; never below worker_timeout_s).
     metrics_port: HTTP port of /metrics /health /ready /stats (None: no server; 0: any free port).
     disagg: worker pools and prefill/decode disaggregation (DisaggConfig); when enabled,
         worker_addrs are mixed workers, one pool each (with separate_mixed).
@@ -282,6 +284,7 @@ class SchedulerServiceConfig:
     worker_addrs: list[str] = field(default_factory=lambda: ["tcp://127.0.0.1:5555"])
     worker_timeout_s: float = 120.0
     worker_restart_timeout_s: float = 30.0
+    stall_timeout_s: float = 0.0
     metrics_port: int | None = 9100
     metrics_host: str = "0.0.0.0"
     disagg: DisaggConfig = field(default_factory=DisaggConfig)

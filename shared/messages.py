@@ -213,6 +213,8 @@ class TokenEvent:
         queue-time metric is scheduled_time - arrival_time.
     logprob, top_logprobs: when the request asked for logprobs: token_id's log-probability and
         [[token id, logprob], ...] of the most likely tokens (see SamplingParams.logprobs).
+    epoch: the publishing owner's epoch of the request, set by the queue (0: unfenced); the
+        gateway side drops events older than the newest epoch it saw (see shared.queue).
     """
 
     req_id: str
@@ -224,6 +226,7 @@ class TokenEvent:
     scheduled_time: float | None = None
     logprob: float | None = None
     top_logprobs: list[list] | None = None
+    epoch: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
