@@ -38,18 +38,18 @@ def llm():
 
 def test_greedy_output_is_identical_with_and_without_drafts(llm):
     ids = [llm.tokenizer.encode_chat(c) for c in CONVERSATIONS]
-    params = SamplingParams(temperature=0.0, max_tokens=40)
+    params = SamplingParams(temperature=0.0, max_tokens=32)
     off = llm.make_engine(llm.scheduler_config)
     base = [o.output_token_ids for o in off.generate(ids, params)]
     on = llm.make_engine(dataclasses.replace(llm.scheduler_config, speculative="ngram",
                                              num_speculative_tokens=6))
-    # one at a time (batch-1 decode) and all together (drafts beside other decodes / prefills)
-    alone = [on.generate([p], params)[0].output_token_ids for p in ids]
+    # batch-1 decode, and all together (drafts beside other decodes and prefill chunks)
+    alone = on.generate(ids[:1], params)[0].output_token_ids
     together = [o.output_token_ids for o in on.generate(ids, params)]
-    assert alone == base
+    assert alone == base[0]
     assert together == base
     st = on.stats()
-    assert st["spec_accepted_tokens"] >= 30          # the copy prompt is mostly drafted
+    assert st["spec_accepted_tokens"] >= 25          # the copy prompt is mostly drafted
     assert st["spec_tokens_per_step"] > 1.3
     assert on.scheduler.block_manager.num_free_blocks == llm.model_info.num_blocks
 
@@ -70,3 +70,21 @@ def test_logits_of_a_decode_with_drafts_equal_single_decodes(llm):
         assert int(one.argmax()) == int(got[i].argmax())
         # one row or several through the CPU kernels: the same sums, reassociated (logits ~25)
         assert (got[i] - one).abs().max() <= 3e-3 * one.abs().max()
+
+
+def test_logprobs_and_sampling_with_drafts(llm):
+    ids = [llm.tokenizer.encode_chat(CONVERSATIONS[0])]
+    on = llm.make_engine(dataclasses.replace(llm.scheduler_config, speculative="ngram",
+                                             num_speculative_tokens=4))
+    off = llm.make_engine(llm.scheduler_config)
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+    a, b = off.generate(ids, params)[0], on.generate(ids, params)[0]
+    assert b.output_token_ids == a.output_token_ids
+    assert len(b.logprobs) == len(b.output_token_ids)   # accepted drafts have theirs too
+    for (lp_a, top_a, _), (lp_b, top_b, _) in zip(a.logprobs, b.logprobs):
+        assert abs(lp_a - lp_b) < 0.05 and top_a[0] == top_b[0]
+    # unseeded sampling: rejection sampling runs, and copying is still mostly accepted
+    before = on.stats()["spec_accepted_tokens"]
+    out = on.generate(ids, SamplingParams(temperature=0.5, max_tokens=24))[0]
+    assert len(out.output_token_ids) == 24 or out.finish_reason == "stop"
+    assert on.stats()["spec_accepted_tokens"] > before

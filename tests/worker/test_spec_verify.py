@@ -70,7 +70,7 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
     middling = [int(torch.argsort(p, descending=True)[1]) for p in (p0, p1)]
     likely = [int(p.argmax()) for p in (p0, p1)]
     for drafts in ([middling[0], likely[1]], [likely[0], middling[1]]):
-        out = draw_many(logits, drafts, params, 4000)
+        out = draw_many(logits, drafts, params, 2500)
         emitted = [v.accepted + [v.token] for v in out]
         # the first token (accepted draft or residual draw) is distributed as row 0 without drafts
         first = torch.tensor([e[0] for e in emitted])
@@ -81,7 +81,7 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
         assert abs(rate - float(p0[drafts[0]])) < 4 * (0.25 / len(out)) ** 0.5
         # given the first draft was emitted, the second token follows row 1
         second = torch.tensor([e[1] for e in emitted if e[0] == drafts[0]])
-        if len(second) > 1000:
+        if len(second) > 600:
             chi, df = chi_square(torch.bincount(second, minlength=V).float(), p1)
             assert chi < CHI2_CRIT[df], (drafts, chi, df)
             checked = True
