@@ -228,3 +228,25 @@ def test_capacity_at_saturation_is_never_below_speculation_off(policy):
     on, st = makespan("ngram")
     assert st["spec_proposed_tokens"] > 0          # drafts ran (at the light tail of the load)
     assert on <= off * 1.02
+
+
+def test_prometheus_metrics_report_drafts_and_acceptance():
+    from prometheus_client import CollectorRegistry
+
+    from scheduler_svc.metrics import SchedulerMetrics
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics(registry)
+    loop = sim_engine(speculative="ngram", block_size=4, num_blocks=128, max_model_len=256,
+                      scripts={"r": PERIOD * 5})
+    loop.on_batch = lambda batch, out, s: metrics.observe_batch(batch, s)
+    loop.add_request("r", PERIOD * 3, greedy(30))
+    while loop.has_unfinished():
+        loop.step()
+        metrics.observe_stats(loop.scheduler.stats())
+    st = loop.scheduler.stats()
+    value = registry.get_sample_value
+    assert value("sarathi_scheduler_spec_draft_tokens_total") == st["spec_proposed_tokens"] > 0
+    assert value("sarathi_scheduler_spec_accepted_tokens_total") == st["spec_accepted_tokens"] > 0
+    assert value("sarathi_scheduler_spec_acceptance_ratio") == pytest.approx(st["spec_acceptance_rate"])
+    assert value("sarathi_scheduler_spec_tokens_per_step") > 1.0
+    assert value("sarathi_scheduler_tokens_total", {"kind": "draft"}) == st["spec_proposed_tokens"]
