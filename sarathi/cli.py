@@ -69,7 +69,7 @@ def _sched_args(p: argparse.ArgumentParser) -> None:
     _add(p, "speculative", "off", "speculative decoding: draft tokens verified in the same forward pass, "
          "only from the token budget that decodes and prefills leave over (so never at saturation): off, "
          "ngram (prompt lookup over the request's own tokens), suffix (also over recent outputs), draft "
-         "(a draft model: not available in this version)", choices=list(SPECULATIVE_METHODS))
+         "(a smaller model with the same tokenizer: --draft-model)", choices=list(SPECULATIVE_METHODS))
     _add(p, "num-speculative-tokens", 4, f"with --speculative: the most draft tokens per decode and "
          f"iteration, 1 to {MAX_SPECULATIVE_TOKENS} (each request's own number follows its acceptance rate)")
     _add(p, "draft-model", None, "with --speculative draft: the draft model (same tokenizer)")

@@ -51,7 +51,7 @@ class Scheduler:
             int(sched_config.watermark * cache_config.num_blocks),
             sched_config.enable_prefix_caching)
         self.policy = make_policy(sched_config, self.max_model_len)
-        self.speculator = make_speculator(sched_config)   # None: speculative decoding off
+        self.speculator = make_speculator(sched_config, model_info)   # None: speculation off
         self.requests: dict[str, Request] = {}   # every unfinished request
         self.waiting: deque[Request] = deque()   # FCFS; preempted requests go to the head
         self.running: list[Request] = []         # admitted, in admission order (oldest first)

@@ -41,6 +41,8 @@ class SchedulerConfig:
     speculative: "off", or the draft proposer of speculative decoding (scheduler_svc.speculative):
         draft tokens ride in the budget the decodes and prefills leave over.
     num_speculative_tokens: the most draft tokens one decode may carry per iteration (tokens).
+    draft_model: with speculative "draft": the draft model (a GGUF file or model directory with the
+        served model's tokenizer), run by the scheduler's process.
     """
 
     policy: str = "sarathi"
@@ -54,6 +56,7 @@ class SchedulerConfig:
     adaptive_tbt_slo_s: float = 0.0
     speculative: str = "off"
     num_speculative_tokens: int = 4
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -85,7 +85,7 @@ class Speculator:
     def finish(self, req: Request) -> None:
         """req ended (any reason): a proposer that learns from outputs sees it."""
         finish = getattr(self.proposer, "finish", None)
-        if finish is not None and req.num_output_tokens:
+        if finish is not None:
             finish(req)
 
     def no_draft(self, req: Request) -> None:
