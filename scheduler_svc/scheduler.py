@@ -166,6 +166,11 @@ class Scheduler:
         scheduled_at = self._scheduled_at.pop(batch.batch_id, None)
         if scheduled_at is not None:   # the policy may learn from iteration times (adaptive tau)
             self.policy.observe(batch.num_tokens, now - scheduled_at, now)
+            if self.speculator is not None:   # and speculation what a draft token costs
+                decodes = sum(1 for s in batch.seqs if s.is_decode or s.num_draft_tokens)
+                drafts = sum(s.num_draft_tokens for s in batch.seqs)
+                self.speculator.observe_batch(decodes, drafts, batch.num_tokens - decodes - drafts,
+                                              now - scheduled_at)
         for seq in batch.seqs:
             req = self.requests.get(seq.req_id)
             if req is None or not req.in_flight:

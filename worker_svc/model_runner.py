@@ -230,7 +230,15 @@ class ModelRunner:
         pos: list[int] = []         # Python ranges, one tensor: not one arange per sequence
         for s in batch.seqs:
             pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
-        specs = [(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs]
+        specs = []
+        for s in batch.seqs:
+            if s.num_draft_tokens:
+                # each of the k + 1 positions as the decode at that position: one query attending
+                # to the cache up to itself (the chunk's K/V are written first), so the rows take
+                # the decode kernels and are the bits single decodes would give
+                specs.extend((s.start_pos + i, 1, s.block_table) for i in range(len(s.token_ids)))
+            else:
+                specs.append((s.start_pos, len(s.token_ids), s.block_table))
         if self.graphs is not None and not any(s.num_draft_tokens for s in batch.seqs):
             logits = self.graphs.run(specs, ids, pos)     # None: no graph for this batch
             if logits is not None:

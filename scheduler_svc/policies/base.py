@@ -116,10 +116,11 @@ class Policy:
            short: the budget is then wanted by prompts, and drafts would take it from them;
         2. draft tokens only from what is left of the budget after the batch's decodes (one
            token each) and prefill chunks: left = budget - ctx.num_tokens;
-        3. each decode asks for k drafts by its recent acceptance (Speculator.k_for) and gets
-           what its proposer finds; `left` is shared out one draft token at a time, round-robin
-           over the decodes in batch order (oldest first), so under a tight budget every decode
-           gets about the same number;
+        3. each decode asks for k drafts by its recent acceptance and the measured cost of a
+           draft (Speculator.k_for) and gets what its proposer finds; `left` is shared out one
+           draft token at a time, round-robin over the decodes in batch order (oldest first),
+           so under a tight budget every decode gets about the same number (a decode-only batch
+           now and then gets none: Speculator.needs_baseline);
         4. drafts take KV blocks only while the watermark stays free, and never preempt.
         As load rises the leftover shrinks to 0 (rules 1-2), so k -> 0 and the batches are the
         ones without speculation: capacity never drops below it."""
@@ -128,6 +129,9 @@ class Policy:
         if spec is None or ctx.has_waiting or ctx.num_tokens >= budget:
             return
         from scheduler_svc.speculative import eligible
+        decodes = sum(1 for req, n in ctx.chunks if n == 1 and req.is_decode)
+        if decodes == len(ctx.chunks) and spec.needs_baseline(decodes):
+            return       # a decode-only batch without drafts: the baseline a draft's cost is measured by
         wants = []
         for req, n in ctx.chunks:
             if n != 1 or not req.is_decode:
@@ -136,7 +140,7 @@ class Policy:
                 continue
             if not eligible(req):
                 continue
-            k = spec.k_for(req)
+            k = spec.k_for(req, decodes)
             drafts = spec.propose(req, k) if k > 0 else []
             if drafts:
                 wants.append((req, drafts))

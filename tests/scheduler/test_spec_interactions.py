@@ -15,8 +15,10 @@ def greedy(n, **kw):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
-def outputs(speculative, reqs, scripts, check_drafts=None, **kw):
+def outputs(speculative, reqs, scripts, draft_cost=None, **kw):
     loop = sim_engine(speculative=speculative, scripts=scripts, **kw)
+    if draft_cost is not None:    # the untimed sim measures no cost: what a draft is taken to cost
+        loop.scheduler.speculator.default_cost = draft_cost
     handles = [loop.add_request(rid, prompt, sp, share_prompt_with=share)
                for rid, prompt, sp, share in reqs]
     drafted = {}
@@ -82,8 +84,8 @@ def test_requests_that_may_not_speculate_get_no_drafts():
              "opt_out": greedy(16, speculative=False),
              "plain": greedy(16)}
     reqs = [(k, PERIOD * 3, sp, None) for k, sp in kinds.items()]
-    _, drafted, _ = outputs("ngram", reqs, scripted(kinds), block_size=4, num_blocks=128,
-                            max_model_len=128)
+    _, drafted, _ = outputs("ngram", reqs, scripted(kinds), draft_cost=0.01, block_size=4,
+                            num_blocks=128, max_model_len=128)
     assert drafted["plain"] > 0
     assert all(drafted[k] == 0 for k in kinds if k != "plain")
 

@@ -250,3 +250,24 @@ def test_prometheus_metrics_report_drafts_and_acceptance():
     assert value("sarathi_scheduler_spec_acceptance_ratio") == pytest.approx(st["spec_acceptance_rate"])
     assert value("sarathi_scheduler_spec_tokens_per_step") > 1.0
     assert value("sarathi_scheduler_tokens_total", {"kind": "draft"}) == st["spec_proposed_tokens"]
+
+
+def test_k_weighs_acceptance_against_the_measured_cost_of_a_draft():
+    spec = Speculator(NgramProposer(), max_k=8)
+    r = req(PERIOD * 3, prompt_len=5)
+    r.spec_state["_acceptance"] = [9.0, 1.0]            # alpha = 0.9
+    assert not spec.needs_baseline(1)                    # nothing timed yet: no probe batches
+    spec.observe_batch(1, 0, 0, 0.010)                  # a decode alone: 10 ms
+    assert spec.needs_baseline(2)                        # 2 decodes were never timed alone
+    spec.observe_batch(1, 4, 0, 0.014)                  # 4 drafts added 4 ms: c = 0.1
+    assert spec.draft_cost == pytest.approx(0.1)
+    cheap = spec.k_for(r, 1)
+    assert cheap >= 6
+    assert spec.k_for(r, 8) < cheap                      # the cost is every decode's: fewer drafts
+    assert spec.k_for(r, 40) == 0
+    r.spec_state["_acceptance"] = [1.0, 4.0]            # alpha = 0.2: 1.2 tokens for 1.1 steps
+    assert spec.k_for(r, 1) == 1
+    spec.cost = 0.3                                     # ... not for 1.3
+    assert spec.k_for(r, 1) == 0
+    spec.observe_batch(1, 0, 300, 0.5)                  # a batch with a prefill says nothing
+    assert spec.draft_cost == 0.3

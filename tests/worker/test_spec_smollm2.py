@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from sarathi import LLM
 from shared.messages import Batch, SeqChunk
@@ -67,9 +68,9 @@ def test_logits_of_a_decode_with_drafts_equal_single_decodes(llm):
     for i, tok in enumerate([prompt[-1]] + drafts):    # the same positions one token at a time
         one = runner.compute_logits(Batch(2 + i, [SeqChunk("a", [tok], len(prompt) - 1 + i, table,
                                                            True, greedy, i)]))["a"]
-        assert int(one.argmax()) == int(got[i].argmax())
-        # one row or several through the CPU kernels: the same sums, reassociated (logits ~25)
-        assert (got[i] - one).abs().max() <= 3e-3 * one.abs().max()
+        # each position runs as the decode at that position would (decode kernels, per-token
+        # linear arithmetic): the same bits, so greedy verification is exact
+        assert torch.equal(got[i], one)
 
 
 def test_logprobs_and_sampling_with_drafts(llm):
