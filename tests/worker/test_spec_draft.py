@@ -15,6 +15,7 @@ from sarathi.cli_config import enable_draft_model
 from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
 from tests.support.engine_helpers import use_threads
+from tests.worker.test_spec_smollm2 import fixed_cost
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,7 @@ def test_draft_models_propose_and_the_output_is_unchanged(llm, tmp_path_factory)
     for draft, min_rate in ((tiny, 0.0), (str(resolve_model(None).path), 0.8)):
         cfg = dataclasses.replace(llm.scheduler_config, speculative="draft", draft_model=draft,
                                   num_speculative_tokens=3)
-        engine = llm.make_engine(cfg)
+        engine = fixed_cost(llm.make_engine(cfg))
         out = engine.generate(ids, params)[0].output_token_ids
         st = engine.stats()
         assert out == base

@@ -34,7 +34,7 @@ def test_remote_drafts_give_the_output_of_a_local_run_without_them(runner, tmp_p
     from shared.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model(None))
-    from tests.worker.test_spec_smollm2 import CONVERSATIONS
+    from tests.worker.test_spec_smollm2 import CONVERSATIONS, fixed_cost
     prompts = [tok.encode_chat(CONVERSATIONS[0]),
                tok.encode_chat([{"role": "user", "content": "Name three colors."}])]
     params = SamplingParams(temperature=0.0, max_tokens=32)
@@ -46,7 +46,7 @@ def test_remote_drafts_give_the_output_of_a_local_run_without_them(runner, tmp_p
     thread.start()
     try:
         remote = RemoteExecutor(server.address, timeout_s=60)
-        loop = engine(remote, remote.model_info, "ngram")
+        loop = fixed_cost(engine(remote, remote.model_info, "ngram"))
         got = [o.output_token_ids for o in loop.generate(prompts, params)]
         st = loop.stats()
         remote.close()
