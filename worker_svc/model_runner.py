@@ -27,7 +27,7 @@ from worker_svc.kv_cache import PagedKVCache
 from worker_svc.loader import load_weights, read_config
 from worker_svc.model.linear import TensorParallel
 from worker_svc.model.llama import LlamaForCausalLM
-from worker_svc.sampling import SamplerOutput, verify
+from worker_svc.sampling import SamplerOutput, Verified, emitted_logprobs, verify
 
 log = logging.getLogger("sarathi.worker")
 
@@ -192,8 +192,10 @@ class ModelRunner:
             out.tokens.extend(got.tokens)
             out.logprobs.update(got.logprobs)
         eos = list(self.model_cfg.eos_token_ids)
-        for s, start, n in spans:
-            v = verify(logits[start:start + n], s, eos, self.spec_generator)
+        results = [verify(logits[start:start + n], s, eos, self.spec_generator) for s, start, n in spans]
+        if par is not None and par.tp.world_size > 1:
+            results = self._agree(spans, results, logits, eos, par)
+        for (s, _, _), v in zip(spans, results):
             if v.logprobs is not None:
                 accepted_lps[s.req_id] = v.logprobs[:-1]
                 out.logprobs[len(order)] = v.logprobs[-1]
@@ -201,6 +203,26 @@ class ModelRunner:
             order.append(s)
             out.tokens.append(v.token)
         return order, out
+
+    @staticmethod
+    def _agree(spans, results, logits, eos, par):
+        """TP: every rank of the last stage verifies; TP rank 0's results are kept (broadcast
+        as k + 2 ints a seq: the number accepted, the accepted drafts padded to k, the token),
+        with logprobs of the kept tokens."""
+        flat = []
+        for (s, _, n), v in zip(spans, results):
+            flat += [len(v.accepted)] + v.accepted + [0] * (n - 1 - len(v.accepted)) + [v.token]
+        flat = par.broadcast_tokens(flat)
+        kept, i = [], 0
+        for (s, start, n), v in zip(spans, results):
+            a = flat[i]
+            acc, token = flat[i + 1:i + 1 + a], flat[i + n]
+            i += n + 1
+            if (acc, token) != (v.accepted, v.token):
+                v = Verified(acc, token, None if v.logprobs is None else
+                             emitted_logprobs(logits[start:start + n], s, eos, acc + [token]))
+            kept.append(v)
+        return kept
 
     def compute_logits(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Like execute (K/V are written) but return the float32 logits [V] of each seq with

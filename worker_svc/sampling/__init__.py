@@ -23,8 +23,9 @@ logits row, parameters, seed and i, never on the rest of the batch.
 from worker_svc.sampling.device_sampler import DeviceFirstSampler, DeviceSampler
 from worker_svc.sampling.guided import ConstraintUnavailableError, Guides
 from worker_svc.sampling.sampler import Sampler, SamplerOutput, TokenSampler
-from worker_svc.sampling.speculative import Verified, verify
+from worker_svc.sampling.speculative import Verified, emitted_logprobs, verify
 from worker_svc.sampling.token_history import MissingHistoryError, TokenHistory
 
 __all__ = ["ConstraintUnavailableError", "DeviceFirstSampler", "DeviceSampler", "Guides", "MissingHistoryError",
-           "Sampler", "SamplerOutput", "TokenHistory", "TokenSampler", "Verified", "verify"]
+           "Sampler", "SamplerOutput", "TokenHistory", "TokenSampler", "Verified", "emitted_logprobs",
+           "verify"]

@@ -100,9 +100,19 @@ def verify(logits: torch.Tensor, chunk: SeqChunk, eos_token_ids: list[int],
             token = _draw(filtered_probs(rows[k], p), generator)
     lps = None
     if p.logprobs is not None:
-        emitted = accepted + [token]
-        lps = [token_logprobs(rows[i], p, t) for i, t in enumerate(emitted)]
+        lps = _logprobs(rows, p, accepted + [int(token)])
     return Verified(accepted, int(token), lps)
+
+
+def emitted_logprobs(logits: torch.Tensor, chunk: SeqChunk, eos_token_ids: list[int],
+                     emitted: list[int]) -> list[list]:
+    """The logprobs entries of `emitted` (accepted drafts, then the token after them) from the
+    chunk's raw logits rows (tensor parallelism: tokens kept from another rank)."""
+    return _logprobs(process_rows(logits, chunk, eos_token_ids), chunk.sampling, emitted)
+
+
+def _logprobs(rows: torch.Tensor, p, emitted: list[int]) -> list[list]:
+    return [token_logprobs(rows[i], p, t) for i, t in enumerate(emitted)]
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
