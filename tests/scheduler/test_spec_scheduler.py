@@ -271,3 +271,21 @@ def test_k_weighs_acceptance_against_the_measured_cost_of_a_draft():
     assert spec.k_for(r, 1) == 0
     spec.observe_batch(1, 0, 300, 0.5)                  # a batch with a prefill says nothing
     assert spec.draft_cost == 0.3
+
+
+def test_suffix_drafts_from_an_earlier_answer_are_accepted_where_ngram_has_none():
+    # the answer is not in the prompt: prompt lookup finds nothing, the suffix proposer finds
+    # the earlier request's answer
+    answer = [31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42] * 2
+    got = {}
+    for method in ("ngram", "suffix"):
+        loop = sim_engine(speculative=method, block_size=4, num_blocks=128, max_model_len=256,
+                          scripts={"first": answer, "second": answer})
+        loop.add_request("first", [7, 8, 9, 10], greedy(24))
+        loop.run_until_done()
+        before = loop.scheduler.stats()["spec_accepted_tokens"]
+        second = loop.add_request("second", [5, 6, 9, 10], greedy(24))
+        loop.run_until_done()
+        assert second.output_token_ids == answer
+        got[method] = loop.scheduler.stats()["spec_accepted_tokens"] - before
+    assert got["suffix"] > got["ngram"] and got["suffix"] >= 10

@@ -1,7 +1,8 @@
 """Speculative decoding end to end: `sarathi serve --speculative ngram` as a real process tree
 (HTTP gateway, scheduler, worker process over ZeroMQ) answers a copy-from-the-prompt chat,
 streamed, with the text of the offline engine without speculation; the request body's
-`"speculative": false` keeps a request's drafts at zero; /metrics reports drafts and acceptance."""
+`"speculative": false` keeps a request's drafts at zero; /metrics reports drafts and acceptance;
+a stop string cuts the text where it would without drafts."""
 from __future__ import annotations
 
 import openai
@@ -37,5 +38,11 @@ def test_serve_with_ngram_drafts_answers_as_the_offline_engine(tmp_path):
         assert metric(text, "sarathi_scheduler_spec_draft_tokens_total") > 0
         assert metric(text, "sarathi_scheduler_spec_accepted_tokens_total") > 0
         assert 0 < metric(text, "sarathi_scheduler_spec_acceptance_ratio") <= 1
+        # a stop string inside a burst of accepted tokens: the text ends before it, as without drafts
+        stop = want.split()[len(want.split()) // 2]
+        cut = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=40,
+                                        temperature=0, stop=[stop])
+        assert cut.choices[0].message.content == want[:want.index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
     finally:
         stack.close()
