@@ -94,3 +94,29 @@ def test_the_request_body_field_opts_out():
     body = {"messages": [{"role": "user", "content": "hi"}]}
     assert ChatCompletionRequest(**body).sampling(8).speculative is True
     assert ChatCompletionRequest(**body, speculative=False).sampling(8).speculative is False
+
+
+def test_disaggregated_decodes_speculate_with_the_same_outputs():
+    from scheduler_svc.speculative import NgramProposer, Speculator
+    from tests.support.sim_pools import all_free, make_pools
+    from tests.support.sim_pools import outputs as event_outputs
+
+    reqs = [(f"d{i}", (PERIOD * 4)[i:i + 14 + 3 * i]) for i in range(4)]
+    scripts = {rid: (PERIOD * 6)[:30] for rid, _ in reqs}
+    sp = greedy(24)
+
+    def run(roles, mode, speculate):
+        ps = make_pools(roles, mode, scripts=scripts, num_blocks=128)
+        if speculate:
+            for p in ps.pools:
+                p.scheduler.speculator = Speculator(NgramProposer(), 4)
+        for rid, toks in reqs:
+            ps.add_request(rid, toks, sp)
+        return event_outputs(ps.run_until_done()), ps
+
+    want, _ = run(["mixed"], "off", False)
+    got, ps = run(["prefill", "decode"], "all", True)
+    assert got == want
+    prefill, decode = ps.pools
+    assert decode.scheduler.stats()["spec_accepted_tokens"] > 0
+    assert len(ps.transfers) == len(reqs) and all_free(ps)
