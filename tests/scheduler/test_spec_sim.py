@@ -16,7 +16,7 @@ from shared.config import SchedulerConfig
 MODEL = GPUCostModel("llama-3-8b", "a100")
 
 
-def run(qps: float, speculative: str, acceptance: float, n: int = 60) -> dict:
+def run(qps: float, speculative: str, acceptance: float, n: int = 40) -> dict:
     cfg = SchedulerConfig(speculative=speculative, num_speculative_tokens=4)
     target = simulated_target(MODEL, num_blocks=MODEL.kv_blocks(16), sched_config=cfg,
                               spec_acceptance=acceptance)
@@ -27,7 +27,7 @@ def run(qps: float, speculative: str, acceptance: float, n: int = 60) -> dict:
 def test_low_load_tbt_drops_with_accepted_drafts():
     off = run(0.5, "off", 0.0)
     on = run(0.5, "ngram", 0.7)
-    assert on["finished"] == off["finished"] == 60
+    assert on["finished"] == off["finished"] == 40
     # each verification step emits 1 + ~1.6 tokens for slightly more time: tokens that arrive
     # together have no gap, and requests end sooner
     assert on["tbt_p50_s"] < 0.7 * off["tbt_p50_s"], (on, off)
@@ -35,8 +35,8 @@ def test_low_load_tbt_drops_with_accepted_drafts():
 
 
 def test_saturation_is_no_worse_even_when_no_draft_is_accepted():
-    off = run(40.0, "off", 0.0, n=100)
-    on = run(40.0, "ngram", 0.0, n=100)
+    off = run(40.0, "off", 0.0, n=80)
+    on = run(40.0, "ngram", 0.0, n=80)
     assert on["finished"] == off["finished"]
     assert on["output_tok_per_s"] >= 0.98 * off["output_tok_per_s"], (on, off)
     assert on["ttft_p50_s"] <= 1.02 * off["ttft_p50_s"], (on, off)

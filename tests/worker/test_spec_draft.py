@@ -45,7 +45,7 @@ def llm():
 
 def test_draft_models_propose_and_the_output_is_unchanged(llm, tmp_path_factory):
     ids = [llm.tokenizer.encode_chat([{"role": "user", "content": "Name three rivers in Europe."}])]
-    params = SamplingParams(temperature=0.0, max_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
     base = llm.make_engine(llm.scheduler_config).generate(ids, params)[0].output_token_ids
     tiny = tiny_llama(tmp_path_factory.mktemp("draft") / "tiny", llm.model_info.vocab_size,
                       llm.model_info.eos_token_ids[0])
