@@ -374,6 +374,7 @@ class Scheduler:
         its blocks here are freed and the worker forgets it (freed_req_ids)."""
         req = self.requests.pop(req_id)
         self.block_manager.free(req)
+        self._forget_speculation(req)
         self.running.remove(req)
         self._freed_ids.append(req_id)
         self._counters["num_handed_off"] += 1
@@ -386,6 +387,7 @@ class Scheduler:
         if req is None:
             return None
         self.block_manager.free(req)
+        self._forget_speculation(req)
         (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
         if req.first_scheduled_time is not None:
             self._freed_ids.append(req_id)
@@ -413,6 +415,13 @@ class Scheduler:
             if req is not None:
                 req.in_flight = False
                 self.abort(seq.req_id, error=error)
+
+    def _forget_speculation(self, req: Request) -> None:
+        """req leaves this scheduler unfinished: its proposer's state here goes (a draft model's
+        blocks are this scheduler's), the request keeps nothing of it."""
+        if self.speculator is not None:
+            self.speculator.finish(req)
+        req.spec_state, req.draft_token_ids = {}, []
 
     # -- finishing ------------------------------------------------------------------------------
     def _process_aborts(self) -> None:
