@@ -129,18 +129,17 @@ class Policy:
         if spec is None or ctx.has_waiting or ctx.num_tokens >= budget:
             return
         from scheduler_svc.speculative import eligible
-        decodes = sum(1 for req, n in ctx.chunks if n == 1 and req.is_decode)
-        if decodes == len(ctx.chunks) and spec.needs_baseline(decodes):
+        decodes = [req for req, n in ctx.chunks if n == 1 and req.is_decode]
+        if len(decodes) < len(ctx.chunks):
+            if any(n < req.num_new_tokens for req, n in ctx.chunks):
+                return                                       # rule 1: a prefill was cut short
+        elif spec.needs_baseline(len(decodes)):
             return       # a decode-only batch without drafts: the baseline a draft's cost is measured by
         wants = []
-        for req, n in ctx.chunks:
-            if n != 1 or not req.is_decode:
-                if n < req.num_new_tokens:
-                    return                                   # rule 1: a prefill was cut short
-                continue
+        for req in decodes:
             if not eligible(req):
                 continue
-            k = spec.k_for(req, decodes)
+            k = spec.k_for(req, len(decodes))
             drafts = spec.propose(req, k) if k > 0 else []
             if drafts:
                 wants.append((req, drafts))
