@@ -163,9 +163,10 @@ def test_a_stop_inside_the_accepted_drafts_ends_the_request_there():
     assert loop.scheduler.block_manager.num_free_blocks == 64
 
 
-def test_at_saturation_no_batch_has_drafts_and_at_low_load_they_are_scheduled():
-    loop = sim_engine(speculative="ngram", block_size=4, num_blocks=512, max_model_len=512,
-                      token_budget=64, max_num_seqs=4, spec_acceptance=1.0,
+@pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca"])
+def test_at_saturation_no_batch_has_drafts_and_at_low_load_they_are_scheduled(policy):
+    loop = sim_engine(policy, speculative="ngram", block_size=4, num_blocks=512, max_model_len=512,
+                      token_budget=64, max_num_batched_tokens=64, max_num_seqs=4, spec_acceptance=1.0,
                       scripts={f"r{i}": PERIOD * 6 for i in range(12)})
     for i in range(12):
         loop.add_request(f"r{i}", PERIOD * 8, greedy(24))
