@@ -90,6 +90,7 @@ class _GenerationFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    speculative: bool | None = None        # extension: false opts out of speculative decoding
     # labels only: accepted, ignored (they do not change the output)
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -185,7 +186,8 @@ class _GenerationFields(BaseModel):
                               frequency_penalty=self.frequency_penalty or 0.0,
                               repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                               min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs(),
-                              logit_bias=list(logit_bias), constraint=constraint)
+                              logit_bias=list(logit_bias), constraint=constraint,
+                              speculative=self.speculative is not False)
 
 
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}

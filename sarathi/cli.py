@@ -11,6 +11,7 @@ import os
 import sys
 
 from scheduler_svc.policies import POLICIES
+from scheduler_svc.speculative import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 
 def _env(name: str, default):
@@ -65,6 +66,13 @@ def _sched_args(p: argparse.ArgumentParser) -> None:
     _add(p, "max-num-seqs", 128, "cap on running requests")
     _add(p, "max-num-batched-tokens", 4096, "tokens per iteration for whole-prefill policies")
     _add(p, "prefix-caching", False, "reuse KV blocks of shared prompt prefixes")
+    _add(p, "speculative", "off", "speculative decoding: draft tokens verified in the same forward pass, "
+         "only from the token budget that decodes and prefills leave over (so never at saturation): off, "
+         "ngram (prompt lookup over the request's own tokens), suffix (also over recent outputs), draft "
+         "(a smaller model with the same tokenizer: --draft-model)", choices=list(SPECULATIVE_METHODS))
+    _add(p, "num-speculative-tokens", 4, f"with --speculative: the most draft tokens per decode and "
+         f"iteration, 1 to {MAX_SPECULATIVE_TOKENS} (each request's own number follows its acceptance rate)")
+    _add(p, "draft-model", None, "with --speculative draft: the draft model (same tokenizer)")
 
 
 def _net_args(p: argparse.ArgumentParser, gateway: bool) -> None:
@@ -290,6 +298,8 @@ def _measure_parsers(sub) -> None:
     _add(p, "shift-prompt-scale", 0.0, "> 0: requests of the run's second half get prompts this many times "
          "longer (a step change in the workload)")
     _add(p, "windows", 0, "> 0: also report P99 TBT in this many equal time windows of each run")
+    _add(p, "spec-acceptance", 0.6, "with --speculative: the probability that a draft token is accepted "
+         "(given the ones before it were); the simulated worker draws acceptances with it")
     _add(p, "noise-sigma", 0.0, "> 0: each iteration's time x a lognormal factor (mean 1, this sigma; seeded): "
          "the iteration-to-iteration variation a fitted cost model leaves out")
     _add(p, "prefill-replicas", 0, "prefill/decode disaggregation: simulated prefill workers (with "

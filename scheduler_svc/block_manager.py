@@ -81,6 +81,29 @@ class BlockManager:
         for _ in range(self._missing_blocks(req)):
             req.block_table.append(self._take_free())
 
+    # -- speculative decoding: room for draft tokens, and its rollback ------------------------
+    def extend_for_drafts(self, req: Request, num_drafts: int) -> int:
+        """Blocks for up to num_drafts draft positions after req's tokens, taken only while the
+        watermark stays free (drafts never preempt anyone nor use the decodes' reserve);
+        returns how many drafts the blocks now cover (<= num_drafts)."""
+        bs, table = self.block_size, req.block_table
+        room = len(table) * bs - len(req.token_ids)
+        while room < num_drafts and len(self._free) > self.watermark_blocks:
+            table.append(self._take_free())
+            room += bs
+        return max(0, min(num_drafts, room))
+
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Free req's blocks past the first blocks_for(num_tokens) (the slots of rejected
+        drafts). Those blocks hold no computed token of req, so none is shared or keyed."""
+        keep = self.blocks_for(num_tokens)
+        while len(req.block_table) > keep:
+            b = req.block_table.pop()
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self._free[b] = None
+                self._free.move_to_end(b, last=False)
+
     def _missing_blocks(self, req: Request) -> int:
         # inlined arithmetic: called for every decode of every iteration
         return max(0, cdiv(len(req.token_ids), self.block_size) - len(req.block_table))

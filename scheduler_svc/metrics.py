@@ -41,7 +41,7 @@ class SchedulerMetrics:
                                    buckets=ITERATION_BUCKETS, registry=r)
         self.iter_tokens = Histogram(p + "iteration_tokens", "Tokens per iteration by kind",
                                      ["kind"], buckets=TOKEN_BUCKETS, registry=r)
-        self.tokens = Counter(p + "tokens", "Tokens computed, by kind (prefill, decode)",
+        self.tokens = Counter(p + "tokens", "Tokens computed, by kind (prefill, decode, draft)",
                               ["kind"], registry=r)
         self.finished = Counter(p + "requests_finished", "Requests ended, by finish reason",
                                 ["reason"], registry=r)
@@ -59,6 +59,15 @@ class SchedulerMetrics:
                                     "kernel, KV cache dtype, linear method (value 1)",
                                     ["model", "backend"], registry=r)
         self._preemptions_seen = 0
+        # speculative decoding (scheduler_svc.speculative): drafts verified, drafts accepted
+        self.spec_drafts = Counter(p + "spec_draft_tokens", "Draft tokens scheduled for verification "
+                                   "(speculative decoding)", registry=r)
+        self.spec_accepted = Counter(p + "spec_accepted_tokens", "Draft tokens the model accepted", registry=r)
+        self.spec_acceptance = Gauge(p + "spec_acceptance_ratio", "Accepted / scheduled draft tokens since "
+                                     "start", registry=r)
+        self.spec_tokens_per_step = Gauge(p + "spec_tokens_per_step", "Tokens a decode with drafts "
+                                          "produced per iteration, on average since start", registry=r)
+        self._spec_seen = (0, 0)
         # worker pools and prefill/decode disaggregation (scheduler_svc.pools)
         self.kv_transfer = Histogram(p + "kv_transfer_seconds", "Per handed-off request: seconds of "
                                      "its KV send, prefill worker to decode worker, until the ack",
@@ -97,6 +106,13 @@ class SchedulerMetrics:
         if delta > 0:
             self.preemptions.inc(delta)
         self._preemptions_seen = stats["num_preemptions"]
+        if "spec_proposed_tokens" in stats:
+            drafts, accepted = stats["spec_proposed_tokens"], stats["spec_accepted_tokens"]
+            self.spec_drafts.inc(max(0, drafts - self._spec_seen[0]))
+            self.spec_accepted.inc(max(0, accepted - self._spec_seen[1]))
+            self._spec_seen = (drafts, accepted)
+            self.spec_acceptance.set(accepted / drafts if drafts else 0.0)
+            self.spec_tokens_per_step.set(stats["spec_tokens_per_step"])
 
     def observe_pools(self, pools: list[dict]) -> None:
         """One PoolSet.stats()["pools"] snapshot: each pool's blocks, requests and liveness."""
@@ -117,10 +133,11 @@ class SchedulerMetrics:
 
     def observe_batch(self, batch: Batch, seconds: float) -> None:
         """One batch the workers answered: seconds from submit to collect, its tokens by kind."""
-        decode = sum(1 for s in batch.seqs if s.is_decode)
-        prefill = batch.num_tokens - decode
+        decode = sum(1 for s in batch.seqs if s.is_decode or s.num_draft_tokens)
+        drafts = sum(s.num_draft_tokens for s in batch.seqs)
+        prefill = batch.num_tokens - decode - drafts
         self.iteration.observe(seconds)
-        for kind, n in (("prefill", prefill), ("decode", decode)):
+        for kind, n in (("prefill", prefill), ("decode", decode)) + ((("draft", drafts),) if drafts else ()):
             self.iter_tokens.labels(kind=kind).observe(n)
             self.tokens.labels(kind=kind).inc(n)
 

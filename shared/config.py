@@ -38,6 +38,11 @@ class SchedulerConfig:
     adaptive_tbt_slo_s: if > 0 (seconds), sarathi's tau is set online from the observed
         iteration times to keep them under this TBT SLO (scheduler_svc/token_budget.py), between
         one tile (tile_size, or 32) and max_num_batched_tokens; token_budget is where it starts.
+    speculative: "off", or the draft proposer of speculative decoding (scheduler_svc.speculative):
+        draft tokens ride in the budget the decodes and prefills leave over.
+    num_speculative_tokens: the most draft tokens one decode may carry per iteration (tokens).
+    draft_model: with speculative "draft": the draft model (a GGUF file or model directory with the
+        served model's tokenizer), run by the scheduler's process.
     """
 
     policy: str = "sarathi"
@@ -49,6 +54,9 @@ class SchedulerConfig:
     watermark: float = 0.01
     tile_size: int = 0
     adaptive_tbt_slo_s: float = 0.0
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

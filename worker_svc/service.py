@@ -191,7 +191,8 @@ class WorkerServer:
         timings = dict(output.timings)
         timings.update(decode_s=t1 - t0, worker_total_s=time.perf_counter() - t0)
         return output_reply(BatchOutput(output.batch_id, dict(output.sampled), timings, output.logprobs,
-                                        output.kv_sent, output.kv_failed))
+                                        output.kv_sent, output.kv_failed, output.accepted,
+                                        output.accepted_logprobs))
 
     def _send_kv(self, batch: Batch, output: BatchOutput) -> None:
         """After the forward pass: send each KvSend's blocks to its receiver, synchronously (the

@@ -286,6 +286,8 @@ def simulate(a: argparse.Namespace) -> int:
 
     if a.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {a.replicas}")
+    if not 0.0 <= a.spec_acceptance <= 1.0:
+        raise ValueError(f"--spec-acceptance must be in [0, 1], got {a.spec_acceptance}")
     cost, desc, slo_base, blocks = _sim_cost_model(a)
     num_blocks = a.num_blocks or blocks or 2048
     slo = a.tbt_slo if a.tbt_slo > 0 else (
@@ -297,7 +299,8 @@ def simulate(a: argparse.Namespace) -> int:
     if roles is None:
         target = simulated_target(cost, replicas=a.replicas, depth=a.pp, block_size=a.block_size,
                                   num_blocks=num_blocks, max_model_len=max_len, sched_config=sched,
-                                  description=desc, windows=a.windows, noise_sigma=a.noise_sigma)
+                                  description=desc, windows=a.windows, noise_sigma=a.noise_sigma,
+                                  spec_acceptance=a.spec_acceptance)
     else:
         if a.kv_bytes_per_token < 0:
             raise ValueError(f"--kv-bytes-per-token must be >= 0, got {a.kv_bytes_per_token}")
@@ -323,6 +326,7 @@ def simulate(a: argparse.Namespace) -> int:
               "simulated": {**desc, "replicas": a.replicas if roles is None else len(roles),
                             "num_blocks": num_blocks,
                             "noise_sigma": a.noise_sigma,
+                            "speculative": a.speculative, "spec_acceptance": a.spec_acceptance,
                             "slo_base_decode_b32_s": slo_base},
               "workload": {"trace": w.trace.source, "num_requests": w.num_requests, "arrival": w.arrival,
                            "cv": w.cv, "burst_size": w.burst_size, "seed": w.seed, "drain_s": w.drain_s,

@@ -46,12 +46,16 @@ class SimulatedWorker:
     cost: an object with stage_times(batch) -> [seconds per stage] (GPUCostModel), or a callable
     batch -> seconds (one stage). noise_sigma > 0: each batch's times x exp(sigma z - sigma^2 / 2),
     z standard normal from a generator seeded with `seed` (mean 1; deterministic for a run).
-    Keeps busy / bubble seconds per stage."""
+    Keeps busy / bubble seconds per stage. spec_acceptance: speculative decoding's acceptance
+    parameter: each draft token is accepted with this probability given the ones before it
+    (seeded), so a decode with k drafts emits 1 + a geometric number of them, at most k."""
 
     def __init__(self, cost, clock: SimClock, block_size: int, vocab_size: int,
                  noise_sigma: float = 0.0, seed: int = 0, kv_bytes_per_token: int = 0,
-                 kv_link_gbs: float = 25.0):
+                 kv_link_gbs: float = 25.0, spec_acceptance: float = 0.0):
         self.cost, self.clock = cost, clock
+        self.spec_acceptance = spec_acceptance
+        self._spec_rng = np.random.default_rng(seed + 7919)
         self.block_size = block_size
         # KV transfer (prefill/decode disaggregation): a batch's KvSends move len(src_blocks) x
         # block_size x kv_bytes_per_token bytes over a kv_link_gbs GB/s link, one after another,
@@ -113,10 +117,21 @@ class SimulatedWorker:
         batch, done, times, submitted, sent = self._queue.popleft()
         self.clock.now = max(self.clock.now, done)
         # the token is a function of the position only: outputs ignore EOS, so only lengths matter
-        sampled = {s.req_id: 1 + (s.start_pos + len(s.token_ids)) % (self.vocab_size - 1)
-                   for s in batch.seqs if s.sample}
+        sampled, accepted = {}, {}
+        for s in batch.seqs:
+            if not s.sample:
+                continue
+            end = s.start_pos + len(s.token_ids) - s.num_draft_tokens
+            if s.num_draft_tokens:
+                a = 0
+                while a < s.num_draft_tokens and self._spec_rng.random() < self.spec_acceptance:
+                    a += 1
+                accepted[s.req_id] = s.token_ids[len(s.token_ids) - s.num_draft_tokens:][:a]
+                end += a
+            sampled[s.req_id] = 1 + end % (self.vocab_size - 1)
         out = BatchOutput(batch.batch_id, sampled, {"forward_s": sum(times), "stages_s": times,
-                                                     "submitted_s": submitted, "done_s": done})
+                                                     "submitted_s": submitted, "done_s": done},
+                          accepted=accepted)
         if sent:
             out.kv_sent.update(sent)
             out.timings["kv_transfer_s"] = sum(v["kv_transfer_s"] for v in sent.values())
@@ -131,12 +146,16 @@ class Replica:
 
     def __init__(self, cost, sched_config: SchedulerConfig, *, block_size: int, num_blocks: int,
                  max_model_len: int, vocab_size: int = 32000, depth: int = 1, noise_sigma: float = 0.0,
-                 seed: int = 0):
+                 seed: int = 0, spec_acceptance: float = 0.0):
         self.clock = SimClock()
         self.scheduler = Scheduler(sched_config, CacheConfig(block_size=block_size, num_blocks=num_blocks),
                                    ModelInfo("sim", max_model_len, vocab_size, [0], block_size=block_size,
                                              num_blocks=num_blocks), clock=self.clock)
-        self.worker = SimulatedWorker(cost, self.clock, block_size, vocab_size, noise_sigma, seed)
+        self.worker = SimulatedWorker(cost, self.clock, block_size, vocab_size, noise_sigma, seed,
+                                      spec_acceptance=spec_acceptance)
+        if self.scheduler.speculator is not None:   # simulated tokens: acceptance is the parameter
+            from scheduler_svc.speculative.synthetic import SyntheticProposer
+            self.scheduler.speculator.proposer = SyntheticProposer()
         self.engine = EngineLoop(self.scheduler, self.worker, depth=depth)
         self.busy_s = 0.0   # virtual seconds this replica had unfinished requests (s)
 
@@ -211,11 +230,12 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
 def simulated_target(cost, *, replicas: int = 1, depth: int = 1, block_size: int = 16,
                      num_blocks: int = 2048, max_model_len: int = 8192, vocab_size: int = 32000,
                      sched_config: SchedulerConfig | None = None, description: dict | None = None,
-                     windows: int = 0, noise_sigma: float = 0.0) -> Target:
+                     windows: int = 0, noise_sigma: float = 0.0, spec_acceptance: float = 0.0) -> Target:
     """A Target whose runs go to `replicas` simulated replicas (each `depth` micro-batches in
     flight: the PP degree) with the given cost model; sched_config is the template each run
     copies with its policy and tau. windows > 0: each run's summary has P99 TBT per time window.
-    noise_sigma: lognormal iteration-time variation (SimulatedWorker)."""
+    noise_sigma: lognormal iteration-time variation (SimulatedWorker). spec_acceptance: the
+    draft acceptance probability when sched_config speculates (SimulatedWorker)."""
     import dataclasses
 
     base = sched_config or SchedulerConfig()
@@ -224,7 +244,7 @@ def simulated_target(cost, *, replicas: int = 1, depth: int = 1, block_size: int
         cfg = dataclasses.replace(base, policy=policy, token_budget=tau, max_model_len=max_model_len)
         reps = [Replica(cost, cfg, block_size=block_size, num_blocks=num_blocks,
                         max_model_len=max_model_len, vocab_size=vocab_size, depth=depth,
-                        noise_sigma=noise_sigma, seed=i)
+                        noise_sigma=noise_sigma, seed=i, spec_acceptance=spec_acceptance)
                 for i in range(replicas)]
         return run_replicas(reps, workload, drain_s=drain_s, on_progress=on_progress, windows=windows)
 
