@@ -44,7 +44,7 @@ import zlib
 
 from scheduler_svc.engine import Engine
 from scheduler_svc.engine_loop import EngineLoop
-from scheduler_svc.metrics import SchedulerMetrics, start_http
+from scheduler_svc.metrics import SchedulerMetrics, queue_backlog, start_http
 from scheduler_svc.pools import PoolSet, make_pool
 from scheduler_svc.remote_executor import WorkerError
 from scheduler_svc.router import Router, RouterConfig
@@ -277,7 +277,7 @@ def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, s
         info = _wait_for_model_info(executor, stop)
         if info is None:
             return
-        metrics.set_worker(info.name, info.backend)
+        metrics.set_worker(info.name, info.backend, info.block_size)
         cfg = dataclasses.replace(c.scheduler, max_model_len=c.max_model_len or info.max_model_len)
         scheduler = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info)
         queue = _queue(c, queue)
@@ -303,6 +303,7 @@ def _queue(c: SchedulerServiceConfig, queue: SchedulerQueue | None) -> Scheduler
 def _serve(service: SchedulerService, queue: SchedulerQueue, services: list, server, stop, on_ready) -> None:
     """Publish the ready service (HTTP thread, on_ready), run it until `stop`, close its queue."""
     service.http_port = server.server_port if server is not None else None
+    service.metrics.model_server.backlog = queue_backlog(queue)   # the picker's waiting count
     services.append(service)
     if on_ready is not None:
         on_ready(service)
@@ -350,7 +351,7 @@ def _run_pools(c: SchedulerServiceConfig, queue, executors, metrics, services, s
                                  "(start it with --kv-address)")
         d = c.disagg
         info = pools[0].scheduler.model_info
-        metrics.set_worker(info.name, info.backend)
+        metrics.set_worker(info.name, info.backend, info.block_size)
         pool_set = PoolSet(pools, Router(RouterConfig(d.mode, d.threshold_tokens, d.backlog_margin_tokens)),
                            kv_transfer_timeout_s=d.kv_transfer_timeout_s,
                            kv_transfer_failure=d.kv_transfer_failure,
