@@ -65,6 +65,9 @@ def _sched_args(p: argparse.ArgumentParser) -> None:
     _add(p, "max-num-seqs", 128, "cap on running requests")
     _add(p, "max-num-batched-tokens", 4096, "tokens per iteration for whole-prefill policies")
     _add(p, "prefix-caching", False, "reuse KV blocks of shared prompt prefixes")
+    _add(p, "kv-events-config", None, "publish KV-cache events in vLLM's format (with --prefix-caching), "
+         "JSON: endpoint (default tcp://127.0.0.1:5557), replay_endpoint (tcp://127.0.0.1:5558), topic, "
+         "hash_seed (\"0\"), connect (false: bind); see docs/scale-out.md")
 
 
 def _net_args(p: argparse.ArgumentParser, gateway: bool) -> None:

@@ -49,4 +49,5 @@ def scheduler_config(a: argparse.Namespace, slo: float | None = None) -> Schedul
     tau = token_budget(a, slo)
     return SchedulerConfig(policy=a.policy, token_budget=tau.budget, adaptive_tbt_slo_s=tau.adaptive_slo,
                            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                           enable_prefix_caching=a.prefix_caching)
+                           enable_prefix_caching=a.prefix_caching,
+                           kv_events_config=getattr(a, "kv_events_config", None))

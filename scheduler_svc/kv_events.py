@@ -347,3 +347,28 @@ class ZmqEventPublisher:
         self._pub.close(0)
         if self._replay is not None:
             self._replay.close(0)
+
+
+def start_publisher(config_json: str, block_manager, *, socket_hook: SocketHook | None = None) -> ZmqEventPublisher:
+    """Attach a recorder to `block_manager` and start publishing its events, configured by the
+    JSON of SchedulerConfig.kv_events_config (keys: endpoint, replay_endpoint (null: none),
+    topic, hash_seed, connect, buffer_steps, data_parallel_rank). Needs prefix caching: without
+    it no block is ever findable, so there is nothing to announce (ValueError)."""
+    import json
+
+    if block_manager.cache is None:
+        raise ValueError("KV-cache events need prefix caching (--prefix-caching)")
+    cfg = json.loads(config_json) if config_json.strip() else {}
+    known = {"endpoint", "replay_endpoint", "topic", "hash_seed", "connect", "buffer_steps",
+             "data_parallel_rank"}
+    if not isinstance(cfg, dict) or set(cfg) - known:
+        raise ValueError(f"--kv-events-config: a JSON object with keys among {sorted(known)}, got {config_json!r}")
+    rec = KVEventRecorder(block_manager.block_size, str(cfg.get("hash_seed", "0")))
+    pub = ZmqEventPublisher(rec, cfg.get("endpoint", "tcp://127.0.0.1:5557"),
+                            replay_endpoint=cfg.get("replay_endpoint", "tcp://127.0.0.1:5558"),
+                            connect=bool(cfg.get("connect", False)), topic=cfg.get("topic", ""),
+                            buffer_steps=int(cfg.get("buffer_steps", 10_000)),
+                            data_parallel_rank=int(cfg.get("data_parallel_rank", 0)), socket_hook=socket_hook)
+    block_manager.events = rec
+    log.info("KV-cache events on %s (replay %s, topic %r)", pub.endpoint, pub.replay_endpoint, cfg.get("topic", ""))
+    return pub

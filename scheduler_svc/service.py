@@ -270,6 +270,7 @@ def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, s
     from scheduler_svc.remote_executor import RemoteExecutor
 
     owned = None   # the RemoteExecutor made here, closed at the end (a given executor is the caller's)
+    publisher = None
     try:
         if executor is None:
             executor = owned = RemoteExecutor(c.worker_addrs, timeout_s=c.worker_timeout_s)
@@ -280,6 +281,9 @@ def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, s
         metrics.set_worker(info.name, info.backend, info.block_size)
         cfg = dataclasses.replace(c.scheduler, max_model_len=c.max_model_len or info.max_model_len)
         scheduler = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info)
+        if cfg.kv_events_config is not None:   # transport security for it: start_publisher's socket_hook
+            from scheduler_svc.kv_events import start_publisher
+            publisher = start_publisher(cfg.kv_events_config, scheduler.block_manager)
         queue = _queue(c, queue)
         service = SchedulerService(loop_engine(scheduler, executor, metrics, c.worker_restart_timeout_s),
                                    queue, metrics)
@@ -290,6 +294,8 @@ def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, s
     finally:
         if owned is not None:
             owned.close()
+        if publisher is not None:
+            publisher.close()
 
 
 def _queue(c: SchedulerServiceConfig, queue: SchedulerQueue | None) -> SchedulerQueue:
@@ -330,6 +336,9 @@ def _run_pools(c: SchedulerServiceConfig, queue, executors, metrics, services, s
     from scheduler_svc.remote_executor import RemoteExecutor
 
     owned = []
+    if c.scheduler.kv_events_config is not None:
+        log.warning("KV-cache events are published by a single replica's scheduler, not with worker pools: "
+                    "--kv-events-config is ignored")
     try:
         if executors is None:
             executors = []

@@ -38,6 +38,8 @@ class SchedulerConfig:
     adaptive_tbt_slo_s: if > 0 (seconds), sarathi's tau is set online from the observed
         iteration times to keep them under this TBT SLO (scheduler_svc/token_budget.py), between
         one tile (tile_size, or 32) and max_num_batched_tokens; token_budget is where it starts.
+    kv_events_config: None, or JSON of the KV-cache event publisher (scheduler_svc/kv_events.py:
+        endpoint, replay_endpoint, topic, hash_seed, connect), as vLLM's --kv-events-config.
     """
 
     policy: str = "sarathi"
@@ -49,6 +51,7 @@ class SchedulerConfig:
     watermark: float = 0.01
     tile_size: int = 0
     adaptive_tbt_slo_s: float = 0.0
+    kv_events_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -234,3 +234,31 @@ def test_a_restarted_worker_through_the_service_clears_the_index():
     service = SchedulerService(loop_engine(loop.scheduler, Restarted(), metrics), make_queues(None)[1], metrics)
     service._step()
     assert isinstance(rec.drain()[-1], AllBlocksCleared)
+
+
+def test_the_scheduler_service_publishes_events_configured_as_vllms(tmp_path):
+    """--kv-events-config end to end: a worker service, the scheduler service, a subscriber that
+    finds a served prompt's blocks under the hashes it computes itself."""
+    import asyncio
+    import json
+
+    from shared.config import SchedulerConfig, SchedulerServiceConfig
+    from tests.support.redis_fixture import free_port
+    from tests.support.sim_worker import BLOCK, SimWorker, ThreadedStack, collect, request
+    from worker_svc.service import WorkerServer
+
+    port = free_port()
+    cfg = json.dumps({"endpoint": f"tcp://127.0.0.1:{port}", "replay_endpoint": None, "topic": "kv@pod@sim"})
+    server = WorkerServer(SimWorker(), f"ipc://{tmp_path}/w.sock")
+    stack = ThreadedStack([server], SchedulerServiceConfig(
+        SchedulerConfig(max_num_seqs=4, token_budget=16, enable_prefix_caching=True, kv_events_config=cfg),
+        worker_addrs=[server.address], metrics_port=None))
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", b"kv@pod@")
+    try:
+        time.sleep(0.2)
+        asyncio.run(collect(stack.gq, [request("r", prompt_len=10, max_tokens=2)]))
+        want = prefix_hashes(list(range(1, 11)), BLOCK)
+        sub.pump(lambda: set(want) <= set(sub.stored))
+    finally:
+        sub.close()
+        stack.close()
