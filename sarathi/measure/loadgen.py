@@ -98,6 +98,72 @@ def make_workload(trace: Trace, num_requests: int, qps: float, *, arrival: str =
             for i, (j, t) in enumerate(zip(idx, times))]
 
 
+@dataclass
+class ChatShape:
+    """Multi-turn chat conversations (make_chat_workload). system_prompts: distinct system prompts,
+    shared across users (each conversation draws one); system_len: their length (tokens);
+    turns: (min, max) turns per conversation, uniform; user_scale: a user turn's length is a
+    trace prompt length x this; think_s: mean seconds between a turn's answer and the next turn
+    (exponential), the answer's time estimated as answer_s_per_token x its length."""
+
+    system_prompts: int = 4
+    system_len: int = 512
+    turns: tuple[int, int] = (2, 8)
+    user_scale: float = 0.25
+    think_s: float = 10.0
+    answer_s_per_token: float = 0.03
+
+    @property
+    def mean_turns(self) -> float:
+        return (self.turns[0] + self.turns[1]) / 2
+
+
+def sim_output_tokens(start: int, n: int, vocab_size: int) -> list[int]:
+    """The tokens the simulated worker generates at positions start .. start + n - 1
+    (sarathi.measure.simulate.SimulatedWorker: a function of the position only)."""
+    return [1 + p % (vocab_size - 1) for p in range(start, start + n)]
+
+
+def make_chat_workload(trace: Trace, num_requests: int, qps: float, shape: ChatShape | None = None, *,
+                       seed: int = 0, vocab_size: int = 32000, max_total_len: int = 8192) -> list[RequestSpec]:
+    """num_requests requests of multi-turn conversations at a mean of qps requests/s (arrival
+    order). Conversations start as a Poisson process at qps / mean turns; turn k + 1's prompt is
+    turn k's prompt + turn k's answer + a new user message, so consecutive turns share a growing
+    prefix, and every prompt starts with one of the shared system prompts. The answer tokens are
+    the simulated worker's (sim_output_tokens), so in simulation a follow-up's prefix is exactly
+    what the replica that served turn k computed; against a real server a follow-up carries these
+    tokens instead of the real answer (its earlier prompt still matches). Turn k + 1 arrives
+    answer time + think time after turn k (open loop: whether or not turn k has ended). A
+    conversation ends early when the next prompt + answer would exceed max_total_len.
+    Request ids: c<conversation>t<turn>."""
+    shape = shape or ChatShape()
+    if not qps > 0:
+        raise ValueError(f"--qps must be > 0, got {qps}")
+    rng = np.random.default_rng(seed)
+    low = min(100, vocab_size - 1)
+    systems = [rng.integers(low, vocab_size, shape.system_len).tolist() for _ in range(shape.system_prompts)]
+    rate = qps / shape.mean_turns
+    out: list[RequestSpec] = []
+    t, c = 0.0, 0
+    while len(out) < num_requests:
+        prompt = list(systems[int(rng.integers(len(systems)))])
+        arrival = t
+        for k in range(int(rng.integers(shape.turns[0], shape.turns[1] + 1))):
+            j = int(rng.integers(len(trace)))
+            user = max(1, round(trace.prompt_lens[j] * shape.user_scale))
+            answer = trace.output_lens[j]
+            if len(prompt) + user + answer > max_total_len:
+                break
+            prompt = prompt + rng.integers(low, vocab_size, user).tolist()
+            out.append(RequestSpec(f"c{c}t{k}", arrival, prompt, answer))
+            prompt = prompt + sim_output_tokens(len(prompt), answer, vocab_size)
+            arrival += answer * shape.answer_s_per_token + float(rng.exponential(shape.think_s))
+        c += 1
+        t += float(rng.exponential(1.0 / rate))
+    out.sort(key=lambda s: s.arrival)
+    return out[:num_requests] if len(out) > num_requests else out
+
+
 def shift_prompts(workload: list[RequestSpec], scale: float, *, max_total_len: int,
                   vocab_size: int = 32000, seed: int = 0) -> list[RequestSpec]:
     """A workload whose prompts change length mid-run: requests arriving in the second half of
