@@ -64,16 +64,21 @@ def _cbor_head(major: int, n: int) -> bytes:
     raise ValueError(f"{n} does not fit in 64 bits")
 
 
+_TOKEN_CBOR: dict[int, bytes] = {}   # token id -> its CBOR (hashing runs per block, on the scheduler thread)
+
+
+def _token_cbor(t: int) -> bytes:
+    b = _TOKEN_CBOR.get(t)
+    if b is None:
+        b = _TOKEN_CBOR[t] = _cbor_head(0, int(t))
+    return b
+
+
 def cbor_block_key(parent: int, token_ids) -> bytes:
     """Canonical CBOR of [parent, [token ids], None] (ints >= 0), as cbor2.dumps(...,
     canonical=True) writes it."""
-    out = bytearray(b"\x83")
-    out += _cbor_head(0, parent)
-    out += _cbor_head(4, len(token_ids))
-    for t in token_ids:
-        out += _cbor_head(0, int(t))
-    out += b"\xf6"
-    return bytes(out)
+    return b"".join((b"\x83", _cbor_head(0, parent), _cbor_head(4, len(token_ids)),
+                     *map(_token_cbor, token_ids), b"\xf6"))
 
 
 def _low64(data: bytes) -> int:
@@ -203,21 +208,26 @@ class KVEventRecorder:
             out, self._pending = self._pending, []
         return out
 
-    def _external(self, req, upto: int) -> list[int]:
-        """External hashes of req's first `upto` blocks (cached ones remembered, others computed)."""
-        out, parent, bs = [], self._root, self.block_size
-        for i in range(upto):
-            h = self._ext.get(req.block_hashes[i])
+    def _external(self, req, first: int, upto: int) -> dict[int, int]:
+        """External hashes of req's blocks first-1 .. upto-1 (index -> hash; cached blocks'
+        remembered, the others computed along the chain from the nearest remembered one)."""
+        bs, keys = self.block_size, req.block_hashes
+        start = first - 1
+        while start >= 0 and keys[start] not in self._ext:
+            start -= 1
+        parent = self._root if start < 0 else self._ext[keys[start]]
+        out = {start: parent} if start >= 0 else {}
+        for i in range(start + 1, upto):
+            h = self._ext.get(keys[i])
             if h is None:
                 h = block_hash(parent, req.token_ids[i * bs:(i + 1) * bs])
-            out.append(h)
-            parent = h
+            out[i] = parent = h
         return out
 
     def stored(self, req, indices: list[int]) -> None:
         if not indices:
             return
-        ext = self._external(req, indices[-1] + 1)
+        ext = self._external(req, indices[0], indices[-1] + 1)
         run: list[int] = []
         for i in indices:              # one BlockStored per run of consecutive blocks
             if run and i != run[-1] + 1:
@@ -228,7 +238,7 @@ class KVEventRecorder:
         for i in indices:
             self._ext[req.block_hashes[i]] = ext[i]
 
-    def _stored_run(self, req, run: list[int], ext: list[int]) -> None:
+    def _stored_run(self, req, run: list[int], ext: dict[int, int]) -> None:
         bs, first = self.block_size, run[0]
         self._emit(BlockStored([ext[i] for i in run], ext[first - 1] if first > 0 else None,
                                [int(t) for t in req.token_ids[first * bs:(run[-1] + 1) * bs]], bs))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler_svc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder, prefix_hashes
+from scheduler_svc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder, block_hash, root_hash
 
 ROUTINGS = ("least-unfinished", "shared-queue", "least-queue", "prefix", "mix")
 WEIGHTS = {"least-queue": {"queue": 1.0, "kv": 1.0}, "prefix": {"prefix": 1.0},
@@ -85,8 +85,25 @@ class Picker:
                 if bm.cache is None:
                     raise ValueError("prefix-aware routing needs prefix caching (--prefix-caching)")
                 bm.events = KVEventRecorder(block_size, sink=self.index.sink(i))
+        self._root = root_hash("0")
+        self._memo: dict[tuple, int] = {}   # (parent hash, block tokens) -> hash; grows with the run
         self.matched_blocks = 0     # over all picks: blocks the chosen replica held (prefix scorer)
         self.prompt_blocks = 0
+
+    def _hashes(self, prompt_ids: list[int]) -> list[int]:
+        """scheduler_svc.kv_events.prefix_hashes(prompt_ids), each block's hash remembered by
+        (hash of the block before, its tokens): a follow-up turn rehashes only its new blocks."""
+        bs, out = self.block_size, []
+        parent = self._root
+        memo = self._memo
+        for i in range(len(prompt_ids) // bs):
+            key = (parent, tuple(prompt_ids[i * bs:(i + 1) * bs]))
+            h = memo.get(key)
+            if h is None:
+                h = memo[key] = block_hash(parent, key[1])
+            out.append(h)
+            parent = h
+        return out
 
     def scores(self, prompt_ids: list[int]) -> tuple[np.ndarray, list[int] | None]:
         n = len(self.replicas)
@@ -101,7 +118,7 @@ class Picker:
                                          r.scheduler.block_manager.num_blocks for r in self.replicas])
         matched = None
         if "prefix" in w:
-            hashes = prefix_hashes(prompt_ids, self.block_size)
+            hashes = self._hashes(prompt_ids)
             matched = [self.index.matched(i, hashes) for i in range(n)]
             if hashes:
                 total += w["prefix"] * np.array(matched, dtype=float) / len(hashes)

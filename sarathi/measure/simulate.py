@@ -24,6 +24,7 @@ Pipeline parallelism, two measures over stages and replicas:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from typing import Callable
@@ -153,7 +154,9 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
     """Drive the replicas through the workload on virtual time (see the module doc). Returns the
     run (records of every request, iterations of every replica in start order) and extras:
     per-replica request counts, the prefix-cache hit rate (tokens found cached / tokens looked up
-    at admission, all replicas), the pipeline bubble fraction. routing: one of
+    at admission, all replicas, from the first request arriving at or after 0), the pipeline
+    bubble fraction. Requests arriving before 0 warm the replicas up: they run, and are left out
+    of the records, iterations and hit rate. routing: one of
     sarathi.measure.routing.ROUTINGS; max_waiting: the scheduler service's local queue bound
     (shared-queue pulls); seed: the picker's tie-breaks; routes: if given, filled with request id
     -> the index of the replica that served it."""
@@ -163,8 +166,19 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
         raise ValueError(f"unknown routing {routing!r}; choose one of {', '.join(ROUTINGS)}")
     picker = Picker(routing, replicas, replicas[0].scheduler.block_manager.block_size, seed) \
         if routing in WEIGHTS else None
-    end = (workload[-1].arrival if workload else 0.0) + drain_s
+    end = max((s.arrival for s in workload), default=0.0) + drain_s
     pending = deque(sorted(workload, key=lambda s: s.arrival))
+    # warm-up requests (arrivals before 0): the run starts at the first of them (virtual clocks
+    # start at 0: every time is shifted by `offset`, and shifted back in the results)
+    offset = max(0.0, -pending[0].arrival) if pending else 0.0
+    if offset:
+        pending = deque(dataclasses.replace(spec, arrival=spec.arrival + offset) for spec in pending)
+        end += offset
+
+    def prefix_tokens() -> tuple[int, int]:   # (hit, looked-up) tokens over the replicas so far
+        st = [r.scheduler.stats() for r in replicas]
+        return (sum(x["prefix_cache_hit_tokens"] for x in st), sum(x["prefix_cache_query_tokens"] for x in st))
+    warm_prefix = None if offset else (0, 0)
     shared: deque[RequestSpec] = deque()     # routing shared-queue: arrived, not pulled yet
     reqs, iterations = {}, []
     last_batch: list[Batch] = []
@@ -173,6 +187,9 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
     routed = [0] * len(replicas)
 
     def admit(i: int, spec: RequestSpec) -> None:
+        nonlocal warm_prefix
+        if warm_prefix is None and spec.arrival >= offset:
+            warm_prefix = prefix_tokens()      # the measured part starts: count its lookups only
         r = replicas[i]
         routed[i] += 1
         if routes is not None:
@@ -223,21 +240,28 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
                                               decodes, seqs, kv, pairs))
     records = [_record(spec, 0.0, list(req.token_times), req.first_scheduled_time,
                        req.finish_reason in ("stop", "length"), req.error)
-               for spec, req in reqs.values()]
+               for spec, req in reqs.values() if spec.arrival >= offset]
     records += [_record(spec, 0.0, [], None, False, None) for spec in pending]
     busy_s = sum(sum(r.worker.busy) for r in replicas)
     bubble_s = sum(sum(r.worker.bubble) for r in replicas)
     stage_time = sum(len(r.worker.busy) * r.busy_s for r in replicas)
-    records += [_record(spec, 0.0, [], None, False, None) for spec in shared]
-    hit = sum(r.scheduler.stats()["prefix_cache_hit_tokens"] for r in replicas)
-    looked = sum(r.scheduler.stats()["prefix_cache_query_tokens"] for r in replicas)
+    records += [_record(spec, 0.0, [], None, False, None) for spec in shared if spec.arrival >= offset]
+    if offset:   # back to the workload's times; the warm-up's iterations left out
+        for rec in records:
+            rec.arrival -= offset
+            rec.token_times = [t - offset for t in rec.token_times]
+            if rec.first_scheduled is not None:
+                rec.first_scheduled -= offset
+        iterations = [dataclasses.replace(it, start=it.start - offset) for it in iterations if it.start >= offset]
+    hit, looked = (a - b for a, b in zip(prefix_tokens(), warm_prefix or (0, 0)))
     extra = {"replica_requests": routed, "routing": routing,
+             "warmup_requests": sum(1 for spec, _ in reqs.values() if spec.arrival < offset),
              "prefix_hit_rate": hit / looked if looked else 0.0,
              "pp_bubble_fraction": bubble_s / (busy_s + bubble_s) if busy_s + bubble_s else 0.0,
              "pp_idle_fraction": max(0.0, 1 - busy_s / stage_time) if stage_time else 0.0,
              "stage_busy_s": [[round(b, 4) for b in r.worker.busy] for r in replicas]}
     iterations.sort(key=lambda it: it.start)
-    end_time = max(r.clock.now for r in replicas)
+    end_time = max(r.clock.now for r in replicas) - offset
     if windows:
         extra["windows"] = windowed_tbt_p99(records, 0.0, end_time, windows)
     adaptive = getattr(replicas[0].scheduler.policy, "adaptive", None)

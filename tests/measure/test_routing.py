@@ -50,8 +50,9 @@ def test_prefix_routing_keeps_a_conversation_where_its_history_is_cached():
         routes = results[routing][1]
         for rid, i in routes.items():
             conv, turn = rid.split("t")
-            if int(turn) > 0:
-                assert routes[f"{conv}t{int(turn) - 1}"] == i, (routing, rid)
+            prev = f"{conv}t{int(turn) - 1}"
+            if prev in routes:      # (the turn before may have arrived before the run started)
+                assert routes[prev] == i, (routing, rid)
         assert results[routing][0] > results["shared-queue"][0] + 0.1
 
 
