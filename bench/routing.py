@@ -17,7 +17,9 @@ Per (replicas, workload):
 
 Workloads: chat (sarathi.measure.loadgen.make_chat_workload: 4 shared system prompts of 512
 tokens, 2-8 turns, a user turn 0.25 x a ShareGPT prompt, answers of ShareGPT output lengths, 5 s
-mean think time; a warm-up of earlier turns runs first and is left out), sharegpt (one request
+mean think time; --warmup seconds of earlier turns run first and are left out: conversations
+older than that start the measured window with their history uncached, which favours no
+routing), sharegpt (one request
 per trace row, the packaged ShareGPT length trace).
 
     python -m bench.routing --replicas 4 --out bench/results/routing
@@ -47,10 +49,9 @@ TAU = 512
 CHAT = ChatShape(system_prompts=4, system_len=512, turns=(2, 8), user_scale=0.25, think_s=5.0)
 
 
-def _chat_shape() -> ChatShape:
+def _chat_shape(warmup_s: float) -> ChatShape:
     import dataclasses
-    span = CHAT.mean_turns * (400 * CHAT.answer_s_per_token + CHAT.think_s)
-    return dataclasses.replace(CHAT, warmup_s=round(span, 1))
+    return dataclasses.replace(CHAT, warmup_s=warmup_s)
 
 
 def run(a: argparse.Namespace) -> None:
@@ -61,7 +62,7 @@ def run(a: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for wl in a.workloads.split(","):
         w = Workload(trace, a.num_requests, seed=a.seed, drain_s=a.drain, duration_s=a.duration,
-                     chat=_chat_shape() if wl == "chat" else None)
+                     chat=_chat_shape(a.warmup) if wl == "chat" else None)
         res = {"command": "python -m bench.routing " + " ".join(sys.argv[1:]), "machine": machine(),
                "replicas": a.replicas, "workload": wl, "chat": json_safe(vars(w.chat)) if w.chat else None,
                "model": "llama-3-8b", "device": "a100", "num_blocks_per_replica": blocks, "policy": "sarathi",
@@ -150,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("mode", nargs="?", default="run", choices=["run", "report"])
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--workloads", default="chat,sharegpt")
-    p.add_argument("--capacity-routings", default="shared-queue,least-queue,mix")
+    p.add_argument("--capacity-routings", default="shared-queue,mix")
+    p.add_argument("--warmup", type=float, default=30.0, help="chat: seconds of earlier turns run first, left out")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
     p.add_argument("--num-requests", type=int, default=500)
     p.add_argument("--drain", type=float, default=60.0)
