@@ -24,6 +24,8 @@ per trace row, the packaged ShareGPT length trace).
 
     python -m bench.routing --replicas 4 --out bench/results/routing
     python -m bench.routing --replicas 8 --out bench/results/routing
+    python -m bench.routing probe --replicas 4 --workloads chat --routing mix --qps-list 22.75 \
+        --out bench/results/routing                                  # refine a capacity bracket
     python -m bench.routing report --out bench/results/routing     # summary JSON + PNG
 """
 from __future__ import annotations
@@ -95,6 +97,42 @@ def run(a: argparse.Namespace) -> None:
         (out / f"routing_{wl}_{a.replicas}r.json").write_text(json.dumps(json_safe(res), indent=1))
 
 
+def probe(a: argparse.Namespace) -> None:
+    """Refine a capacity bracket: one run per rate of --qps-list for --routing, each judged by the
+    same criterion; appended to the configuration's JSON under "refine"."""
+    from sarathi.measure.metrics import meets_slo
+
+    cost = GPUCostModel("llama-3-8b", "a100")
+    blocks = cost.kv_blocks(16, 0.9)
+    trace = load_trace(None, max_total_len=8192)
+    (wl,) = a.workloads.split(",")
+    path = Path(a.out) / f"routing_{wl}_{a.replicas}r.json"
+    res = json.loads(path.read_text())
+    w = Workload(trace, a.num_requests, seed=a.seed, drain_s=a.drain, duration_s=a.duration,
+                 chat=_chat_shape(a.warmup) if wl == "chat" else None)
+    target = simulated_target(cost, replicas=a.replicas, num_blocks=blocks, max_model_len=8192,
+                              sched_config=SchedulerConfig(enable_prefix_caching=True, max_num_seqs=128),
+                              routing=a.routing)
+    for q in (float(x) for x in a.qps_list.split(",")):
+        s = run_once(target, w, q, policy="sarathi", token_budget=TAU, progress=False, keep_requests=False)["summary"]
+        ok = meets_slo(s, TBT_SLO, 2.0, None)
+        res.setdefault("refine", {}).setdefault(a.routing, []).append({"qps": q, "ok": ok, "summary": s})
+        print(f"{a.replicas} replicas {wl} {a.routing} @ {q:g}: {'ok' if ok else 'miss'} (P50 sched delay "
+              f"{s['sched_delay_p50_s']:.2f} s, P99 TBT {s['tbt_p99_s']:.3f} s)", file=sys.stderr, flush=True)
+        path.write_text(json.dumps(json_safe(res), indent=1))
+
+
+def _capacity(r: dict, routing: str) -> tuple[float | None, float | None]:
+    """(highest passing rate, lowest failing rate above it) over the search and the refinements."""
+    c = r["capacity"].get(routing)
+    if c is None:
+        return None, None
+    probes = [(p["qps"], p["ok"]) for p in c["probes"] + r.get("refine", {}).get(routing, [])]
+    lo = max((q for q, ok in probes if ok), default=0.0)
+    hi = min((q for q, ok in probes if not ok and q > lo), default=None)
+    return lo, hi
+
+
 def report(a: argparse.Namespace) -> None:
     out = Path(a.out)
     rows = []
@@ -102,10 +140,13 @@ def report(a: argparse.Namespace) -> None:
         r = json.loads(p.read_text())
         for routing in ROUTINGS:
             s = r["at_common_qps"].get(routing)
-            cap = r["capacity"].get(routing, {}).get("capacity_qps")
-            base = r["capacity"].get("shared-queue", {}).get("capacity_qps")
+            cap, cap_hi = _capacity(r, routing)
+            base, base_hi = _capacity(r, "shared-queue")
             rows.append({"replicas": r["replicas"], "workload": r["workload"], "routing": routing,
-                         "capacity_qps": cap, "capacity_vs_shared_queue": cap / base if cap and base else None,
+                         "capacity_qps": cap, "first_failing_qps": cap_hi,
+                         "capacity_vs_shared_queue": cap / base if cap and base else None,
+                         "ratio_bounds": [cap / base_hi if cap and base_hi else None,
+                                          cap_hi / base if cap_hi and base else None],
                          "common_qps": r["common_qps"], "ttft_p50_s": s and s["ttft_p50_s"],
                          "ttft_p99_s": s and s["ttft_p99_s"], "tbt_p99_s": s and s["tbt_p99_s"],
                          "prefix_hit_rate": s and s["prefix_hit_rate"]})
@@ -113,6 +154,8 @@ def report(a: argparse.Namespace) -> None:
     for row in rows:
         cap = "-" if row["capacity_qps"] is None else f"{row['capacity_qps']:.3g}"
         rel = "" if row["capacity_vs_shared_queue"] is None else f" ({row['capacity_vs_shared_queue']:.2f}x)"
+        if row["first_failing_qps"]:
+            cap += f" (< {row['first_failing_qps']:.3g})"
         print(f"| {row['replicas']} | {row['workload']} | {row['routing']} | {cap}{rel} | "
               f"{row['ttft_p50_s']:.3f} / {row['ttft_p99_s']:.3f} | {row['prefix_hit_rate']:.1%} |")
     _plot(rows, out / "routing.png")
@@ -130,9 +173,13 @@ def _plot(rows: list[dict], path: Path) -> None:
         sel = [r for r in rows if r["workload"] == wl and r["replicas"] == n]
         names = [r["routing"] for r in sel]
         ax = axes[0][j]
-        ax.bar(names, [r["capacity_qps"] or 0 for r in sel], color=[colors[x] for x in names])
+        measured = [r for r in sel if r["capacity_qps"]]
+        caps = [r["capacity_qps"] for r in measured]
+        up = [(r["first_failing_qps"] or r["capacity_qps"]) - r["capacity_qps"] for r in measured]
+        ax.bar([r["routing"] for r in measured], caps, color=[colors[r["routing"]] for r in measured],
+               yerr=[[0] * len(caps), up], capsize=4)
         ax.set_title(f"{wl}, {n} x A100 (Llama-3-8B)")
-        ax.set_ylabel("capacity at P99 TBT <= 100 ms (QPS)")
+        ax.set_ylabel("capacity (QPS; bar: first failing rate)")
         ax.tick_params(axis="x", rotation=30)
         ax = axes[1][j]
         x = range(len(sel))
@@ -148,7 +195,9 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", nargs="?", default="run", choices=["run", "report"])
+    p.add_argument("mode", nargs="?", default="run", choices=["run", "probe", "report"])
+    p.add_argument("--routing", default="shared-queue", help="probe: the routing")
+    p.add_argument("--qps-list", default="", help="probe: comma-separated rates")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--workloads", default="chat,sharegpt")
     p.add_argument("--capacity-routings", default="shared-queue,mix")
@@ -162,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/routing")
     a = p.parse_args(argv)
-    (report if a.mode == "report" else run)(a)
+    {"run": run, "probe": probe, "report": report}[a.mode](a)
     return 0
 
 
