@@ -86,3 +86,21 @@ def test_the_picker_scores_queue_kv_and_prefix_as_the_endpoint_picker():
     assert pref.scores(longer)[1] == [0, 0, 0]
     with pytest.raises(ValueError, match="prefix caching"):
         Picker("mix", replicas(2, prefix=False), 16)
+
+
+def test_warm_up_turns_run_first_and_stay_out_of_the_results():
+    import dataclasses
+
+    shape = ChatShape(system_len=64, turns=(3, 3), user_scale=0.1, think_s=1.0, warmup_s=10.0)
+    w = make_chat_workload(TRACE, 40, 2.0, shape, seed=3)
+    warm = [s for s in w if s.arrival < 0]
+    measured = [s for s in w if s.arrival >= 0]
+    assert warm and len(measured) == 40 and min(s.arrival for s in warm) >= -10.0 * 1.5
+    assert abs((measured[-1].arrival - measured[0].arrival) - 39 / 2.0) < 1e-6   # exactly 2 QPS
+    rr, extra = run_replicas(replicas(2), w, drain_s=60, routing="mix")
+    assert {r.req_id for r in rr.records} == {s.req_id for s in measured}
+    assert extra["warmup_requests"] == len(warm)
+    assert min(r.arrival for r in rr.records) == 0.0 and all(r.finished for r in rr.records)
+    assert all(it.start >= 0 for it in rr.iterations)
+    cold = run_replicas(replicas(2), [dataclasses.replace(s) for s in measured], drain_s=60, routing="mix")[1]
+    assert extra["prefix_hit_rate"] > cold["prefix_hit_rate"]   # the warm-up filled the caches
