@@ -73,6 +73,9 @@ def _sched_args(p: argparse.ArgumentParser) -> None:
     _add(p, "num-speculative-tokens", 4, f"with --speculative: the most draft tokens per decode and "
          f"iteration, 1 to {MAX_SPECULATIVE_TOKENS} (each request's own number follows its acceptance rate)")
     _add(p, "draft-model", None, "with --speculative draft: the draft model (same tokenizer)")
+    _add(p, "kv-events-config", None, "publish KV-cache events in vLLM's format (with --prefix-caching), "
+         "JSON: endpoint (default tcp://127.0.0.1:5557), replay_endpoint (tcp://127.0.0.1:5558), topic, "
+         "hash_seed (\"0\"), connect (false: bind); see docs/scale-out.md")
 
 
 def _net_args(p: argparse.ArgumentParser, gateway: bool) -> None:
@@ -281,8 +284,20 @@ def _measure_parsers(sub) -> None:
     p = sub.add_parser("simulate", help="the real scheduler against a simulated GPU (or profiled) worker "
                        "on a virtual clock: latency at QPS, or a capacity search")
     _sim_device_args(p)
-    _add(p, "replicas", 1, "replicas behind the shared queue (arrivals go to the one with the fewest "
-         "unfinished requests)")
+    _add(p, "replicas", 1, "independent replicas (each its own scheduler and worker); --routing says how "
+         "arrivals reach them")
+    _add(p, "routing", "least-unfinished", "with --replicas: least-unfinished (the fewest unfinished requests), "
+         "shared-queue (the shared queue's pull: an idle replica takes a request at once, a busy one at its next "
+         "iteration), or the inference gateway's endpoint picker: least-queue (queue + KV-usage scorers), prefix "
+         "(prefix-cache scorer from the KV-cache events; needs --prefix-caching), mix (prefix 3 + queue 1 + KV 1)",
+         choices=["least-unfinished", "shared-queue", "least-queue", "prefix", "mix"])
+    _add(p, "workload", "trace", "trace: one request per trace row; chat: multi-turn conversations (turns share "
+         "a growing prefix, system prompts shared across users; lengths from the trace)", choices=["trace", "chat"])
+    _add(p, "chat-system-prompts", 4, "chat: distinct system prompts, shared across conversations")
+    _add(p, "chat-system-len", 512, "chat: tokens of a system prompt")
+    _add(p, "chat-turns", "2,8", "chat: min,max turns per conversation (uniform)")
+    _add(p, "chat-user-scale", 0.25, "chat: a user turn's length = a trace prompt length x this")
+    _add(p, "chat-think", 5.0, "chat: mean seconds between an answer and the next turn (exponential)")
     _add(p, "block-size", 16, "tokens per KV block")
     _add(p, "num-blocks", 0, "KV blocks per replica (0 = what fits the device's memory after the weights)")
     _add(p, "gpu-memory-utilization", 0.9, "fraction of device memory for weights, activations and KV")

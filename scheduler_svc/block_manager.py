@@ -34,6 +34,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cache = PrefixCache() if enable_prefix_caching else None
+        self.events = None  # a scheduler_svc.kv_events.KVEventRecorder: cache changes as KV events
 
     # -- counts (blocks) -----------------------------------------------------------------------
     @property
@@ -128,8 +129,10 @@ class BlockManager:
             return
         num_full = req.num_computed_tokens // self.block_size
         extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, num_full)
-        for i in range(req.num_cached_blocks, num_full):
-            self.cache.insert(req.block_hashes[i], req.block_table[i])
+        stored = [i for i in range(req.num_cached_blocks, num_full)
+                  if self.cache.insert(req.block_hashes[i], req.block_table[i])]
+        if self.events is not None:
+            self.events.stored(req, stored)
         req.num_cached_blocks = max(req.num_cached_blocks, num_full)
 
     def forget_cached_contents(self) -> None:
@@ -137,6 +140,8 @@ class BlockManager:
         again. Blocks still held are freed later as uncached (to the front of the free list)."""
         if self.cache is not None:
             self.cache = PrefixCache()
+            if self.events is not None:
+                self.events.cleared()
 
     def cached_prefix_tokens(self, req: Request) -> int:
         """Tokens of req's prefix found in this cache now (full blocks; 0 without caching)."""
@@ -165,6 +170,8 @@ class BlockManager:
     def _take_free(self) -> int:
         block, _ = self._free.popitem(last=False)
         if self.cache is not None:
-            self.cache.evict(block)
+            key = self.cache.evict(block)
+            if key is not None and self.events is not None:
+                self.events.removed(key)
         self.ref_counts[block] = 1
         return block

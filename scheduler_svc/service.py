@@ -58,7 +58,7 @@ import zlib
 
 from scheduler_svc.engine import Engine
 from scheduler_svc.engine_loop import EngineLoop
-from scheduler_svc.metrics import SchedulerMetrics, start_http
+from scheduler_svc.metrics import SchedulerMetrics, queue_backlog, start_http
 from scheduler_svc.pools import PoolSet, make_pool
 from scheduler_svc.remote_executor import WorkerError
 from scheduler_svc.router import Router, RouterConfig
@@ -361,6 +361,7 @@ def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, s
     from scheduler_svc.remote_executor import RemoteExecutor
 
     owned = None   # the RemoteExecutor made here, closed at the end (a given executor is the caller's)
+    publisher = None
     try:
         if executor is None:
             executor = owned = RemoteExecutor(c.worker_addrs, timeout_s=c.worker_timeout_s)
@@ -368,9 +369,12 @@ def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, s
         info = _wait_for_model_info(executor, stop)
         if info is None:
             return
-        metrics.set_worker(info.name, info.backend)
+        metrics.set_worker(info.name, info.backend, info.block_size)
         cfg = dataclasses.replace(c.scheduler, max_model_len=c.max_model_len or info.max_model_len)
         scheduler = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info)
+        if cfg.kv_events_config is not None:   # transport security for it: start_publisher's socket_hook
+            from scheduler_svc.kv_events import start_publisher
+            publisher = start_publisher(cfg.kv_events_config, scheduler.block_manager)
         queue = _queue(c, queue)
         service = SchedulerService(loop_engine(scheduler, executor, metrics, c.worker_restart_timeout_s),
                                    queue, metrics, stall_timeout_s=stall_timeout(c))
@@ -381,6 +385,8 @@ def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, s
     finally:
         if owned is not None:
             owned.close()
+        if publisher is not None:
+            publisher.close()
 
 
 def stall_timeout(c: SchedulerServiceConfig) -> float:
@@ -405,6 +411,7 @@ def _queue(c: SchedulerServiceConfig, queue: SchedulerQueue | None) -> Scheduler
 def _serve(service: SchedulerService, queue: SchedulerQueue, services: list, server, stop, on_ready) -> None:
     """Publish the ready service (HTTP thread, on_ready), run it until `stop`, close its queue."""
     service.http_port = server.server_port if server is not None else None
+    service.metrics.model_server.backlog = queue_backlog(queue)   # the picker's waiting count
     services.append(service)
     if on_ready is not None:
         on_ready(service)
@@ -431,6 +438,9 @@ def _run_pools(c: SchedulerServiceConfig, queue, executors, metrics, services, s
     from scheduler_svc.remote_executor import RemoteExecutor
 
     owned = []
+    if c.scheduler.kv_events_config is not None:
+        log.warning("KV-cache events are published by a single replica's scheduler, not with worker pools: "
+                    "--kv-events-config is ignored")
     try:
         if executors is None:
             executors = []
@@ -452,7 +462,7 @@ def _run_pools(c: SchedulerServiceConfig, queue, executors, metrics, services, s
                                  "(start it with --kv-address)")
         d = c.disagg
         info = pools[0].scheduler.model_info
-        metrics.set_worker(info.name, info.backend)
+        metrics.set_worker(info.name, info.backend, info.block_size)
         pool_set = PoolSet(pools, Router(RouterConfig(d.mode, d.threshold_tokens, d.backlog_margin_tokens)),
                            kv_transfer_timeout_s=d.kv_transfer_timeout_s,
                            kv_transfer_failure=d.kv_transfer_failure,

@@ -43,6 +43,8 @@ class SchedulerConfig:
     num_speculative_tokens: the most draft tokens one decode may carry per iteration (tokens).
     draft_model: with speculative "draft": the draft model (a GGUF file or model directory with the
         served model's tokenizer), run by the scheduler's process.
+    kv_events_config: None, or JSON of the KV-cache event publisher (scheduler_svc/kv_events.py:
+        endpoint, replay_endpoint, topic, hash_seed, connect), as vLLM's --kv-events-config.
     """
 
     policy: str = "sarathi"
@@ -57,6 +59,7 @@ class SchedulerConfig:
     speculative: str = "off"
     num_speculative_tokens: int = 4
     draft_model: str | None = None
+    kv_events_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
