@@ -373,8 +373,18 @@ def start_publisher(config_json: str, block_manager, *, socket_hook: SocketHook 
              "data_parallel_rank"}
     if not isinstance(cfg, dict) or set(cfg) - known:
         raise ValueError(f"--kv-events-config: a JSON object with keys among {sorted(known)}, got {config_json!r}")
+    # the events carry prompts' token ids: a socket listening beyond loopback would hand every
+    # user's prompts to whoever connects; subscribers (the endpoint picker) cannot do CURVE, so
+    # such a bind needs the operator's explicit opt-in, as an unkeyed link does (shared.link_auth)
+    from shared.link_auth import check_bind
+
+    endpoint = cfg.get("endpoint", "tcp://127.0.0.1:5557")
+    if not cfg.get("connect", False):
+        check_bind(endpoint, None, "the KV-cache event publisher")
+    if cfg.get("replay_endpoint", "tcp://127.0.0.1:5558"):
+        check_bind(cfg.get("replay_endpoint", "tcp://127.0.0.1:5558"), None, "the KV-cache event replay socket")
     rec = KVEventRecorder(block_manager.block_size, str(cfg.get("hash_seed", "0")))
-    pub = ZmqEventPublisher(rec, cfg.get("endpoint", "tcp://127.0.0.1:5557"),
+    pub = ZmqEventPublisher(rec, endpoint,
                             replay_endpoint=cfg.get("replay_endpoint", "tcp://127.0.0.1:5558"),
                             connect=bool(cfg.get("connect", False)), topic=cfg.get("topic", ""),
                             buffer_steps=int(cfg.get("buffer_steps", 10_000)),

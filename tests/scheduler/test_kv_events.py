@@ -25,6 +25,7 @@ from scheduler_svc.kv_events import (
     decode_batch,
     prefix_hashes,
     root_hash,
+    start_publisher,
 )
 from scheduler_svc.sim_executor import sim_engine
 from shared.sampling import SamplingParams
@@ -262,3 +263,31 @@ def test_the_scheduler_service_publishes_events_configured_as_vllms(tmp_path):
     finally:
         sub.close()
         stack.close()
+
+
+def test_a_publisher_beyond_loopback_needs_the_operators_opt_in(monkeypatch, caplog):
+    """The events carry prompts' token ids, and their subscribers cannot authenticate: a socket
+    listening on a network address is refused unless SARATHI_INSECURE_LINKS=1 says the network is
+    trusted; connecting out to a subscriber (the endpoint picker's layout) needs no opt-in."""
+    import json
+
+    from shared.link_auth import LinkSecurityError
+    from tests.support.redis_fixture import free_port
+
+    monkeypatch.delenv("SARATHI_INSECURE_LINKS", raising=False)
+    bm = sim_engine("sarathi", block_size=BS, num_blocks=12, token_budget=64, enable_prefix_caching=True,
+                    max_model_len=64).scheduler.block_manager
+    wide = json.dumps({"endpoint": f"tcp://0.0.0.0:{free_port()}", "replay_endpoint": None})
+    with pytest.raises(LinkSecurityError, match="KV-cache event publisher"):
+        start_publisher(wide, bm)
+    replay = json.dumps({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": f"tcp://0.0.0.0:{free_port()}"})
+    with pytest.raises(LinkSecurityError, match="replay"):
+        start_publisher(replay, bm)
+    out = start_publisher(json.dumps({"endpoint": f"tcp://10.255.255.1:{free_port()}", "connect": True,
+                                      "replay_endpoint": None}), bm)
+    out.close()
+    monkeypatch.setenv("SARATHI_INSECURE_LINKS", "1")
+    with caplog.at_level("WARNING"):
+        pub = start_publisher(wide, bm)
+    pub.close()
+    assert "WITHOUT authentication" in caplog.text
