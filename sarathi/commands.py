@@ -92,6 +92,7 @@ def scheduler(a: argparse.Namespace) -> int:
         # with prefill/decode workers, --worker-addr names mixed workers only when given
         worker_addrs=addrs(a.worker_addr) if (explicit_mixed or not (prefill or decode)) else [],
         worker_restart_timeout_s=a.worker_restart_timeout, metrics_port=a.metrics_port,
+        stall_timeout_s=a.stall_timeout,
         disagg=DisaggConfig(prefill, decode, separate_mixed=bool(prefill or decode), mode=a.disaggregation,
                             threshold_tokens=a.disagg_threshold, backlog_margin_tokens=a.disagg_backlog_margin,
                             kv_transfer_timeout_s=a.kv_transfer_timeout,
@@ -100,8 +101,13 @@ def scheduler(a: argparse.Namespace) -> int:
 
 
 def worker(a: argparse.Namespace) -> int:
+    import logging
+
     from worker_svc.service import run_worker
 
+    # INFO: the worker's start-up lines (which backend and kernels run, the KV cache) are for operators
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = dataclasses.replace(engine_config(a), max_num_seqs=a.max_num_seqs,
                                  max_num_batched_tokens=a.max_num_batched_tokens)
     config = WorkerServiceConfig(engine, address=a.bind, role=a.role, kv_address=a.kv_address or None)
@@ -113,12 +119,7 @@ def worker(a: argparse.Namespace) -> int:
         return 0
     if a.role != "mixed" or a.kv_address:
         raise ValueError("prefill/decode roles run on one-rank workers only (no --tp/--pp yet)")
-    import logging
-
     from worker_svc.parallel import parse_pp_layers
-
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     pc = ParallelConfig(tp=a.tp, pp=a.pp, rank=max(rank or 0, 0), pp_layers=parse_pp_layers(a.pp_layers),
                         master_addr=a.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1",
@@ -144,3 +145,12 @@ def worker(a: argparse.Namespace) -> int:
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else None
+
+
+def keys(a: argparse.Namespace) -> int:
+    """`sarathi keys DIR`: a deployment's link keys (shared.link_auth.write_key_set)."""
+    from shared.link_auth import write_key_set
+
+    for path in write_key_set(a.out, force=a.force):
+        print(path)
+    return 0

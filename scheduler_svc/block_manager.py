@@ -34,6 +34,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cache = PrefixCache() if enable_prefix_caching else None
+        self.events = None  # a scheduler_svc.kv_events.KVEventRecorder: cache changes as KV events
 
     # -- counts (blocks) -----------------------------------------------------------------------
     @property
@@ -81,6 +82,29 @@ class BlockManager:
         for _ in range(self._missing_blocks(req)):
             req.block_table.append(self._take_free())
 
+    # -- speculative decoding: room for draft tokens, and its rollback ------------------------
+    def extend_for_drafts(self, req: Request, num_drafts: int) -> int:
+        """Blocks for up to num_drafts draft positions after req's tokens, taken only while the
+        watermark stays free (drafts never preempt anyone nor use the decodes' reserve);
+        returns how many drafts the blocks now cover (<= num_drafts)."""
+        bs, table = self.block_size, req.block_table
+        room = len(table) * bs - len(req.token_ids)
+        while room < num_drafts and len(self._free) > self.watermark_blocks:
+            table.append(self._take_free())
+            room += bs
+        return max(0, min(num_drafts, room))
+
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Free req's blocks past the first blocks_for(num_tokens) (the slots of rejected
+        drafts). Those blocks hold no computed token of req, so none is shared or keyed."""
+        keep = self.blocks_for(num_tokens)
+        while len(req.block_table) > keep:
+            b = req.block_table.pop()
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self._free[b] = None
+                self._free.move_to_end(b, last=False)
+
     def _missing_blocks(self, req: Request) -> int:
         # inlined arithmetic: called for every decode of every iteration
         return max(0, cdiv(len(req.token_ids), self.block_size) - len(req.block_table))
@@ -105,8 +129,10 @@ class BlockManager:
             return
         num_full = req.num_computed_tokens // self.block_size
         extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, num_full)
-        for i in range(req.num_cached_blocks, num_full):
-            self.cache.insert(req.block_hashes[i], req.block_table[i])
+        stored = [i for i in range(req.num_cached_blocks, num_full)
+                  if self.cache.insert(req.block_hashes[i], req.block_table[i])]
+        if self.events is not None:
+            self.events.stored(req, stored)
         req.num_cached_blocks = max(req.num_cached_blocks, num_full)
 
     def forget_cached_contents(self) -> None:
@@ -114,6 +140,8 @@ class BlockManager:
         again. Blocks still held are freed later as uncached (to the front of the free list)."""
         if self.cache is not None:
             self.cache = PrefixCache()
+            if self.events is not None:
+                self.events.cleared()
 
     def cached_prefix_tokens(self, req: Request) -> int:
         """Tokens of req's prefix found in this cache now (full blocks; 0 without caching)."""
@@ -142,6 +170,8 @@ class BlockManager:
     def _take_free(self) -> int:
         block, _ = self._free.popitem(last=False)
         if self.cache is not None:
-            self.cache.evict(block)
+            key = self.cache.evict(block)
+            if key is not None and self.events is not None:
+                self.events.removed(key)
         self.ref_counts[block] = 1
         return block

@@ -59,8 +59,9 @@ class PrefixCache:
         self._key_of[block_id] = key
         return True
 
-    def evict(self, block_id: int) -> None:
-        """Forget a block that is about to be overwritten."""
+    def evict(self, block_id: int) -> int | None:
+        """Forget a block that is about to be overwritten; returns the key it had (None: none)."""
         key = self._key_of.pop(block_id, None)
         if key is not None:
             del self._block_of[key]
+        return key

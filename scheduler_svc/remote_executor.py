@@ -23,11 +23,20 @@ WorkerLostError within about heartbeat_timeout_s, not after the reply timeout. A
 peer die answers "rank_lost", which is a WorkerLostError too (the replica's KV is gone). ZeroMQ
 reconnects by itself when a worker is back on the address.
 
+Authentication and bounds: on tcp:// with link keys (shared.link_auth.process_keys("scheduler")
+or `keys=`) every socket is a CURVE client that expects the workers' public key and presents the
+scheduler's (a worker accepts no other client). A failed handshake is named in the errors.
+Sockets are bounded (largest reply, queued messages, a send that cannot be queued within
+timeout_s fails). Before a batch with KvSends is sent, each destination's KV receiver is told to
+expect that transfer (shared.link_auth.kv_expect_msg); a transfer that failed or whose batch was
+given up on is cancelled there, so its blocks cannot be written once the scheduler may reuse them.
+
 Torch-free: the scheduler never imports torch.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,7 +45,9 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from shared import link_auth
 from shared.config import ModelInfo, rank_address, single_rank_layout
+from shared.link_auth import LinkKeys
 from shared.messages import Batch, BatchOutput
 from shared.wire import BatchEncoder, pack, unpack
 
@@ -44,6 +55,14 @@ from shared.wire import BatchEncoder, pack, unpack
 # descriptor, which a renewed socket can reuse while the closed socket's monitor endpoint is still
 # bound (the ZMQ reaper unbinds it asynchronously): bind then fails with "Address already in use".
 _MONITOR_IDS = itertools.count()
+log = logging.getLogger("sarathi.remote")
+
+MAX_REPLY_BYTES = 64 << 20   # a batch's reply: sampled ids, timings, logprobs of every row
+QUEUED_MSGS = 64             # per worker: the loop keeps pp batches (and a ping) in flight
+_HANDSHAKE_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the worker refused this scheduler's key",
+                     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake failed (link keys on one side only?)",
+                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed (not the workers' public "
+                                                           "key, or link keys on one side only?)"}
 
 
 class WorkerError(RuntimeError):
@@ -84,16 +103,20 @@ class RemoteExecutor:
     timeout_s: seconds to wait for every worker's reply to one message; a slow first batch on a
     CPU is still an answer, a dead worker is not, so keep it generous.
     heartbeat_ivl_s, heartbeat_timeout_s: the link liveness (see the module doc).
+    keys: the scheduler's link keys ("env": shared.link_auth.process_keys("scheduler"); None: plain).
     """
 
     def __init__(self, addresses: str | list[str], timeout_s: float = 120.0,
                  ctx: zmq.Context | None = None, heartbeat_ivl_s: float = 0.5,
-                 heartbeat_timeout_s: float = 1.5):
+                 heartbeat_timeout_s: float = 1.5, keys: LinkKeys | None | str = "env"):
         if isinstance(addresses, str):  # "tcp://a:5555,tcp://b:5555" from a flag or env var
             addresses = [a.strip() for a in addresses.split(",") if a.strip()]
         self.addresses = list(addresses)
         self.timeout_s = timeout_s
         self.ctx = ctx or zmq.Context.instance()
+        self.keys = link_auth.process_keys("scheduler") if keys == "env" else keys
+        self.handshake_failed: dict[int, str] = {}   # rank -> why its last handshake failed
+        self._announcers: dict[str, zmq.Socket] = {}  # KV receiver address -> DEALER
         self.heartbeat_ivl_ms = int(heartbeat_ivl_s * 1000)
         self.heartbeat_timeout_ms = int(heartbeat_timeout_s * 1000)
         self.monitors: list[zmq.Socket | None] = [None] * len(self.addresses)
@@ -113,13 +136,18 @@ class RemoteExecutor:
         if self.monitors[i] is not None:
             self.monitors[i].close(0)
             self.monitors[i] = None
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
+        s = link_auth.bound(self.ctx.socket(zmq.DEALER), max_msg_bytes=MAX_REPLY_BYTES, sndhwm=QUEUED_MSGS,
+                            rcvhwm=QUEUED_MSGS, sndtimeo_ms=int(self.timeout_s * 1000))
+        if link_auth.uses_curve(address, self.keys):
+            link_auth.connect_curve(s, self.keys)
         if not address.startswith("inproc://"):
             s.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ivl_ms)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_timeout_ms)
             s.setsockopt(zmq.HEARTBEAT_TTL, self.heartbeat_timeout_ms)
-            self.monitors[i] = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
+            events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+            for e in _HANDSHAKE_FAILED:
+                events |= e
+            self.monitors[i] = s.get_monitor_socket(events,
                                                     addr=f"inproc://remote-executor-monitor-{next(_MONITOR_IDS)}")
         self.connected[i] = False
         s.connect(address)
@@ -131,9 +159,14 @@ class RemoteExecutor:
         while mon is not None and mon.poll(0, zmq.POLLIN):
             event = recv_monitor_message(mon)["event"]
             if event == zmq.EVENT_DISCONNECTED:
-                lost, self.connected[i] = True, False
+                # the end of a handshake that failed is no loss: that link was never up
+                lost = lost or self.connected[i] or i not in self.handshake_failed
+                self.connected[i] = False
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected[i] = True
+                self.handshake_failed.pop(i, None)
+            elif event in _HANDSHAKE_FAILED:
+                self.handshake_failed[i] = _HANDSHAKE_FAILED[event]
         return lost
 
     def check_links(self) -> list[str]:
@@ -225,6 +258,11 @@ class RemoteExecutor:
         order. The caller keeps the scheduler's invariant: a request is in at most one batch in
         flight (so each encoder's mirror sees a request's tokens before its next chunk)."""
         call = _Call(batch, time.perf_counter(), time.time())
+        for send in batch.kv_sends:
+            # the lease: the batch's own timeout plus the send's (after that the scheduler
+            # releases the blocks, and cancels the announcement if it still stands)
+            self._announce(send.dst_address, link_auth.kv_expect_msg(
+                send.req_id, send.dst_blocks, min(link_auth.MAX_LEASE_S, self.timeout_s + send.timeout_s)))
         self._send(call, [enc.encode(batch) for enc in self.encoders])
         self._inflight.append(call)
 
@@ -253,6 +291,9 @@ class RemoteExecutor:
             raise
         self._inflight.popleft()
         outputs = [BatchOutput.from_wire(r) for r in head.replies]
+        for send in head.batch.kv_sends:
+            if send.req_id not in outputs[-1].kv_sent:   # given up on: its blocks go back
+                self._announce(send.dst_address, link_auth.kv_cancel_msg(send.req_id))
         for enc, out in zip(self.encoders, outputs):
             enc.on_output(out)
         last = outputs[-1]
@@ -294,7 +335,11 @@ class RemoteExecutor:
 
     def abandon(self) -> None:
         """Forget every batch in flight (their replies, if any come, are dropped by seq) and
-        start a new epoch: the next batch sends every request in full."""
+        start a new epoch: the next batch sends every request in full. Their KV transfers are
+        cancelled at the receivers."""
+        for call in self._inflight:
+            for send in call.batch.kv_sends if call.batch is not None else ():
+                self._announce(send.dst_address, link_auth.kv_cancel_msg(send.req_id))
         self._inflight.clear()
         self.reset()
 
@@ -308,8 +353,11 @@ class RemoteExecutor:
         """Send msgs[i] to rank i under a new seq; the replies so far are forgotten."""
         call.seq = next(self._seq)
         call.replies = [None] * len(self.socks)
-        for sock, msg in zip(self.socks, msgs):
-            sock.send(pack({**msg, "seq": call.seq}))
+        for i, (sock, msg) in enumerate(zip(self.socks, msgs)):
+            try:
+                sock.send(pack({**msg, "seq": call.seq}))
+            except zmq.Again:   # its queue stayed full for timeout_s: that worker is stuck
+                raise WorkerError(f"worker {self.addresses[i]} took no message within {self.timeout_s:.1f}s") from None
 
     def _call_all(self, msgs: list[dict[str, Any]], timeout_s: float) -> list[dict[str, Any]]:
         """Send msgs[i] to worker i ("info", "ping"), wait for all replies; raise on errors."""
@@ -341,14 +389,16 @@ class RemoteExecutor:
                     self._renew(i)   # drop whatever was queued for the dead peer
                 what = f" while batch {call.batch.batch_id} was in flight" if call.batch else ""
                 raise self._lost_error(lost[0], what)
-            if not ready:
+            if not ready or (time.monotonic() > deadline and not any(s in ready for s in self.socks)):
                 # a silent rank may still deliver the late reply: a fresh socket keeps seq matching simple
                 silent = [i for i, r in enumerate(call.replies) if r is None]
+                why = "; ".join(f"{self.addresses[i]}: {self.handshake_failed[i]}"
+                                for i in silent if i in self.handshake_failed)
                 for i in silent:
                     self._renew(i)
                 what = f" batch {call.batch.batch_id}" if call.batch else ""
                 raise WorkerError(f"worker {', '.join(self.addresses[i] for i in silent)} did not "
-                                  f"answer{what} within {timeout_s:.1f}s")
+                                  f"answer{what} within {timeout_s:.1f}s" + (f" ({why})" if why else ""))
             for i, sock in enumerate(self.socks):
                 while sock in ready and sock.poll(0, zmq.POLLIN):
                     if self._file(i, unpack(sock.recv()), call):
@@ -401,6 +451,27 @@ class RemoteExecutor:
         return WorkerLostError(f"worker {self.addresses[i]} disconnected (process died or missed its "
                                f"heartbeats){what}: its KV cache is lost")
 
+    def _announce(self, kv_address: str, msg: dict[str, Any]) -> None:
+        """Tell the KV receiver at kv_address to expect (or forget) a transfer. Never blocks: an
+        announcement that cannot be queued is dropped (the transfer is then refused and
+        reported failed, and the request recomputed)."""
+        if not kv_address.startswith(("tcp://", "ipc://", "inproc://")):
+            return   # not a ZeroMQ receiver (a simulated fabric): nothing to tell
+        sock = self._announcers.get(kv_address)
+        if sock is None:
+            sock = link_auth.bound(self.ctx.socket(zmq.DEALER), max_msg_bytes=1 << 16, sndhwm=QUEUED_MSGS,
+                                   rcvhwm=1, sndtimeo_ms=0)
+            if link_auth.uses_curve(kv_address, self.keys):
+                link_auth.connect_curve(sock, self.keys)
+            sock.connect(kv_address)
+            self._announcers[kv_address] = sock
+        try:
+            sock.send(pack(msg))
+        except zmq.Again:
+            log.warning("KV receiver %s: announcement %s for %s dropped (its queue is full)",
+                        kv_address, msg["op"], msg["req_id"])
+
     def close(self) -> None:
-        for s in self.socks + [m for m in self.monitors if m is not None]:
+        for s in self.socks + [m for m in self.monitors if m is not None] + list(self._announcers.values()):
             s.close(0)
+        self._announcers.clear()

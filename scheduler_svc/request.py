@@ -52,6 +52,10 @@ class Request:
     finish_time: float | None = None
     share_prompt_with: str | None = None  # a sibling (same prompt) whose prompt KV to share
     logprobs: list | None = None    # per generated token [logprob, top ids, top logprobs], if asked
+    # speculative decoding: draft tokens of the batch in flight (not tokens of the request: they
+    # become tokens only as the worker accepts them), and the proposer's per-request state
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec_state: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

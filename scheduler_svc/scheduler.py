@@ -18,6 +18,7 @@ from typing import Callable
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.policies import StepContext, make_policy
 from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.speculative import make_speculator
 from shared.config import CacheConfig, ModelInfo, SchedulerConfig
 from shared.limits import check_context_length, check_token_ids
 from shared.messages import Batch, BatchOutput, SeqChunk, TokenEvent
@@ -50,6 +51,7 @@ class Scheduler:
             int(sched_config.watermark * cache_config.num_blocks),
             sched_config.enable_prefix_caching)
         self.policy = make_policy(sched_config, self.max_model_len)
+        self.speculator = make_speculator(sched_config, model_info)   # None: speculation off
         self.requests: dict[str, Request] = {}   # every unfinished request
         self.waiting: deque[Request] = deque()   # FCFS; preempted requests go to the head
         self.running: list[Request] = []         # admitted, in admission order (oldest first)
@@ -63,6 +65,7 @@ class Scheduler:
         self._counters = dict(num_preemptions=0, prefix_cache_hit_tokens=0,
                               prefix_cache_query_tokens=0, num_finished=0, num_aborted=0,
                               last_prefill_tokens=0, last_decode_tokens=0, last_batch_size=0,
+                              last_draft_tokens=0,
                               num_adopted=0, num_handed_off=0)
 
     # -- requests in -----------------------------------------------------------------------------
@@ -125,7 +128,8 @@ class Scheduler:
         if not ctx.chunks:
             return None
         now = self.clock()
-        seqs = [self._schedule_chunk(req, n, now) for req, n in ctx.chunks]
+        drafts = ctx.drafts
+        seqs = [self._schedule_chunk(req, n, now, drafts.get(req.req_id)) for req, n in ctx.chunks]
         batch = Batch(self._next_batch_id, seqs, self._freed_ids)
         self._scheduled_at[batch.batch_id] = now
         self._next_batch_id += 1
@@ -133,7 +137,10 @@ class Scheduler:
         self._count_batch(seqs)
         return batch
 
-    def _schedule_chunk(self, req: Request, n: int, now: float) -> SeqChunk:
+    def _schedule_chunk(self, req: Request, n: int, now: float,
+                        drafts: list[int] | None = None) -> SeqChunk:
+        """drafts: draft tokens to verify after a decode's token (speculative decoding); they
+        are not the request's tokens, so num_computed_tokens advances by n only."""
         start = req.num_computed_tokens
         req.num_computed_tokens = start + n
         req.in_flight = True
@@ -142,9 +149,13 @@ class Scheduler:
         # penalties and constraints read the whole sequence: a worker new to it must learn what
         # precedes the chunk
         prior = req.token_ids[:start] if start and req.sampling.reads_history else None
-        return SeqChunk(req.req_id, req.token_ids[start:start + n], start, list(req.block_table),
+        tokens = req.token_ids[start:start + n]
+        if drafts:
+            req.draft_token_ids = drafts
+            tokens = tokens + drafts
+        return SeqChunk(req.req_id, tokens, start, list(req.block_table),
                         req.num_computed_tokens == req.num_tokens, req.sampling,
-                        req.num_output_tokens, prior)
+                        req.num_output_tokens, prior, len(drafts) if drafts else 0)
 
     def update(self, batch: Batch, output: BatchOutput) -> list[TokenEvent]:
         """Take an executed batch's sampled tokens; returns the TokenEvents of this step (and
@@ -155,17 +166,47 @@ class Scheduler:
         scheduled_at = self._scheduled_at.pop(batch.batch_id, None)
         if scheduled_at is not None:   # the policy may learn from iteration times (adaptive tau)
             self.policy.observe(batch.num_tokens, now - scheduled_at, now)
+            if self.speculator is not None:   # and speculation what a draft token costs
+                decodes = sum(1 for s in batch.seqs if s.is_decode or s.num_draft_tokens)
+                drafts = sum(s.num_draft_tokens for s in batch.seqs)
+                self.speculator.observe_batch(decodes, drafts, batch.num_tokens - decodes - drafts,
+                                              now - scheduled_at)
         for seq in batch.seqs:
             req = self.requests.get(seq.req_id)
             if req is None or not req.in_flight:
                 continue  # finished meanwhile (e.g. aborted with an error by the service)
             req.in_flight = False
             self.block_manager.cache_computed_blocks(req)
-            if seq.sample:
+            if seq.num_draft_tokens:
+                self._append_verified(req, seq, output, now)
+            elif seq.sample:
                 self._append_token(req, self._sampled(output, seq.req_id), now,
                                    output.logprobs.get(seq.req_id))
         self._process_aborts()
         return self.take_events()
+
+    def _append_verified(self, req: Request, seq: SeqChunk, output: BatchOutput, now: float) -> None:
+        """A decode with drafts came back: its accepted drafts become tokens (their K/V were
+        computed by the chunk), then the token sampled after them; a finish (stop, length) on
+        the way ends it there. The blocks of rejected drafts' slots are freed (rollback)."""
+        token = self._sampled(output, seq.req_id)
+        accepted = output.accepted.get(seq.req_id) or []
+        k = seq.num_draft_tokens
+        if len(accepted) > k or accepted != req.draft_token_ids[:len(accepted)]:
+            raise ValueError(f"executor accepted {accepted!r} for {seq.req_id!r}, whose drafts "
+                             f"were {req.draft_token_ids!r}")
+        req.draft_token_ids = []
+        if self.speculator is not None:
+            self.speculator.observe(req, k, len(accepted))
+        lps = output.accepted_logprobs.get(seq.req_id) or [None] * len(accepted)
+        for tok, lp in zip(accepted, lps):
+            self._append_token(req, int(tok), now, lp)
+            if req.is_finished:
+                return
+            req.num_computed_tokens += 1
+        self._append_token(req, token, now, output.logprobs.get(seq.req_id))
+        if not req.is_finished:
+            self.block_manager.truncate(req, req.num_tokens)
 
     @staticmethod
     def _sampled(output: BatchOutput, req_id: str) -> int:
@@ -276,6 +317,7 @@ class Scheduler:
         self._scheduled_at.clear()
         for req in self.requests.values():
             req.in_flight = False
+            req.draft_token_ids = []
 
     def on_workers_lost(self) -> None:
         """The workers lost their KV (a worker died or restarted): nothing in flight will be
@@ -332,6 +374,7 @@ class Scheduler:
         its blocks here are freed and the worker forgets it (freed_req_ids)."""
         req = self.requests.pop(req_id)
         self.block_manager.free(req)
+        self._forget_speculation(req)
         self.running.remove(req)
         self._freed_ids.append(req_id)
         self._counters["num_handed_off"] += 1
@@ -344,6 +387,7 @@ class Scheduler:
         if req is None:
             return None
         self.block_manager.free(req)
+        self._forget_speculation(req)
         (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
         if req.first_scheduled_time is not None:
             self._freed_ids.append(req_id)
@@ -372,6 +416,13 @@ class Scheduler:
                 req.in_flight = False
                 self.abort(seq.req_id, error=error)
 
+    def _forget_speculation(self, req: Request) -> None:
+        """req leaves this scheduler unfinished: its proposer's state here goes (a draft model's
+        blocks are this scheduler's), the request keeps nothing of it."""
+        if self.speculator is not None:
+            self.speculator.finish(req)
+        req.spec_state, req.draft_token_ids = {}, []
+
     # -- finishing ------------------------------------------------------------------------------
     def _process_aborts(self) -> None:
         with self._abort_lock:
@@ -395,6 +446,8 @@ class Scheduler:
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         was_running = req.status is RequestStatus.RUNNING
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
+        if self.speculator is not None:
+            self.speculator.finish(req)
         req.finish_time = self.clock()
         self.block_manager.free(req)
         if was_running:
@@ -411,17 +464,22 @@ class Scheduler:
         return bool(self.requests)
 
     def _count_batch(self, seqs: list[SeqChunk]) -> None:
-        decode = sum(1 for s in seqs if s.is_decode)
+        decode = sum(1 for s in seqs if s.is_decode or s.num_draft_tokens)
+        drafts = sum(s.num_draft_tokens for s in seqs)
         total = sum(len(s.token_ids) for s in seqs)
-        self._counters.update(last_prefill_tokens=total - decode, last_decode_tokens=decode,
-                              last_batch_size=len(seqs))
+        self._counters.update(last_prefill_tokens=total - decode - drafts, last_decode_tokens=decode,
+                              last_draft_tokens=drafts, last_batch_size=len(seqs))
 
     def stats(self) -> dict:
         """running, waiting (requests); num_free_blocks, num_total_blocks (blocks); kv_usage
         (fraction of blocks used); num_preemptions, num_finished, num_aborted (counts since
         start); prefix_cache_hit_tokens, prefix_cache_query_tokens (tokens since start);
-        last_prefill_tokens, last_decode_tokens, last_batch_size (the last batch scheduled)."""
+        last_prefill_tokens, last_decode_tokens, last_draft_tokens, last_batch_size (the last batch
+        scheduled; a decode with drafts counts one decode token and its drafts);
+        with speculative decoding on, the speculator's counters (spec_proposed_tokens,
+        spec_accepted_tokens, spec_acceptance_rate, spec_tokens_per_step: Speculator.stats)."""
         bm = self.block_manager
+        spec = self.speculator.stats() if self.speculator is not None else {}
         return dict(running=len(self.running), waiting=len(self.waiting),
                     num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
-                    kv_usage=bm.num_used_blocks / bm.num_blocks, **self._counters)
+                    kv_usage=bm.num_used_blocks / bm.num_blocks, **self._counters, **spec)

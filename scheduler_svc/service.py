@@ -26,6 +26,20 @@ Failure rules (no accepted request may hang, none is dropped silently):
 Unseeded requests get a seed derived from their id, so that a replay after a crash regenerates
 the very same tokens.
 
+Exactly one runner per request, and health that tells the truth:
+* the replica's liveness in the queue (its heartbeat, which keeps its requests from being
+  claimed by other replicas) comes from a thread of its own, not from the loop: a replica busy in
+  one long batch keeps its requests. The thread stops heartbeating once the loop is stalled (see
+  below), so a wedged replica's requests do go to the others;
+* a request claimed away by another replica (the queue's take_lost) is dropped here: it stops
+  running, nothing more is published or acked for it (the queue's epoch fence drops the rest);
+* the requests of a gateway whose lease expired (it died: nobody reads their tokens) are
+  aborted instead of run to max_tokens;
+* the watchdog: the loop is "stalled" when it has not finished a turn for stall_timeout_s while
+  it holds unfinished requests; /health then answers 503 (the Kubernetes liveness probe restarts
+  the process; its requests are replayed by whoever takes them). stall_timeout_s must exceed the
+  longest legitimate turn: the worker reply timeout.
+
 One engine (scheduler_svc.engine) runs the iterations: an EngineLoop for one worker (depth 1) or
 one TP x PP replica (up to pp batches in flight), or a PoolSet for several worker pools
 (scheduler_svc.pools, whose module doc has its own failure rules: a lost pool's requests move to
@@ -44,7 +58,7 @@ import zlib
 
 from scheduler_svc.engine import Engine
 from scheduler_svc.engine_loop import EngineLoop
-from scheduler_svc.metrics import SchedulerMetrics, start_http
+from scheduler_svc.metrics import SchedulerMetrics, queue_backlog, start_http
 from scheduler_svc.pools import PoolSet, make_pool
 from scheduler_svc.remote_executor import WorkerError
 from scheduler_svc.router import Router, RouterConfig
@@ -63,16 +77,32 @@ class SchedulerService:
     waiting queue at most (beyond it, new requests stay in the shared queue for other replicas).
     idle_block_ms: ms to wait on the queue when there is nothing to run. replay_interval_s:
     seconds between claims of dead replicas' work. How long the requests of a lost worker wait
-    for it is the engine's (restart_timeout_s)."""
+    for it is the engine's (restart_timeout_s). heartbeat_interval_s: seconds between the
+    heartbeat thread's heartbeats (None: the queue's QueueConfig.heartbeat_interval_s).
+    stall_timeout_s: seconds without a finished loop turn, while requests are unfinished, after
+    which the loop counts as stalled (see the module doc).
+    gateway_check_interval_s: seconds between checks of the gateways' leases (None: a third of
+    the queue's QueueConfig.gateway_ttl_s)."""
 
     def __init__(self, engine: Engine, queue: SchedulerQueue, metrics: SchedulerMetrics, *,
-                 max_waiting: int = 64, idle_block_ms: int = 50, replay_interval_s: float = 5.0):
+                 max_waiting: int = 64, idle_block_ms: int = 50, replay_interval_s: float = 5.0,
+                 heartbeat_interval_s: float | None = None, stall_timeout_s: float = 180.0,
+                 gateway_check_interval_s: float | None = None):
         self.engine = engine
         self.queue = queue
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.idle_block_ms = idle_block_ms
         self.replay_interval_s = replay_interval_s
+        qcfg = getattr(queue, "cfg", None)
+        self.heartbeat_interval_s = heartbeat_interval_s or getattr(qcfg, "heartbeat_interval_s", 1.0)
+        self.stall_timeout_s = stall_timeout_s
+        self.gateway_check_interval_s = gateway_check_interval_s or getattr(qcfg, "gateway_ttl_s", 15.0) / 3
+        self._progress_at = time.monotonic()  # end of the loop's last turn
+        self._busy = False                    # unfinished requests at that moment
+        self._disowned: set[str] = set()      # claimed away: their events are not ours to send
+        self._gateways_missing: set[str] = set()  # leases missing at the last check
+        self._last_gateway_check = time.monotonic()
         self.reply_to: dict[str, str] = {}   # req_id -> gateway id, for every unfinished request
         self.snapshot: dict = engine.stats()  # read by the HTTP thread: replaced, never mutated
         self.running = False
@@ -91,14 +121,44 @@ class SchedulerService:
         # Collect first: frozen garbage would never be freed (nor its sockets closed).
         gc.collect()
         gc.freeze()
-        self._admit(self.queue.replay_pending())
-        self._last_replay = time.monotonic()
-        self.running = True
+        beating = threading.Event()
+        heart = threading.Thread(target=self._heartbeat_loop, args=(stop, beating),
+                                 name="scheduler-heartbeat", daemon=True)
+        heart.start()
         try:
+            self._admit(self.queue.replay_pending())
+            self._last_replay = time.monotonic()
+            self._progress_at = time.monotonic()
+            self.running = True
             while not stop.is_set():
                 self.run_once()
         finally:
             self.running = False
+            beating.set()
+            heart.join(5)
+
+    def _heartbeat_loop(self, stop: threading.Event, done: threading.Event) -> None:
+        """The heartbeat thread: the replica's liveness, independent of how long a batch takes;
+        none while the loop is stalled (its requests must then go to the other replicas)."""
+        while not (stop.is_set() or done.is_set()):
+            if not self.stalled():
+                try:
+                    self.queue.heartbeat()
+                except Exception as e:  # noqa: BLE001 - Redis down: the loop reports it; retry
+                    log.debug("heartbeat failed: %s", e)
+            done.wait(self.heartbeat_interval_s)
+
+    def stalled(self) -> bool:
+        """True when the loop has not finished a turn for stall_timeout_s while requests were
+        unfinished (any thread)."""
+        return self._busy and time.monotonic() - self._progress_at > self.stall_timeout_s
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, a one-line reason): what /health answers."""
+        if self.stalled():
+            return False, (f"stalled: the scheduling loop has not advanced for "
+                           f"{time.monotonic() - self._progress_at:.0f} s with requests unfinished")
+        return True, "ok"
 
     @property
     def worker_up(self) -> bool:
@@ -114,8 +174,10 @@ class SchedulerService:
     def run_once(self) -> None:
         try:
             self._flush()
+            self._drop_lost()
             for req_id in self.queue.poll_aborts():
                 self.engine.abort(req_id)  # unknown ids are ignored by the engine
+            self._check_gateways()
             if self.worker_up:
                 self._pull()
             self._set_queue_down(False)
@@ -140,6 +202,30 @@ class SchedulerService:
         if "pools" in self.snapshot:
             self.metrics.observe_pools(self.snapshot["pools"])
         self.metrics.worker_up.set(1 if self.worker_up else 0)
+        self._busy = self.engine.has_unfinished()
+        self._progress_at = time.monotonic()
+
+    def _drop_lost(self) -> None:
+        """Stop the requests another replica claimed from this one (see the module doc)."""
+        for req_id in self.queue.take_lost():
+            if self.reply_to.pop(req_id, None) is not None:
+                self._disowned.add(req_id)
+                self.engine.abort(req_id)
+
+    def _check_gateways(self) -> None:
+        """Abort the requests of gateways whose lease was missing on two checks in a row (one
+        miss may be a Redis that restarted empty before the gateway renewed it)."""
+        if time.monotonic() - self._last_gateway_check < self.gateway_check_interval_s:
+            return
+        self._last_gateway_check = time.monotonic()
+        missing = self.queue.dead_gateways(set(self.reply_to.values()))
+        dead, self._gateways_missing = missing & self._gateways_missing, missing
+        if dead:
+            doomed = [r for r, gw in self.reply_to.items() if gw in dead]
+            log.warning("gateway(s) %s gone: aborting their %d request(s)", ", ".join(sorted(dead)),
+                        len(doomed))
+            for req_id in doomed:
+                self.engine.abort(req_id)
 
     def _set_queue_down(self, down: bool, exc: Exception | None = None) -> None:
         if down and not self._queue_down:
@@ -189,6 +275,10 @@ class SchedulerService:
     def _publish(self, events: list[TokenEvent]) -> None:
         """Send the events as the scheduler numbered them (in order, after any still in the
         outbox); a request is acked only once its end event is out."""
+        if self._disowned:
+            ended = {e.req_id for e in events if e.finish_reason is not None} & self._disowned
+            events = [e for e in events if e.req_id not in self._disowned]
+            self._disowned -= ended
         for ev in events:
             if ev.finish_reason is not None:
                 self.metrics.finished.labels(reason=ev.finish_reason).inc()
@@ -243,7 +333,8 @@ def run_scheduler(config: SchedulerServiceConfig, *, queue: SchedulerQueue | Non
     if c.metrics_port is not None:  # up first: /health answers while the workers still load
         server, _ = start_http(c.metrics_port, c.metrics_host, metrics.registry,
                                lambda: bool(services) and services[0].running and services[0].worker_up,
-                               lambda: services[0].stats_json() if services else {})
+                               lambda: services[0].stats_json() if services else {},
+                               health=lambda: services[0].health() if services else (True, "ok"))
         log.info("scheduler metrics on http://%s:%d/metrics", c.metrics_host, server.server_port)
     try:
         run = _run_pools if c.disagg.enabled else _run_single
@@ -270,6 +361,7 @@ def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, s
     from scheduler_svc.remote_executor import RemoteExecutor
 
     owned = None   # the RemoteExecutor made here, closed at the end (a given executor is the caller's)
+    publisher = None
     try:
         if executor is None:
             executor = owned = RemoteExecutor(c.worker_addrs, timeout_s=c.worker_timeout_s)
@@ -277,12 +369,15 @@ def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, s
         info = _wait_for_model_info(executor, stop)
         if info is None:
             return
-        metrics.set_worker(info.name, info.backend)
+        metrics.set_worker(info.name, info.backend, info.block_size)
         cfg = dataclasses.replace(c.scheduler, max_model_len=c.max_model_len or info.max_model_len)
         scheduler = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info)
+        if cfg.kv_events_config is not None:   # transport security for it: start_publisher's socket_hook
+            from scheduler_svc.kv_events import start_publisher
+            publisher = start_publisher(cfg.kv_events_config, scheduler.block_manager)
         queue = _queue(c, queue)
         service = SchedulerService(loop_engine(scheduler, executor, metrics, c.worker_restart_timeout_s),
-                                   queue, metrics)
+                                   queue, metrics, stall_timeout_s=stall_timeout(c))
         log.info("scheduler ready: policy=%s tau=%d model=%s max_model_len=%d kv=%dx%d worker=%s",
                  cfg.policy, cfg.token_budget, info.name, scheduler.max_model_len, info.num_blocks,
                  info.block_size, info.backend)
@@ -290,6 +385,19 @@ def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, s
     finally:
         if owned is not None:
             owned.close()
+        if publisher is not None:
+            publisher.close()
+
+
+def stall_timeout(c: SchedulerServiceConfig) -> float:
+    """The watchdog's stall_timeout_s: the configured one (c.stall_timeout_s; 0: the worker
+    reply timeout plus 60 s), never below the worker reply timeout, since a turn may
+    legitimately wait that long for one batch."""
+    configured = c.stall_timeout_s or c.worker_timeout_s + 60.0
+    if configured <= c.worker_timeout_s:
+        log.warning("the stall timeout (%g s) must exceed the worker reply timeout (%g s); using the latter",
+                    configured, c.worker_timeout_s)
+    return max(configured, c.worker_timeout_s)
 
 
 def _queue(c: SchedulerServiceConfig, queue: SchedulerQueue | None) -> SchedulerQueue:
@@ -303,6 +411,7 @@ def _queue(c: SchedulerServiceConfig, queue: SchedulerQueue | None) -> Scheduler
 def _serve(service: SchedulerService, queue: SchedulerQueue, services: list, server, stop, on_ready) -> None:
     """Publish the ready service (HTTP thread, on_ready), run it until `stop`, close its queue."""
     service.http_port = server.server_port if server is not None else None
+    service.metrics.model_server.backlog = queue_backlog(queue)   # the picker's waiting count
     services.append(service)
     if on_ready is not None:
         on_ready(service)
@@ -329,6 +438,9 @@ def _run_pools(c: SchedulerServiceConfig, queue, executors, metrics, services, s
     from scheduler_svc.remote_executor import RemoteExecutor
 
     owned = []
+    if c.scheduler.kv_events_config is not None:
+        log.warning("KV-cache events are published by a single replica's scheduler, not with worker pools: "
+                    "--kv-events-config is ignored")
     try:
         if executors is None:
             executors = []
@@ -350,7 +462,7 @@ def _run_pools(c: SchedulerServiceConfig, queue, executors, metrics, services, s
                                  "(start it with --kv-address)")
         d = c.disagg
         info = pools[0].scheduler.model_info
-        metrics.set_worker(info.name, info.backend)
+        metrics.set_worker(info.name, info.backend, info.block_size)
         pool_set = PoolSet(pools, Router(RouterConfig(d.mode, d.threshold_tokens, d.backlog_margin_tokens)),
                            kv_transfer_timeout_s=d.kv_transfer_timeout_s,
                            kv_transfer_failure=d.kv_transfer_failure,
@@ -358,7 +470,7 @@ def _run_pools(c: SchedulerServiceConfig, queue, executors, metrics, services, s
                            on_batch=lambda _pool, batch, _out, seconds: metrics.observe_batch(batch, seconds),
                            on_transfer=metrics.observe_transfer)
         queue = _queue(c, queue)
-        service = SchedulerService(pool_set, queue, metrics)
+        service = SchedulerService(pool_set, queue, metrics, stall_timeout_s=stall_timeout(c))
         log.info("scheduler ready: policy=%s tau=%d model=%s pools=%s disaggregation=%s threshold=%d",
                  c.scheduler.policy, c.scheduler.token_budget, info.name,
                  ", ".join(f"{p.name}({p.scheduler.block_manager.num_blocks} blocks)" for p in pools),

@@ -38,6 +38,8 @@ def linear_cost_model(base_s: float = 0.010, per_prefill_token_s: float = 5e-5,
         t = base_s
         for s in batch.seqs:
             t += per_decode_token_s if s.is_decode else per_prefill_token_s * len(s.token_ids)
+            if s.num_draft_tokens:   # a decode that verifies drafts: its first token is a decode
+                t += per_decode_token_s - per_prefill_token_s
         return t
     return cost
 
@@ -52,13 +54,22 @@ class SimExecutor:
     verify_kv: read the whole context back through the block table for every sampled token
         (O(context) per token); False derives the token from (req_id, position) only, for
         benchmarks (then nothing about memory is checked).
+    spec_acceptance: how draft tokens (speculative decoding) are judged. None: as a greedy
+        model would, a draft is accepted iff it is the token this executor derives at its
+        position (so the output equals a run without drafts); a probability: each draft is
+        accepted with it (given the ones before it were), whatever its value, from a seeded
+        generator (the simulator's acceptance parameter).
     """
 
     def __init__(self, block_size: int, vocab_size: int = 32000,
                  scripts: dict[str, list[int]] | None = None, verify_kv: bool = True,
                  cost_model: Callable[[Batch], float] | None = None,
-                 clock: SimClock | None = None):
+                 clock: SimClock | None = None, spec_acceptance: float | None = None,
+                 spec_seed: int = 0):
+        import random
         self.block_size = block_size
+        self.spec_acceptance = spec_acceptance
+        self._spec_rng = random.Random(spec_seed)
         self.vocab_size = vocab_size
         self.scripts = scripts or {}
         self.verify_kv = verify_kv
@@ -91,13 +102,17 @@ class SimExecutor:
                     if s.sample and self.verify_kv}
         for seq in batch.seqs:
             self._write(seq)
-        sampled = {s.req_id: self._next_token(s, prefixes.get(s.req_id)) for s in batch.seqs
-                   if s.sample}
+        sampled, accepted = {}, {}
+        for s in batch.seqs:
+            if s.num_draft_tokens:
+                accepted[s.req_id], sampled[s.req_id] = self._verify(s, prefixes.get(s.req_id))
+            elif s.sample:
+                sampled[s.req_id] = self._next_token(s, prefixes.get(s.req_id))
         cost = self.cost_model(batch) if self.cost_model else 0.0
         if self.clock is not None:
             self.clock.advance(cost)
         self.num_batches += 1
-        out = BatchOutput(batch.batch_id, sampled, {"forward_s": cost})
+        out = BatchOutput(batch.batch_id, sampled, {"forward_s": cost}, accepted=accepted)
         for send in batch.kv_sends:
             self._send_kv(send, out)
         return out
@@ -144,13 +159,33 @@ class SimExecutor:
             context.append(slots[off])
         return context
 
-    def _next_token(self, seq: SeqChunk, prefix: list[int] | None) -> int:
+    def _next_token(self, seq: SeqChunk, prefix: list[int] | None, upto: int | None = None,
+                    extra: int = 0) -> int:
+        """The token after prefix + seq.token_ids[:upto] (all of them by default); extra: how
+        many tokens past seq.output_index it is (a draft position)."""
+        tokens = seq.token_ids if upto is None else seq.token_ids[:upto]
         script = self.scripts.get(seq.req_id, ())
-        if seq.output_index < len(script):
-            return script[seq.output_index]
+        if seq.output_index + extra < len(script):
+            return script[seq.output_index + extra]
         if prefix is None:  # verify_kv off
-            return 1 + hash((seq.req_id, seq.start_pos + len(seq.token_ids))) % (self.vocab_size - 1)
-        return 1 + hash(tuple(prefix + seq.token_ids)) % (self.vocab_size - 1)
+            return 1 + hash((seq.req_id, seq.start_pos + len(tokens))) % (self.vocab_size - 1)
+        return 1 + hash(tuple(prefix + tokens)) % (self.vocab_size - 1)
+
+    def _verify(self, seq: SeqChunk, prefix: list[int] | None) -> tuple[list[int], int]:
+        """(accepted drafts, the token after them) of a decode with drafts."""
+        k = seq.num_draft_tokens
+        n = len(seq.token_ids) - k
+        drafts = seq.token_ids[n:]
+        accepted: list[int] = []
+        for i, d in enumerate(drafts):
+            if self.spec_acceptance is None:
+                ok = self._next_token(seq, prefix, n + i, i) == d
+            else:
+                ok = self._spec_rng.random() < self.spec_acceptance
+            if not ok:
+                break
+            accepted.append(d)
+        return accepted, self._next_token(seq, prefix, n + len(accepted), len(accepted))
 
 
 def sim_engine(policy: str = "sarathi", *, token_budget: int = 512, block_size: int = 16,
@@ -158,9 +193,12 @@ def sim_engine(policy: str = "sarathi", *, token_budget: int = 512, block_size: 
                max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False,
                watermark: float = 0.0, tile_size: int = 0, eos_token_ids: tuple = (0,),
                vocab_size: int = 32000, verify_kv: bool = True, clock=None,
-               adaptive_tbt_slo_s: float = 0.0, **executor_kw):
+               adaptive_tbt_slo_s: float = 0.0, speculative: str = "off",
+               num_speculative_tokens: int = 4, **executor_kw):
     """An EngineLoop over a Scheduler and a SimExecutor, configured in one call (tests,
-    benchmarks). Extra keyword arguments go to SimExecutor (scripts, cost_model)."""
+    benchmarks). Extra keyword arguments go to SimExecutor (scripts, cost_model,
+    spec_acceptance). With speculative decoding on and spec_acceptance given, drafts come from
+    the synthetic proposer (always k of them), judged by that acceptance."""
     from scheduler_svc.engine_loop import EngineLoop  # imported here: sim_executor stays a leaf
     from scheduler_svc.scheduler import Scheduler
     from shared.config import CacheConfig, ModelInfo, SchedulerConfig
@@ -169,11 +207,15 @@ def sim_engine(policy: str = "sarathi", *, token_budget: int = 512, block_size: 
                         max_num_batched_tokens=max_num_batched_tokens,
                         max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
                         watermark=watermark, tile_size=tile_size,
-                        adaptive_tbt_slo_s=adaptive_tbt_slo_s),
+                        adaptive_tbt_slo_s=adaptive_tbt_slo_s, speculative=speculative,
+                        num_speculative_tokens=num_speculative_tokens),
         CacheConfig(block_size=block_size, num_blocks=num_blocks),
         ModelInfo("sim", max_model_len, vocab_size, list(eos_token_ids), block_size=block_size,
                   num_blocks=num_blocks),
         clock=clock if clock is not None else SimClock())
     executor = SimExecutor(block_size, vocab_size, verify_kv=verify_kv, clock=sched.clock
                            if isinstance(sched.clock, SimClock) else None, **executor_kw)
+    if sched.speculator is not None and executor.spec_acceptance is not None:
+        from scheduler_svc.speculative.synthetic import SyntheticProposer
+        sched.speculator.proposer = SyntheticProposer()   # acceptance is the parameter
     return EngineLoop(sched, executor)

@@ -38,6 +38,13 @@ class SchedulerConfig:
     adaptive_tbt_slo_s: if > 0 (seconds), sarathi's tau is set online from the observed
         iteration times to keep them under this TBT SLO (scheduler_svc/token_budget.py), between
         one tile (tile_size, or 32) and max_num_batched_tokens; token_budget is where it starts.
+    speculative: "off", or the draft proposer of speculative decoding (scheduler_svc.speculative):
+        draft tokens ride in the budget the decodes and prefills leave over.
+    num_speculative_tokens: the most draft tokens one decode may carry per iteration (tokens).
+    draft_model: with speculative "draft": the draft model (a GGUF file or model directory with the
+        served model's tokenizer), run by the scheduler's process.
+    kv_events_config: None, or JSON of the KV-cache event publisher (scheduler_svc/kv_events.py:
+        endpoint, replay_endpoint, topic, hash_seed, connect), as vLLM's --kv-events-config.
     """
 
     policy: str = "sarathi"
@@ -49,6 +56,10 @@ class SchedulerConfig:
     watermark: float = 0.01
     tile_size: int = 0
     adaptive_tbt_slo_s: float = 0.0
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    kv_events_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -269,6 +280,8 @@ class SchedulerServiceConfig:
     worker_addrs: ZeroMQ addresses of every rank of this replica in rank order, or rank 0's alone.
     worker_timeout_s: seconds to wait for a batch's reply. worker_restart_timeout_s: seconds to
         hold the requests of a lost worker for a worker to answer again (then they fail).
+    stall_timeout_s: seconds without a finished loop turn, with requests unfinished, after which
+        /health answers 503 (0: worker_timeout_s + 60; never below worker_timeout_s).
     metrics_port: HTTP port of /metrics /health /ready /stats (None: no server; 0: any free port).
     disagg: worker pools and prefill/decode disaggregation (DisaggConfig); when enabled,
         worker_addrs are mixed workers, one pool each (with separate_mixed).
@@ -282,6 +295,7 @@ class SchedulerServiceConfig:
     worker_addrs: list[str] = field(default_factory=lambda: ["tcp://127.0.0.1:5555"])
     worker_timeout_s: float = 120.0
     worker_restart_timeout_s: float = 30.0
+    stall_timeout_s: float = 0.0
     metrics_port: int | None = 9100
     metrics_host: str = "0.0.0.0"
     disagg: DisaggConfig = field(default_factory=DisaggConfig)

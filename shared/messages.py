@@ -45,6 +45,13 @@ class SeqChunk:
       earlier tokens (penalties), so a worker that sees the request for the first time (a
       prefix-cache hit, KV shared with a sibling, a new wire epoch) knows the whole sequence; the
       wire sends them only in full entries (a diff's worker already holds them).
+    * num_draft_tokens (speculative decoding): the last k of token_ids are draft tokens proposed
+      for positions after the last sampled token, not tokens of the request. Such a chunk is a
+      decode to verify: sample is True, and the worker scores all k+1 positions in this one
+      forward pass, keeps the longest prefix of the drafts the target model accepts (exactly
+      under greedy, by rejection sampling otherwise) and samples one token after it
+      (BatchOutput.accepted). K/V written for rejected drafts are garbage the scheduler rolls
+      back: their positions are computed again before anything attends to them.
     """
 
     req_id: str
@@ -55,6 +62,7 @@ class SeqChunk:
     sampling: SamplingParams
     output_index: int = 0
     prior_token_ids: list[int] | None = None
+    num_draft_tokens: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -143,6 +151,12 @@ class BatchOutput:
     kv_sent: req_id -> {"kv_transfer_s": seconds from the start of the send to the receiver's
         ack, "kv_bytes": bytes moved}, for each KvSend of the batch that the receiver acknowledged.
     kv_failed: req_id -> reason ("timeout", or the error), for each KvSend that did not complete.
+    accepted: req_id -> the draft tokens accepted (a prefix of the chunk's drafts, possibly
+        empty), exactly for the SeqChunks with num_draft_tokens > 0; sampled[req_id] is then
+        the token drawn after them, so the request gains len(accepted) + 1 tokens, in order
+        accepted..., sampled.
+    accepted_logprobs: req_id -> one logprobs entry (as in `logprobs`) per accepted token, for
+        requests with drafts that asked for logprobs.
     """
 
     batch_id: int
@@ -151,9 +165,15 @@ class BatchOutput:
     logprobs: dict[str, list] = field(default_factory=dict)
     kv_sent: dict[str, dict] = field(default_factory=dict)
     kv_failed: dict[str, str] = field(default_factory=dict)
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         d = {"batch_id": self.batch_id, "sampled": self.sampled, "timings": self.timings}
+        if self.accepted:
+            d["accepted"] = self.accepted
+        if self.accepted_logprobs:
+            d["accepted_logprobs"] = self.accepted_logprobs
         if self.logprobs:
             d["logprobs"] = self.logprobs
         if self.kv_sent:
@@ -166,7 +186,8 @@ class BatchOutput:
     def from_wire(cls, d: dict[str, Any]) -> "BatchOutput":
         return cls(d["batch_id"], dict(d["sampled"]), dict(d.get("timings", {})),
                    dict(d.get("logprobs") or {}), dict(d.get("kv_sent") or {}),
-                   dict(d.get("kv_failed") or {}))
+                   dict(d.get("kv_failed") or {}), dict(d.get("accepted") or {}),
+                   dict(d.get("accepted_logprobs") or {}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,6 +234,8 @@ class TokenEvent:
         queue-time metric is scheduled_time - arrival_time.
     logprob, top_logprobs: when the request asked for logprobs: token_id's log-probability and
         [[token id, logprob], ...] of the most likely tokens (see SamplingParams.logprobs).
+    epoch: the publishing owner's epoch of the request, set by the queue (0: unfenced); the
+        gateway side drops events older than the newest epoch it saw (see shared.queue).
     """
 
     req_id: str
@@ -224,6 +247,7 @@ class TokenEvent:
     scheduled_time: float | None = None
     logprob: float | None = None
     top_logprobs: list[list] | None = None
+    epoch: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)

@@ -47,6 +47,8 @@ class SamplingParams:
     constraint: None, or an llguidance grammar (JSON text, shared.constraints.grammar_for) the
         output must match: the worker masks every token the grammar forbids at each step, and
         lets only EOS through once the grammar is complete (finish_reason "stop").
+    speculative: False opts this request out of speculative decoding (no draft tokens are
+        scheduled for it); True lets the server speculate when it is configured to.
     """
 
     temperature: float = 1.0
@@ -63,6 +65,7 @@ class SamplingParams:
     logprobs: int | None = None
     logit_bias: list[tuple[int, float]] = field(default_factory=list)
     constraint: str | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # the wire (msgpack / JSON) turns tuples into lists: one shape on every side
@@ -100,6 +103,9 @@ class SamplingParams:
             if len(b) != 2 or not _is_int(b[0]) or b[0] < 0 or not _is_number(b[1]) or not -100 <= b[1] <= 100:
                 raise InvalidRequestError("logit_bias maps token ids (>= 0) to biases in [-100, 100], "
                                           f"got {b!r}", "logit_bias")
+        if not isinstance(self.speculative, bool):
+            raise InvalidRequestError(f"speculative must be true or false, got {self.speculative!r}",
+                                      "speculative")
         if self.constraint is not None:
             if not isinstance(self.constraint, str):
                 raise InvalidRequestError("constraint must be a grammar string", "constraint")

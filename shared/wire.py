@@ -21,7 +21,13 @@ start position, block table, output index) or a *diff* against the mirror:
   "b+": block ids appended to the table  |  "b": a whole new table (when not a pure append),
   "o": output index (omitted when it is the expected one),
   "h" (full entries only): the tokens before the start position (SeqChunk.prior_token_ids, set
-       for requests with penalties; a diff needs none, the worker already holds them).
+       for requests with penalties; a diff needs none, the worker already holds them),
+  "k": the chunk's draft tokens (SeqChunk.num_draft_tokens; omitted when 0).
+
+Draft tokens are never recorded as known: a chunk with k drafts advances the mirror by its
+tokens before the drafts, and the output's accepted drafts (BatchOutput.accepted) are recorded
+like sampled tokens, before the sampled one. A rank that does not sample never learns which
+drafts were kept, so its next chunk of that request goes in full when some were.
 
 Freed request ids drop the mirror on both sides. An `epoch` string names the encoder's session:
 a worker that sees a new epoch forgets every mirror (the scheduler restarted), and a diff for a
@@ -71,11 +77,13 @@ class SeqState:
         return self.tokens[start - self.base: start - self.base + n]
 
     def advance(self, chunk: SeqChunk) -> None:
-        """Record that `chunk` was sent (tokens beyond the known ones are appended)."""
-        have = self.known(chunk.start_pos, len(chunk.token_ids))
-        self.tokens.extend(chunk.token_ids[have:])
+        """Record that `chunk` was sent (tokens beyond the known ones are appended; draft
+        tokens are not: see the module doc)."""
+        n = len(chunk.token_ids) - chunk.num_draft_tokens
+        have = self.known(chunk.start_pos, n)
+        self.tokens.extend(chunk.token_ids[have:n])
         self.block_table = list(chunk.block_table)
-        self.next_pos = chunk.start_pos + len(chunk.token_ids)
+        self.next_pos = chunk.start_pos + n
 
 
 def _full(chunk: SeqChunk) -> dict[str, Any]:
@@ -84,6 +92,8 @@ def _full(chunk: SeqChunk) -> dict[str, Any]:
          "o": chunk.output_index}
     if chunk.prior_token_ids is not None:
         d["h"] = list(chunk.prior_token_ids)
+    if chunk.num_draft_tokens:
+        d["k"] = chunk.num_draft_tokens
     return d
 
 
@@ -108,6 +118,8 @@ def _diff(st: SeqState, chunk: SeqChunk) -> dict[str, Any] | None:
         d["b"] = list(new)
     if chunk.output_index != st.output_index:
         d["o"] = chunk.output_index
+    if chunk.num_draft_tokens:
+        d["k"] = chunk.num_draft_tokens
     return d  # never "h": the worker's token history already covers what precedes the chunk
 
 
@@ -122,10 +134,16 @@ class _Mirror:
             self.states.pop(r, None)
 
     def on_output(self, output: BatchOutput) -> None:
-        """Append each sampled token to its request's known tokens."""
+        """Append each sampled token (after the drafts accepted before it, whose K/V the
+        chunk computed) to its request's known tokens."""
         for req_id, tok in output.sampled.items():
             st = self.states.get(req_id)
             if st is not None:
+                acc = output.accepted.get(req_id)
+                if acc:
+                    st.tokens.extend(int(t) for t in acc)
+                    st.next_pos += len(acc)
+                    st.output_index += len(acc)
                 st.tokens.append(int(tok))
                 st.output_index += 1
 
@@ -204,7 +222,7 @@ class BatchDecoder(_Mirror):
     def _chunk(self, d: dict[str, Any]) -> SeqChunk:
         if "sp" in d:
             chunk = SeqChunk(d["r"], list(d["t"]), d["p"], list(d["b"]), d["s"],
-                             SamplingParams.from_dict(d["sp"]), d["o"], d.get("h"))
+                             SamplingParams.from_dict(d["sp"]), d["o"], d.get("h"), d.get("k", 0))
             self._install(chunk)
             return chunk
         st = self.states[d["r"]]
@@ -213,7 +231,7 @@ class BatchDecoder(_Mirror):
         tokens = st.tokens_at(start, have) + list(d.get("t", []))
         table = list(d["b"]) if "b" in d else st.block_table + list(d.get("b+", []))
         chunk = SeqChunk(d["r"], tokens, start, table, d["s"], st.sampling,
-                         d.get("o", st.output_index), d.get("h"))
+                         d.get("o", st.output_index), d.get("h"), d.get("k", 0))
         st.advance(chunk)
         st.output_index = chunk.output_index
         return chunk

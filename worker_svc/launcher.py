@@ -6,7 +6,9 @@ picks a free rendezvous port, and spawns T x P processes, one per rank, each ser
 ZeroMQ socket at shared.config.rank_address(bind, rank). Like torchrun, the replica lives and
 dies as one: when any rank exits (crash, or a rank that saw a peer die and stopped), the others
 are terminated and the launcher exits with that rank's code, so a supervisor (compose restart
-policy, a Kubernetes pod) restarts the whole replica. SIGTERM / Ctrl-C stop every rank.
+policy, a Kubernetes pod) restarts the whole replica. SIGTERM / Ctrl-C stop every rank. The
+ranks inherit this process's environment, link keys included (SARATHI_LINK_*, see
+shared.link_auth): every rank's socket is authenticated like a single worker's.
 
 For several machines, start one process per rank instead (`sarathi worker --tp T --pp P --rank
 R --master-addr A`, or under torchrun, which sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT).

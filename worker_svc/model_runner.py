@@ -27,7 +27,7 @@ from worker_svc.kv_cache import PagedKVCache
 from worker_svc.loader import load_weights, read_config
 from worker_svc.model.linear import TensorParallel
 from worker_svc.model.llama import LlamaForCausalLM
-from worker_svc.sampling import SamplerOutput
+from worker_svc.sampling import SamplerOutput, Verified, emitted_logprobs, verify
 
 log = logging.getLogger("sarathi.worker")
 
@@ -91,6 +91,12 @@ class ModelRunner:
                                   self.block_size, kv_heads, cfg.head_dim,
                                   self.backend.kv_cache_dtype, dev)
         self.sampler = self.backend.sampler(sampler_seed, cfg.eos_token_ids)
+        # draws of draft verification (speculative decoding; unseeded sampled requests only)
+        self.spec_generator = torch.Generator(device=dev)
+        if sampler_seed is None:
+            self.spec_generator.seed()
+        else:
+            self.spec_generator.manual_seed(sampler_seed)
         if source is not None:    # constrained decoding needs the model's tokenizer: loaded on first use
             self.sampler.guides.bind(functools.partial(load_tokenizer, source), cfg.vocab_size)
         self.model_info = ModelInfo(
@@ -134,18 +140,24 @@ class ModelRunner:
 
     def execute(self, batch: Batch) -> BatchOutput:
         """Run one iteration; sampled holds a token exactly for the seqs with sample=True (and
-        logprobs for those that asked)."""
+        logprobs for those that asked). A seq with draft tokens (SeqChunk.num_draft_tokens) is
+        verified instead of sampled: its accepted drafts go to accepted, the token after them to
+        sampled (worker_svc.sampling.speculative)."""
         t0 = time.perf_counter()
         self.free(batch.freed_req_ids)
         par = self.parallel
         if par is None or par.is_last:   # token histories (penalties) only where tokens are drawn
             self.sampler.observe(batch.seqs)
             # grammar masks are filled on a host thread while the forward pass runs
-            self.sampler.prepare([s for s in batch.seqs if s.sample])
+            self.sampler.prepare([s for s in batch.seqs if s.sample and not s.num_draft_tokens])
         wall0 = time.time()
         due, logits, t1, t2 = self._forward(batch)
+        accepted: dict[str, list[int]] = {}
+        accepted_lps: dict[str, list] = {}
         if logits is None:       # a pipeline stage before the last: its activations were sent
             due, out = [], SamplerOutput([])
+        elif any(s.num_draft_tokens for s in due):
+            due, out = self._verify(due, logits, accepted, accepted_lps, par)
         else:   # TP: every rank of the last stage draws, TP rank 0's tokens are kept (broadcast)
             out = self.sampler.sample_chunks(logits, due, agree=par.broadcast_tokens if par is not None else None)
         t3 = time.perf_counter()
@@ -155,20 +167,80 @@ class ModelRunner:
             timings.update(rank=par.rank, stage=par.stage, start=wall0,
                            end=wall0 + (t3 - t0), recv_wait_s=self._recv_wait_s)
         return BatchOutput(batch.batch_id, {s.req_id: tok for s, tok in zip(due, out.tokens)}, timings,
-                           {due[i].req_id: lp for i, lp in out.logprobs.items()})
+                           {due[i].req_id: lp for i, lp in out.logprobs.items()},
+                           accepted=accepted, accepted_logprobs=accepted_lps)
+
+    def _verify(self, due: list[SeqChunk], logits: torch.Tensor, accepted: dict, accepted_lps: dict,
+                par) -> tuple[list[SeqChunk], SamplerOutput]:
+        """Sample the plain due seqs (one row each) and verify the seqs with drafts (k + 1 rows
+        each) of one batch; fills accepted / accepted_lps. Returns (due, output) in one order."""
+        plain_rows, plain, spans, row = [], [], [], 0
+        for s in due:
+            n = 1 + s.num_draft_tokens
+            if s.num_draft_tokens:
+                spans.append((s, row, n))
+            else:
+                plain.append(s)
+                plain_rows.append(row)
+            row += n
+        order: list[SeqChunk] = []
+        out = SamplerOutput([])
+        if plain:
+            sub = logits.index_select(0, torch.tensor(plain_rows, dtype=torch.int64, device=logits.device))
+            got = self.sampler.sample_chunks(sub, plain, agree=par.broadcast_tokens if par is not None else None)
+            order.extend(plain)
+            out.tokens.extend(got.tokens)
+            out.logprobs.update(got.logprobs)
+        eos = list(self.model_cfg.eos_token_ids)
+        results = [verify(logits[start:start + n], s, eos, self.spec_generator) for s, start, n in spans]
+        if par is not None and par.tp.world_size > 1:
+            results = self._agree(spans, results, logits, eos, par)
+        for (s, _, _), v in zip(spans, results):
+            if v.logprobs is not None:
+                accepted_lps[s.req_id] = v.logprobs[:-1]
+                out.logprobs[len(order)] = v.logprobs[-1]
+            accepted[s.req_id] = v.accepted
+            order.append(s)
+            out.tokens.append(v.token)
+        return order, out
+
+    @staticmethod
+    def _agree(spans, results, logits, eos, par):
+        """TP: every rank of the last stage verifies; TP rank 0's results are kept (broadcast
+        as k + 2 ints a seq: the number accepted, the accepted drafts padded to k, the token),
+        with logprobs of the kept tokens."""
+        flat = []
+        for (s, _, n), v in zip(spans, results):
+            flat += [len(v.accepted)] + v.accepted + [0] * (n - 1 - len(v.accepted)) + [v.token]
+        flat = par.broadcast_tokens(flat)
+        kept, i = [], 0
+        for (s, start, n), v in zip(spans, results):
+            a = flat[i]
+            acc, token = flat[i + 1:i + 1 + a], flat[i + n]
+            i += n + 1
+            if (acc, token) != (v.accepted, v.token):
+                v = Verified(acc, token, None if v.logprobs is None else
+                             emitted_logprobs(logits[start:start + n], s, eos, acc + [token]))
+            kept.append(v)
+        return kept
 
     def compute_logits(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Like execute (K/V are written) but return the float32 logits [V] of each seq with
-        sample=True instead of sampling (tests, scoring)."""
+        sample=True instead of sampling (tests, scoring); [k + 1, V] for a seq with k drafts."""
         due, logits, _, _ = self._forward(batch)
         if logits is None:
             return {}
-        logits = logits.cpu()
-        return {s.req_id: logits[i] for i, s in enumerate(due)}
+        logits, got, row = logits.cpu(), {}, 0
+        for s in due:
+            k = s.num_draft_tokens
+            got[s.req_id] = logits[row:row + k + 1] if k else logits[row]
+            row += k + 1
+        return got
 
     def _forward(self, batch: Batch):
         """(the due seqs, their logits [S, V] float32 on the device or None on a pipeline stage
-        before the last, start of the forward pass, end): checks the batch first."""
+        before the last, start of the forward pass, end): checks the batch first. A seq with k
+        draft tokens has k + 1 rows, in position order."""
         t0 = time.perf_counter()
         due = [s for s in batch.seqs if s.sample]
         self._recv_wait_s = 0.0
@@ -180,8 +252,16 @@ class ModelRunner:
         pos: list[int] = []         # Python ranges, one tensor: not one arange per sequence
         for s in batch.seqs:
             pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
-        specs = [(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs]
-        if self.graphs is not None:
+        specs = []
+        for s in batch.seqs:
+            if s.num_draft_tokens:
+                # each of the k + 1 positions as the decode at that position: one query attending
+                # to the cache up to itself (the chunk's K/V are written first), so the rows take
+                # the decode kernels and are the bits single decodes would give
+                specs.extend((s.start_pos + i, 1, s.block_table) for i in range(len(s.token_ids)))
+            else:
+                specs.append((s.start_pos, len(s.token_ids), s.block_table))
+        if self.graphs is not None and not any(s.num_draft_tokens for s in batch.seqs):
             logits = self.graphs.run(specs, ids, pos)     # None: no graph for this batch
             if logits is not None:
                 if len(due) < len(specs):
@@ -194,7 +274,9 @@ class ModelRunner:
         rows, row = [], 0
         for s in batch.seqs:
             row += len(s.token_ids)
-            if s.sample:
+            if s.num_draft_tokens:         # every position from the last sampled token on
+                rows.extend(range(row - s.num_draft_tokens - 1, row))
+            elif s.sample:
                 rows.append(row - 1)       # the chunk's last token predicts the next one
         t1 = time.perf_counter()
         par, hidden = self.parallel, None
@@ -212,6 +294,11 @@ class ModelRunner:
         n, end = len(s.token_ids), s.start_pos + len(s.token_ids)
         if n == 0:
             raise BatchError(f"request {s.req_id}: empty token_ids (an empty prompt cannot be run)")
+        if s.num_draft_tokens and (not s.sample or not 0 < s.num_draft_tokens < n
+                                   or s.sampling.reads_history):
+            raise BatchError(f"request {s.req_id}: {s.num_draft_tokens} draft tokens in a chunk of {n} "
+                             "(drafts need a sampled chunk, at least one verified token, and no "
+                             "penalties or output constraint)")
         if s.start_pos < 0:
             raise BatchError(f"request {s.req_id}: negative start_pos {s.start_pos}")
         if end > self.model_info.max_model_len:

@@ -17,11 +17,17 @@ and its KV cache (the content of every block) is gone.
 
 Any failure is a reply, never silence: {"ok": False, "error": kind, "message": text}, with kind
 "unknown_request" (a diff for a request this worker holds no state for: resend in full),
-"bad_request" (malformed message), "execute_failed" (the model runner raised; the worker forgets all
+"bad_request" (malformed message: checked whole before anything changes, see
+worker_svc.wire_check), "execute_failed" (the model runner raised; the worker forgets all
 per-request state, so the client must start a new epoch) or "unknown_op". A model runner error
 marked `fatal` (another rank of the replica is lost: worker_svc.parallel.RankLostError) is
 replied as "rank_lost", then the server stops: the process group cannot be repaired, the
 launcher restarts the replica.
+
+The socket is bounded (shared.link_auth.bound: largest message, queues) and, on tcp:// with
+link keys configured, a CURVE server that accepts only the schedulers' keys: a client without an
+authorized key never completes the handshake, so it gets no answer at all. Without keys it may
+bind loopback only (shared.link_auth.check_bind).
 """
 from __future__ import annotations
 
@@ -35,11 +41,20 @@ from typing import Any, Protocol
 
 import zmq
 
+from shared import link_auth
 from shared.config import WorkerServiceConfig, rank_address, single_rank_layout
+from shared.link_auth import LinkKeys
 from shared.messages import Batch, BatchOutput
 from shared.wire import BatchDecoder, UnknownRequestError, error_reply, output_reply, pack, unpack
+from worker_svc.wire_check import WireCheckError, WireLimits, check_batch_message
 
 log = logging.getLogger("sarathi.worker")
+
+# The largest batch message a worker takes (bytes): a new epoch resends every running request
+# in full, prior tokens included, so this is sized for hundreds of long contexts; a larger
+# message drops the connection instead of being buffered.
+MAX_BATCH_MSG_BYTES = 256 << 20
+QUEUED_MSGS = 64    # per peer and direction: the scheduler keeps pp batches (and a ping) in flight
 
 
 class ServedRunner(Protocol):
@@ -60,25 +75,34 @@ class KvLinkLike(Protocol):
     address: str | None
 
     def send(self, src_blocks: list[int], dst_address: str, dst_blocks: list[int],
-             timeout_s: float) -> tuple[float, int]: ...
+             timeout_s: float, req_id: str = "") -> tuple[float, int]: ...
 
     def close(self) -> None: ...
 
 
 class WorkerServer:
     """Serves one model runner on `address` (tcp://, ipc:// or inproc://). Single-threaded:
-    batches are executed one at a time, in arrival order (the wire mirror relies on that order)."""
+    batches are executed one at a time, in arrival order (the wire mirror relies on that order).
+
+    keys: the worker's link keys ("env": shared.link_auth.process_keys("worker"), None: plain).
+    Raises shared.link_auth.LinkSecurityError for a plain socket on a network address."""
 
     def __init__(self, runner: ServedRunner, address: str, ctx: zmq.Context | None = None,
-                 role: str = "mixed", kv_link: KvLinkLike | None = None):
+                 role: str = "mixed", kv_link: KvLinkLike | None = None,
+                 keys: LinkKeys | None | str = "env"):
         self.runner = runner
         self.role = role
         self.decoder = BatchDecoder()
+        self.limits = WireLimits.of(runner.model_info)
         # names this process's KV cache: a client that sees it change knows the KV is gone
         self.instance = uuid.uuid4().hex
         self.ctx = ctx or zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        self.keys = link_auth.process_keys("worker") if keys == "env" else keys
+        link_auth.check_bind(address, self.keys, "the worker")
+        self.sock = link_auth.bound(self.ctx.socket(zmq.ROUTER), max_msg_bytes=MAX_BATCH_MSG_BYTES,
+                                    sndhwm=QUEUED_MSGS, rcvhwm=QUEUED_MSGS)
+        self._zap_domain = (link_auth.serve_curve(self.sock, self.keys, self.keys.schedulers, self.ctx)
+                            if link_auth.uses_curve(address, self.keys) else None)
         self.sock.bind(address)
         # the address actually bound (resolves tcp://*:0 to a real port)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -93,25 +117,32 @@ class WorkerServer:
             if self.sock.poll(poll_ms, zmq.POLLIN):
                 frames = self.sock.recv_multipart()
                 # frames: [client identity, (envelope...), payload]; reply on the same envelope
+                # (a ROUTER drops a reply to a peer whose queue is full: never blocks)
                 self.sock.send_multipart(frames[:-1] + [pack(self.handle_bytes(frames[-1]))])
 
     def close(self) -> None:
         if self.kv_link is not None:
             self.kv_link.close()
         self.sock.close(0)
+        link_auth.release_domain(self.ctx, self._zap_domain)
 
     @property
     def kv_address(self) -> str | None:
         return self.kv_link.address if self.kv_link is not None else None
 
     def handle_bytes(self, payload: bytes) -> dict[str, Any]:
+        """The reply to one message; never raises (a worker outlives any message)."""
         try:
             msg = unpack(payload)
             seq = msg.get("seq")
         except Exception as e:  # not msgpack, or not a map
             return error_reply("bad_request", f"cannot decode message: {e!r}")
-        reply = self.handle(msg)
-        reply.update(seq=seq, instance=self.instance)
+        try:
+            reply = self.handle(msg)
+        except Exception as e:  # noqa: BLE001 - a bug's message is an error reply, not a dead worker
+            log.exception("message %r failed", msg.get("op"))
+            reply = error_reply("bad_request", f"{type(e).__name__}: {e}")
+        reply.update(seq=seq if isinstance(seq, int) else None, instance=self.instance)
         return reply
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -128,6 +159,12 @@ class WorkerServer:
 
     def _batch(self, msg: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
+        try:   # whole message first: a malformed one changes nothing
+            mirror = self.decoder.states if msg.get("epoch") == self.decoder.epoch else {}
+            check_batch_message(msg, mirror, self.limits)
+        except WireCheckError as e:
+            log.warning("refused a malformed batch message: %s", e)
+            return error_reply("bad_request", f"malformed batch message: {e}")
         try:
             dropped = self.decoder.new_epoch(msg["epoch"])
             if dropped:
@@ -154,7 +191,8 @@ class WorkerServer:
         timings = dict(output.timings)
         timings.update(decode_s=t1 - t0, worker_total_s=time.perf_counter() - t0)
         return output_reply(BatchOutput(output.batch_id, dict(output.sampled), timings, output.logprobs,
-                                        output.kv_sent, output.kv_failed))
+                                        output.kv_sent, output.kv_failed, output.accepted,
+                                        output.accepted_logprobs))
 
     def _send_kv(self, batch: Batch, output: BatchOutput) -> None:
         """After the forward pass: send each KvSend's blocks to its receiver, synchronously (the
@@ -166,7 +204,7 @@ class WorkerServer:
                 continue
             try:
                 seconds, nbytes = self.kv_link.send(send.src_blocks, send.dst_address,
-                                                      send.dst_blocks, send.timeout_s)
+                                                      send.dst_blocks, send.timeout_s, req_id=send.req_id)
                 output.kv_sent[send.req_id] = {"kv_transfer_s": seconds, "kv_bytes": nbytes}
             except Exception as e:  # noqa: BLE001 - a failed send is reported, never fatal
                 log.warning("KV send of %s to %s failed: %s", send.req_id, send.dst_address, e)
@@ -211,11 +249,13 @@ def run_worker(config: WorkerServiceConfig, *, runner: ServedRunner | None = Non
     Raises SystemExit(3) when a fatal error (a lost rank) stopped the server.
     """
     address, parallel = config.address, config.parallel
+    if parallel is not None:
+        address = rank_address(address, parallel.rank)
+    # before the model loads: a refused address should not cost a minute of loading first
+    link_auth.check_bind(address, link_auth.process_keys("worker"), "the worker")
     if runner is None:
         from worker_svc.model_runner import ModelRunner  # torch: imported only where a model runs
         runner = ModelRunner(config.engine, parallel=parallel)
-    if parallel is not None:
-        address = rank_address(address, parallel.rank)
     link = kv_link(runner, config.kv_address) if kv_link is not None else None
     server = WorkerServer(runner, address, role=config.role, kv_link=link)
     log.info("worker (%s) serving %s on %s%s", config.role, runner.model_info.name, server.address,

@@ -277,6 +277,26 @@ def _sim_roles(a: argparse.Namespace) -> list[str] | None:
     return ["prefill"] * a.prefill_replicas + ["decode"] * a.decode_replicas
 
 
+def _chat_shape(a: argparse.Namespace):
+    """The ChatShape of --workload chat (None for --workload trace)."""
+    if getattr(a, "workload", "trace") != "chat":
+        return None
+    from sarathi.measure.loadgen import ChatShape
+
+    try:
+        lo, hi = (int(x) for x in str(a.chat_turns).split(","))
+    except ValueError:
+        raise ValueError(f"--chat-turns must be MIN,MAX, got {a.chat_turns!r}") from None
+    if not 1 <= lo <= hi or a.chat_system_prompts < 1 or a.chat_system_len < 0 or not a.chat_user_scale > 0 \
+            or a.chat_think < 0:
+        raise ValueError("chat workload: need 1 <= min turns <= max turns, >= 1 system prompt, a system length "
+                         ">= 0, --chat-user-scale > 0 and --chat-think >= 0")
+    shape = ChatShape(a.chat_system_prompts, a.chat_system_len, (lo, hi), a.chat_user_scale, a.chat_think)
+    # warm the replicas up with one mean conversation's span of earlier turns (left out of the results)
+    span = shape.mean_turns * (400 * shape.answer_s_per_token + shape.think_s)
+    return dataclasses.replace(shape, warmup_s=round(span, 1))
+
+
 def simulate(a: argparse.Namespace) -> int:
     from sarathi.measure.env import command_line, machine
     from sarathi.measure.profile import RELAXED, STRICT
@@ -286,6 +306,8 @@ def simulate(a: argparse.Namespace) -> int:
 
     if a.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {a.replicas}")
+    if not 0.0 <= a.spec_acceptance <= 1.0:
+        raise ValueError(f"--spec-acceptance must be in [0, 1], got {a.spec_acceptance}")
     cost, desc, slo_base, blocks = _sim_cost_model(a)
     num_blocks = a.num_blocks or blocks or 2048
     slo = a.tbt_slo if a.tbt_slo > 0 else (
@@ -295,9 +317,13 @@ def simulate(a: argparse.Namespace) -> int:
     max_len = 8192 if desc["kind"] == "gpu" else _read_profile(a.profile)["model_info"]["max_model_len"]
     roles = _sim_roles(a)
     if roles is None:
+        if a.routing in ("prefix", "mix") and not sched.enable_prefix_caching:
+            raise ValueError(f"--routing {a.routing} scores the prefix cache: add --prefix-caching")
         target = simulated_target(cost, replicas=a.replicas, depth=a.pp, block_size=a.block_size,
                                   num_blocks=num_blocks, max_model_len=max_len, sched_config=sched,
-                                  description=desc, windows=a.windows, noise_sigma=a.noise_sigma)
+                                  description=desc, windows=a.windows, noise_sigma=a.noise_sigma,
+                                  spec_acceptance=a.spec_acceptance, routing=a.routing)
+        desc = {**desc, "routing": a.routing}
     else:
         if a.kv_bytes_per_token < 0:
             raise ValueError(f"--kv-bytes-per-token must be >= 0, got {a.kv_bytes_per_token}")
@@ -317,16 +343,19 @@ def simulate(a: argparse.Namespace) -> int:
                 "kv_bytes_per_token": kv_bytes,
                 "kv_link_assumption": f"{a.kv_link_gbs:g} GB/s between workers (25 GB/s = one 200 Gb/s "
                                       "RDMA NIC); transfer = prompt blocks x block size x KV bytes per token / link"}
-    w = dataclasses.replace(_workload(a, max_len), shift_prompt_scale=a.shift_prompt_scale)
+    w = dataclasses.replace(_workload(a, max_len), shift_prompt_scale=a.shift_prompt_scale,
+                            chat=_chat_shape(a))
     label = f"{a.policy} tau={'adaptive' if tau.adaptive_slo else tau.budget}"
     result = {"command": command_line(), "machine": machine(), "target": "sim",
               "simulated": {**desc, "replicas": a.replicas if roles is None else len(roles),
                             "num_blocks": num_blocks,
                             "noise_sigma": a.noise_sigma,
+                            "speculative": a.speculative, "spec_acceptance": a.spec_acceptance,
                             "slo_base_decode_b32_s": slo_base},
               "workload": {"trace": w.trace.source, "num_requests": w.num_requests, "arrival": w.arrival,
                            "cv": w.cv, "burst_size": w.burst_size, "seed": w.seed, "drain_s": w.drain_s,
-                           "duration_s": w.duration_s, "shift_prompt_scale": w.shift_prompt_scale},
+                           "duration_s": w.duration_s, "shift_prompt_scale": w.shift_prompt_scale,
+                           "chat": dataclasses.asdict(w.chat) if w.chat else None},
               "tbt_slo_s": slo, "adaptive_tbt_slo_s": tau.adaptive_slo}
     if a.capacity:
         if slo is None:
@@ -345,9 +374,11 @@ def simulate(a: argparse.Namespace) -> int:
                        keep_requests=a.details)
         result["runs"].append(run)
         s = run["summary"]
-        print(f"{q:g} QPS: TTFT P50 {s['ttft_p50_s']:.3f} s | TBT P50 {s['tbt_p50_s']:.4f} s, P99 "
-              f"{s['tbt_p99_s']:.4f} s | sched delay P50 {s['sched_delay_p50_s']:.3f} s | "
+        print(f"{q:g} QPS: TTFT P50 {s['ttft_p50_s']:.3f} s, P99 {s['ttft_p99_s']:.3f} s | "
+              f"TBT P50 {s['tbt_p50_s']:.4f} s, P99 {s['tbt_p99_s']:.4f} s | "
+              f"sched delay P50 {s['sched_delay_p50_s']:.3f} s | "
               f"{s['finished']}/{s['requests']} finished"
+              + (f" | prefix hits {s['prefix_hit_rate']:.1%}" if "prefix_hit_rate" in s else "")
               + (f" | PP bubbles {s['pp_bubble_fraction']:.1%}" if a.pp > 1 and "pp_bubble_fraction" in s else "")
               + (f" | {s['disaggregated_requests']} disaggregated, KV transfer P50 "
                  f"{s['kv_transfer_p50_s'] * 1e3:.2f} ms = {s['kv_transfer_share_of_ttft_p50']:.1%} of their "

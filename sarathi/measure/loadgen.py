@@ -98,6 +98,92 @@ def make_workload(trace: Trace, num_requests: int, qps: float, *, arrival: str =
             for i, (j, t) in enumerate(zip(idx, times))]
 
 
+@dataclass
+class ChatShape:
+    """Multi-turn chat conversations (make_chat_workload). system_prompts: distinct system prompts,
+    shared across users (each conversation draws one); system_len: their length (tokens);
+    turns: (min, max) turns per conversation, uniform; user_scale: a user turn's length is a
+    trace prompt length x this; think_s: mean seconds between a turn's answer and the next turn
+    (exponential), the answer's time estimated as answer_s_per_token x its length. warmup_s > 0:
+    the workload also holds the turns arriving in the warmup_s seconds before 0 (negative
+    arrivals; a simulation runs them to warm the caches and leaves them out of the results)."""
+
+    system_prompts: int = 4
+    system_len: int = 512
+    turns: tuple[int, int] = (2, 8)
+    user_scale: float = 0.25
+    think_s: float = 5.0
+    answer_s_per_token: float = 0.02
+    warmup_s: float = 0.0
+
+    @property
+    def mean_turns(self) -> float:
+        return (self.turns[0] + self.turns[1]) / 2
+
+
+def sim_output_tokens(start: int, n: int, vocab_size: int) -> list[int]:
+    """The tokens the simulated worker generates at positions start .. start + n - 1
+    (sarathi.measure.simulate.SimulatedWorker: a function of the position only)."""
+    return [1 + p % (vocab_size - 1) for p in range(start, start + n)]
+
+
+def make_chat_workload(trace: Trace, num_requests: int, qps: float, shape: ChatShape | None = None, *,
+                       seed: int = 0, vocab_size: int = 32000, max_total_len: int = 8192) -> list[RequestSpec]:
+    """num_requests requests of multi-turn conversations at a mean of qps requests/s (arrival
+    order, the first at 0). Turn k + 1's prompt is turn k's prompt + turn k's answer + a new user
+    message, so consecutive turns share a growing prefix, and every prompt starts with one of the
+    shared system prompts. The answer tokens are the simulated worker's (sim_output_tokens): in
+    simulation a follow-up's prefix is exactly what the replica that served turn k computed;
+    against a real server a follow-up carries these tokens instead of the real answer (its earlier
+    prompt still matches). Turn k + 1 arrives answer time + think time after turn k (open loop:
+    whether or not turn k has ended). A conversation ends early when the next prompt + answer
+    would exceed max_total_len.
+
+    Stationary from the start: conversations begin (Poisson) long enough before 0 that the run
+    opens mid-stream, with follow-ups of older conversations; only turns arriving at or after
+    -shape.warmup_s are kept (num_requests of them at or after 0). Arrival times are then scaled
+    so that the mean rate is exactly qps (conversations cut short by max_total_len have fewer
+    turns than the nominal mean). Request ids: c<conversation>t<turn>."""
+    shape = shape or ChatShape()
+    if not qps > 0:
+        raise ValueError(f"--qps must be > 0, got {qps}")
+    if num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {num_requests}")
+    rng = np.random.default_rng(seed)
+    low = min(100, vocab_size - 1)
+    systems = [rng.integers(low, vocab_size, shape.system_len).tolist() for _ in range(shape.system_prompts)]
+    rate = qps / shape.mean_turns
+    mean_out = float(np.mean(trace.output_lens))
+    warmup = shape.warmup_s + shape.turns[1] * (mean_out * shape.answer_s_per_token + shape.think_s)
+    horizon = 1.5 * num_requests / qps + 10.0
+    out: list[RequestSpec] = []
+    t, c = -warmup, 0
+    while t < horizon or sum(1 for s in out if s.arrival >= 0) < num_requests:
+        prompt = list(systems[int(rng.integers(len(systems)))])
+        arrival = t
+        for k in range(int(rng.integers(shape.turns[0], shape.turns[1] + 1))):
+            j = int(rng.integers(len(trace)))
+            user = max(1, round(trace.prompt_lens[j] * shape.user_scale))
+            answer = trace.output_lens[j]
+            if len(prompt) + user + answer > max_total_len:
+                break
+            prompt = prompt + rng.integers(low, vocab_size, user).tolist()
+            if arrival >= -shape.warmup_s:
+                out.append(RequestSpec(f"c{c}t{k}", arrival, prompt, answer))
+            prompt = prompt + sim_output_tokens(len(prompt), answer, vocab_size)
+            arrival += answer * shape.answer_s_per_token + float(rng.exponential(shape.think_s))
+        c += 1
+        t += float(rng.exponential(1.0 / rate))
+    out.sort(key=lambda s: s.arrival)
+    warm = [s for s in out if s.arrival < 0]
+    out = out[len(warm):len(warm) + num_requests]
+    t0, span = out[0].arrival, out[-1].arrival - out[0].arrival
+    scale = (len(out) - 1) / qps / span if span > 0 and len(out) > 1 else 1.0
+    for s in warm + out:
+        s.arrival = (s.arrival - t0) * scale
+    return warm + out
+
+
 def shift_prompts(workload: list[RequestSpec], scale: float, *, max_total_len: int,
                   vocab_size: int = 32000, seed: int = 0) -> list[RequestSpec]:
     """A workload whose prompts change length mid-run: requests arriving in the second half of

@@ -8,10 +8,11 @@ clock. Discrete-event: nothing sleeps; the clock jumps from one event to the nex
   stage_times, or one stage of a CPU CostModel); collect() moves the clock to the batch's end.
   Sampled tokens are a function of the position (runs ignore EOS: only lengths matter).
 * Replicas: each replica is one scheduler + its worker with its own clock. Arrivals are routed
-  when every busy replica's clock has reached them, to the replica with the fewest unfinished
-  requests (ties: the lowest index), which approximates pull-based admission from the shared
-  queue; the replica with the earliest clock steps next. A replica sees a request at its next
-  iteration boundary, as the real scheduler does; with one replica this is run_inprocess.
+  when every busy replica's clock has reached them; the replica with the earliest clock steps
+  next. A replica sees a request at its next iteration boundary, as the real scheduler does;
+  with one replica this is run_inprocess. Routing (sarathi.measure.routing): least-unfinished
+  (the default: the replica with the fewest unfinished requests, ties the lowest index), the
+  shared queue's pull, or the inference gateway's endpoint picker's scorers.
 
 Pipeline parallelism, two measures over stages and replicas:
 * pp_idle_fraction: the share of stage time a stage is idle while its replica has unfinished
@@ -23,6 +24,7 @@ Pipeline parallelism, two measures over stages and replicas:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from typing import Callable
@@ -46,12 +48,16 @@ class SimulatedWorker:
     cost: an object with stage_times(batch) -> [seconds per stage] (GPUCostModel), or a callable
     batch -> seconds (one stage). noise_sigma > 0: each batch's times x exp(sigma z - sigma^2 / 2),
     z standard normal from a generator seeded with `seed` (mean 1; deterministic for a run).
-    Keeps busy / bubble seconds per stage."""
+    Keeps busy / bubble seconds per stage. spec_acceptance: speculative decoding's acceptance
+    parameter: each draft token is accepted with this probability given the ones before it
+    (seeded), so a decode with k drafts emits 1 + a geometric number of them, at most k."""
 
     def __init__(self, cost, clock: SimClock, block_size: int, vocab_size: int,
                  noise_sigma: float = 0.0, seed: int = 0, kv_bytes_per_token: int = 0,
-                 kv_link_gbs: float = 25.0):
+                 kv_link_gbs: float = 25.0, spec_acceptance: float = 0.0):
         self.cost, self.clock = cost, clock
+        self.spec_acceptance = spec_acceptance
+        self._spec_rng = np.random.default_rng(seed + 7919)
         self.block_size = block_size
         # KV transfer (prefill/decode disaggregation): a batch's KvSends move len(src_blocks) x
         # block_size x kv_bytes_per_token bytes over a kv_link_gbs GB/s link, one after another,
@@ -113,10 +119,21 @@ class SimulatedWorker:
         batch, done, times, submitted, sent = self._queue.popleft()
         self.clock.now = max(self.clock.now, done)
         # the token is a function of the position only: outputs ignore EOS, so only lengths matter
-        sampled = {s.req_id: 1 + (s.start_pos + len(s.token_ids)) % (self.vocab_size - 1)
-                   for s in batch.seqs if s.sample}
+        sampled, accepted = {}, {}
+        for s in batch.seqs:
+            if not s.sample:
+                continue
+            end = s.start_pos + len(s.token_ids) - s.num_draft_tokens
+            if s.num_draft_tokens:
+                a = 0
+                while a < s.num_draft_tokens and self._spec_rng.random() < self.spec_acceptance:
+                    a += 1
+                accepted[s.req_id] = s.token_ids[len(s.token_ids) - s.num_draft_tokens:][:a]
+                end += a
+            sampled[s.req_id] = 1 + end % (self.vocab_size - 1)
         out = BatchOutput(batch.batch_id, sampled, {"forward_s": sum(times), "stages_s": times,
-                                                     "submitted_s": submitted, "done_s": done})
+                                                     "submitted_s": submitted, "done_s": done},
+                          accepted=accepted)
         if sent:
             out.kv_sent.update(sent)
             out.timings["kv_transfer_s"] = sum(v["kv_transfer_s"] for v in sent.values())
@@ -131,12 +148,16 @@ class Replica:
 
     def __init__(self, cost, sched_config: SchedulerConfig, *, block_size: int, num_blocks: int,
                  max_model_len: int, vocab_size: int = 32000, depth: int = 1, noise_sigma: float = 0.0,
-                 seed: int = 0):
+                 seed: int = 0, spec_acceptance: float = 0.0):
         self.clock = SimClock()
         self.scheduler = Scheduler(sched_config, CacheConfig(block_size=block_size, num_blocks=num_blocks),
                                    ModelInfo("sim", max_model_len, vocab_size, [0], block_size=block_size,
                                              num_blocks=num_blocks), clock=self.clock)
-        self.worker = SimulatedWorker(cost, self.clock, block_size, vocab_size, noise_sigma, seed)
+        self.worker = SimulatedWorker(cost, self.clock, block_size, vocab_size, noise_sigma, seed,
+                                      spec_acceptance=spec_acceptance)
+        if self.scheduler.speculator is not None:   # simulated tokens: acceptance is the parameter
+            from scheduler_svc.speculative.synthetic import SyntheticProposer
+            self.scheduler.speculator.proposer = SyntheticProposer()
         self.engine = EngineLoop(self.scheduler, self.worker, depth=depth)
         self.busy_s = 0.0   # virtual seconds this replica had unfinished requests (s)
 
@@ -146,18 +167,63 @@ class Replica:
 
 
 def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_s: float,
-                 on_progress: Callable[[int], None] | None = None, windows: int = 0) -> tuple[RunResult, dict]:
+                 on_progress: Callable[[int], None] | None = None, windows: int = 0,
+                 routing: str = "least-unfinished", max_waiting: int = 64,
+                 seed: int = 0, routes: dict[str, int] | None = None) -> tuple[RunResult, dict]:
     """Drive the replicas through the workload on virtual time (see the module doc). Returns the
     run (records of every request, iterations of every replica in start order) and extras:
-    per-replica request counts and the pipeline bubble fraction."""
-    end = (workload[-1].arrival if workload else 0.0) + drain_s
+    per-replica request counts, the prefix-cache hit rate (tokens found cached / tokens looked up
+    at admission, all replicas, from the first request arriving at or after 0), the pipeline
+    bubble fraction. Requests arriving before 0 warm the replicas up: they run, and are left out
+    of the records, iterations and hit rate. routing: one of
+    sarathi.measure.routing.ROUTINGS; max_waiting: the scheduler service's local queue bound
+    (shared-queue pulls); seed: the picker's tie-breaks; routes: if given, filled with request id
+    -> the index of the replica that served it."""
+    from sarathi.measure.routing import ROUTINGS, WEIGHTS, Picker
+
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r}; choose one of {', '.join(ROUTINGS)}")
+    picker = Picker(routing, replicas, replicas[0].scheduler.block_manager.block_size, seed) \
+        if routing in WEIGHTS else None
+    end = max((s.arrival for s in workload), default=0.0) + drain_s
     pending = deque(sorted(workload, key=lambda s: s.arrival))
+    # warm-up requests (arrivals before 0): the run starts at the first of them (virtual clocks
+    # start at 0: every time is shifted by `offset`, and shifted back in the results)
+    offset = max(0.0, -pending[0].arrival) if pending else 0.0
+    if offset:
+        pending = deque(dataclasses.replace(spec, arrival=spec.arrival + offset) for spec in pending)
+        end += offset
+
+    def prefix_tokens() -> tuple[int, int]:   # (hit, looked-up) tokens over the replicas so far
+        st = [r.scheduler.stats() for r in replicas]
+        return (sum(x["prefix_cache_hit_tokens"] for x in st), sum(x["prefix_cache_query_tokens"] for x in st))
+    warm_prefix = None if offset else (0, 0)
+    shared: deque[RequestSpec] = deque()     # routing shared-queue: arrived, not pulled yet
     reqs, iterations = {}, []
     last_batch: list[Batch] = []
     for r in replicas:
         r.engine.on_batch = lambda batch, output, seconds: last_batch.append(batch)
     routed = [0] * len(replicas)
+
+    def admit(i: int, spec: RequestSpec) -> None:
+        nonlocal warm_prefix
+        if warm_prefix is None and spec.arrival >= offset:
+            warm_prefix = prefix_tokens()      # the measured part starts: count its lookups only
+        r = replicas[i]
+        routed[i] += 1
+        if routes is not None:
+            routes[spec.req_id] = i
+        r.clock.now = max(r.clock.now, spec.arrival)   # an idle replica wakes at the arrival
+        reqs[spec.req_id] = (spec, r.engine.add_request(
+            spec.req_id, spec.prompt_ids, bench_sampling(spec.max_tokens), spec.arrival))
+
+    def idle() -> list[int]:   # replicas blocked on the shared queue, longest idle first
+        return sorted((k for k, r in enumerate(replicas) if not r.scheduler.has_unfinished()),
+                      key=lambda k: (replicas[k].clock.now, k))
+
     while True:
+        while shared and (free := idle()):     # a blocked replica takes a queued request at once
+            admit(free[0], shared.popleft())
         busy = [r for r in replicas if r.scheduler.has_unfinished()]
         t_busy = min((r.clock.now for r in busy), default=float("inf"))
         t_arr = pending[0].arrival if pending else float("inf")
@@ -165,14 +231,19 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
             break
         if t_arr <= t_busy:
             spec = pending.popleft()
-            i = min(range(len(replicas)), key=lambda k: (replicas[k].unfinished, k))
-            r = replicas[i]
-            routed[i] += 1
-            r.clock.now = max(r.clock.now, spec.arrival)   # an idle replica wakes at the arrival
-            reqs[spec.req_id] = (spec, r.engine.add_request(
-                spec.req_id, spec.prompt_ids, bench_sampling(spec.max_tokens), spec.arrival))
+            if routing == "shared-queue":
+                shared.append(spec)
+                continue
+            i = (picker.pick(spec.prompt_ids) if picker is not None
+                 else min(range(len(replicas)), key=lambda k: (replicas[k].unfinished, k)))
+            admit(i, spec)
             continue
         r = min(busy, key=lambda x: x.clock.now)
+        if shared:   # its iteration boundary: pull what fits (the service's pull rule)
+            s = r.scheduler
+            room = min(max_waiting - len(s.waiting), s.config.max_num_seqs - len(s.running) - len(s.waiting))
+            for _ in range(max(0, min(room, len(shared)))):
+                admit(replicas.index(r), shared.popleft())
         started = r.clock.now
         last_batch.clear()
         events = r.engine.step()     # raises StalledError when nothing can ever run
@@ -188,17 +259,28 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
                                               decodes, seqs, kv, pairs))
     records = [_record(spec, 0.0, list(req.token_times), req.first_scheduled_time,
                        req.finish_reason in ("stop", "length"), req.error)
-               for spec, req in reqs.values()]
+               for spec, req in reqs.values() if spec.arrival >= offset]
     records += [_record(spec, 0.0, [], None, False, None) for spec in pending]
     busy_s = sum(sum(r.worker.busy) for r in replicas)
     bubble_s = sum(sum(r.worker.bubble) for r in replicas)
     stage_time = sum(len(r.worker.busy) * r.busy_s for r in replicas)
-    extra = {"replica_requests": routed,
+    records += [_record(spec, 0.0, [], None, False, None) for spec in shared if spec.arrival >= offset]
+    if offset:   # back to the workload's times; the warm-up's iterations left out
+        for rec in records:
+            rec.arrival -= offset
+            rec.token_times = [t - offset for t in rec.token_times]
+            if rec.first_scheduled is not None:
+                rec.first_scheduled -= offset
+        iterations = [dataclasses.replace(it, start=it.start - offset) for it in iterations if it.start >= offset]
+    hit, looked = (a - b for a, b in zip(prefix_tokens(), warm_prefix or (0, 0)))
+    extra = {"replica_requests": routed, "routing": routing,
+             "warmup_requests": sum(1 for spec, _ in reqs.values() if spec.arrival < offset),
+             "prefix_hit_rate": hit / looked if looked else 0.0,
              "pp_bubble_fraction": bubble_s / (busy_s + bubble_s) if busy_s + bubble_s else 0.0,
              "pp_idle_fraction": max(0.0, 1 - busy_s / stage_time) if stage_time else 0.0,
              "stage_busy_s": [[round(b, 4) for b in r.worker.busy] for r in replicas]}
     iterations.sort(key=lambda it: it.start)
-    end_time = max(r.clock.now for r in replicas)
+    end_time = max(r.clock.now for r in replicas) - offset
     if windows:
         extra["windows"] = windowed_tbt_p99(records, 0.0, end_time, windows)
     adaptive = getattr(replicas[0].scheduler.policy, "adaptive", None)
@@ -211,11 +293,14 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
 def simulated_target(cost, *, replicas: int = 1, depth: int = 1, block_size: int = 16,
                      num_blocks: int = 2048, max_model_len: int = 8192, vocab_size: int = 32000,
                      sched_config: SchedulerConfig | None = None, description: dict | None = None,
-                     windows: int = 0, noise_sigma: float = 0.0) -> Target:
+                     windows: int = 0, noise_sigma: float = 0.0, spec_acceptance: float = 0.0,
+                     routing: str = "least-unfinished") -> Target:
     """A Target whose runs go to `replicas` simulated replicas (each `depth` micro-batches in
     flight: the PP degree) with the given cost model; sched_config is the template each run
     copies with its policy and tau. windows > 0: each run's summary has P99 TBT per time window.
-    noise_sigma: lognormal iteration-time variation (SimulatedWorker)."""
+    noise_sigma: lognormal iteration-time variation (SimulatedWorker). spec_acceptance: the
+    draft acceptance probability when sched_config speculates (SimulatedWorker). routing: how
+    arrivals reach the replicas (sarathi.measure.routing.ROUTINGS)."""
     import dataclasses
 
     base = sched_config or SchedulerConfig()
@@ -224,9 +309,10 @@ def simulated_target(cost, *, replicas: int = 1, depth: int = 1, block_size: int
         cfg = dataclasses.replace(base, policy=policy, token_budget=tau, max_model_len=max_model_len)
         reps = [Replica(cost, cfg, block_size=block_size, num_blocks=num_blocks,
                         max_model_len=max_model_len, vocab_size=vocab_size, depth=depth,
-                        noise_sigma=noise_sigma, seed=i)
+                        noise_sigma=noise_sigma, seed=i, spec_acceptance=spec_acceptance)
                 for i in range(replicas)]
-        return run_replicas(reps, workload, drain_s=drain_s, on_progress=on_progress, windows=windows)
+        return run_replicas(reps, workload, drain_s=drain_s, on_progress=on_progress, windows=windows,
+                            routing=routing)
 
     return Target("sim", run=run, max_model_len=max_model_len, vocab_size=vocab_size,
                   description=description or {})

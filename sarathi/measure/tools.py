@@ -16,7 +16,14 @@ from typing import Callable
 
 from sarathi.measure import plots
 from sarathi.measure.capacity import search_capacity
-from sarathi.measure.loadgen import make_workload, run_http, run_inprocess, shift_prompts
+from sarathi.measure.loadgen import (
+    ChatShape,
+    make_chat_workload,
+    make_workload,
+    run_http,
+    run_inprocess,
+    shift_prompts,
+)
 from sarathi.measure.metrics import json_safe, meets_slo, summarize
 from sarathi.measure.trace import Trace
 from scheduler_svc.engine_loop import EngineLoop
@@ -54,6 +61,7 @@ class Workload:
     drain_s: float = 60.0
     duration_s: float = 0.0   # > 0: a run is this many seconds of arrivals (qps x duration requests)
     shift_prompt_scale: float = 0.0   # > 0: prompts of the second half x this (loadgen.shift_prompts)
+    chat: ChatShape | None = None     # multi-turn conversations instead of single requests (loadgen)
 
     def requests_at(self, qps: float) -> int:
         """Requests in a run at qps. A fixed duration keeps overload visible at any rate: the
@@ -101,8 +109,12 @@ def run_once(target: Target, w: Workload, qps: float, *, policy: str = "sarathi"
     engine = target.make_engine(policy, token_budget) if target.make_engine is not None else None
     vocab = engine.scheduler.model_info.vocab_size if engine else target.vocab_size
     n = w.requests_at(qps)
-    workload = make_workload(w.trace, n, qps, arrival=w.arrival, cv=w.cv,
-                             burst_size=w.burst_size, seed=w.seed, vocab_size=vocab)
+    if w.chat is not None:
+        workload = make_chat_workload(w.trace, n, qps, w.chat, seed=w.seed, vocab_size=vocab,
+                                      max_total_len=engine.scheduler.max_model_len if engine else target.max_model_len)
+    else:
+        workload = make_workload(w.trace, n, qps, arrival=w.arrival, cv=w.cv,
+                                 burst_size=w.burst_size, seed=w.seed, vocab_size=vocab)
     if w.shift_prompt_scale > 0:
         workload = shift_prompts(workload, w.shift_prompt_scale, vocab_size=vocab, seed=w.seed,
                                  max_total_len=engine.scheduler.max_model_len if engine else target.max_model_len)

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 class StepContext:
     """The batch being built in one schedule() call.
 
-    chunks: (request, number of tokens) in batch order; num_tokens: their sum (tokens).
+    chunks: (request, number of tokens) in batch order; num_tokens: their sum plus the draft
+    tokens (speculative decoding: `drafts`, given by Policy.take_drafts), in tokens.
     Requests in flight (in a batch not yet updated) are invisible: a request is in at most
     one in-flight batch.
     """
@@ -27,8 +28,9 @@ class StepContext:
     def __init__(self, sched: "Scheduler"):
         self._sched = sched
         self.chunks: list[list] = []       # [request, num_tokens]; a list so shrink can edit
-        self.num_tokens = 0
+        self.num_tokens = 0                # tokens, draft tokens included
         self._planned: set[str] = set()
+        self.drafts: dict[str, list[int]] = {}   # req_id -> draft tokens after its decode token
 
     # -- what there is ------------------------------------------------------------------------
     def decodes(self) -> list[Request]:
@@ -104,6 +106,65 @@ class Policy:
         clock; with a pipeline, its time in flight). Most policies ignore it."""
 
     # -- shared building blocks ---------------------------------------------------------------
+    def take_drafts(self, ctx: StepContext, budget: int) -> None:
+        """Speculative decoding: draft tokens for this batch's decodes, from the budget the
+        policy's own work left over. Call last, once the decodes and prefills are in.
+
+        The rule (every policy, with its own budget: tau for sarathi, max_num_batched_tokens
+        for the whole-prompt policies):
+        1. no drafts while any request waits, or when a prefill chunk of this batch was cut
+           short: the budget is then wanted by prompts, and drafts would take it from them;
+        2. draft tokens only from what is left of the budget after the batch's decodes (one
+           token each) and prefill chunks: left = budget - ctx.num_tokens;
+        3. each decode asks for k drafts by its recent acceptance and the measured cost of a
+           draft (Speculator.k_for) and gets what its proposer finds; `left` is shared out one
+           draft token at a time, round-robin over the decodes in batch order (oldest first),
+           so under a tight budget every decode gets about the same number (a decode-only batch
+           now and then gets none: Speculator.needs_baseline);
+        4. drafts take KV blocks only while the watermark stays free, and never preempt.
+        As load rises the leftover shrinks to 0 (rules 1-2), so k -> 0 and the batches are the
+        ones without speculation: capacity never drops below it."""
+        sched = ctx._sched
+        spec = sched.speculator
+        if spec is None or ctx.has_waiting or ctx.num_tokens >= budget:
+            return
+        from scheduler_svc.speculative import eligible
+        decodes = [req for req, n in ctx.chunks if n == 1 and req.is_decode]
+        if len(decodes) < len(ctx.chunks):
+            if any(n < req.num_new_tokens for req, n in ctx.chunks):
+                return                                       # rule 1: a prefill was cut short
+        elif spec.needs_baseline(len(decodes)):
+            return       # a decode-only batch without drafts: the baseline a draft's cost is measured by
+        wants = []
+        for req in decodes:
+            if not eligible(req):
+                continue
+            k = spec.k_for(req, len(decodes))
+            drafts = spec.propose(req, k) if k > 0 else []
+            if drafts:
+                wants.append((req, drafts))
+            else:
+                spec.no_draft(req)
+        left = budget - ctx.num_tokens
+        given = [0] * len(wants)
+        while left > 0:
+            moved = False
+            for i, (_, drafts) in enumerate(wants):
+                if left > 0 and given[i] < len(drafts):
+                    given[i] += 1
+                    left -= 1
+                    moved = True
+            if not moved:
+                break
+        bm = sched.block_manager
+        for (req, drafts), g in zip(wants, given):
+            g = bm.extend_for_drafts(req, g) if g else 0
+            if g:
+                ctx.drafts[req.req_id] = drafts[:g]
+                ctx.num_tokens += g
+            else:
+                spec.no_draft(req)
+
     def take_all_decodes(self, ctx: StepContext, budget: int | None = None) -> None:
         """Every running decode, oldest first, while ctx.num_tokens < budget (None: no cap)."""
         for req in ctx.decodes():

@@ -29,3 +29,4 @@ class ChunkedOnlyPolicy(Policy):
 
     def _decode_turn(self, ctx: StepContext) -> None:
         self.take_all_decodes(ctx)
+        self.take_drafts(ctx, self.config.token_budget)

@@ -14,3 +14,4 @@ class FasterTransformerPolicy(Policy):
             self.take_whole_prompts(ctx)
         else:
             self.take_all_decodes(ctx)
+            self.take_drafts(ctx, self.config.max_num_batched_tokens)

@@ -12,3 +12,4 @@ class OrcaPolicy(Policy):
     def plan(self, ctx: StepContext) -> None:
         self.take_all_decodes(ctx)
         self.take_whole_prompts(ctx)
+        self.take_drafts(ctx, self.config.max_num_batched_tokens)

@@ -47,6 +47,7 @@ class SarathiPolicy(Policy):
         self.take_chunked_prefills(ctx, budget)
         if self.tile_size() > 0:
             self.align_to_tile(ctx, self.tile_size())
+        self.take_drafts(ctx, budget)     # speculative decoding: only from what is left
 
     @staticmethod
     def align_to_tile(ctx: StepContext, tile: int) -> None:

@@ -17,3 +17,4 @@ class VLLMPolicy(Policy):
         self.take_whole_prompts(ctx, self.config.max_num_batched_tokens)
         if not ctx.chunks:
             self.take_all_decodes(ctx)
+            self.take_drafts(ctx, self.config.max_num_batched_tokens)

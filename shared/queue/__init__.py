@@ -21,12 +21,26 @@ Invariants both implementations keep:
 * Every TokenEvent is delivered to the gateway named by its request's `reply_to`, in publish
   order; duplicates (same req_id and index) can happen after a replay and are the gateway's
   to drop.
+* Exactly one runner per request: a request has one owner at a time, and each take (fetch, or
+  a claim of a dead or stalled consumer's request) raises its epoch. Events carry their
+  publisher's epoch; a former owner's are not sent (the scheduler side) and not delivered once
+  a newer epoch was seen (the gateway side). The former owner learns of the loss through
+  `take_lost` and stops running the request.
+* A gateway holds a lease while it reads its events; a scheduler aborts the requests of a
+  gateway whose lease expired (`dead_gateways`) instead of running them to max_tokens.
+* The request stream is bounded (QueueConfig.requests_maxlen): submit raises QueueFullError.
+
+Redis connections take their credentials from the URL (`redis://:password@host`, or
+`rediss://` for TLS) and from the environment (see shared.queue.redis_streams.client_options):
+SARATHI_REDIS_PASSWORD_FILE (a mounted Secret) or SARATHI_REDIS_PASSWORD, SARATHI_REDIS_USERNAME,
+SARATHI_REDIS_TLS_CA_FILE, SARATHI_REDIS_TLS_CERT_FILE / SARATHI_REDIS_TLS_KEY_FILE.
 """
 from __future__ import annotations
 
 from shared.queue.base import (
     GatewayQueue,
     QueueConfig,
+    QueueFullError,
     QueueResetError,
     QueueUnavailableError,
     SchedulerQueue,
@@ -34,9 +48,17 @@ from shared.queue.base import (
     new_gateway_id,
 )
 
-__all__ = ["GatewayQueue", "QueueConfig", "QueueResetError", "QueueUnavailableError", "SchedulerQueue",
-           "default_consumer_name", "make_gateway_queue", "make_queues", "make_scheduler_queue",
-           "new_gateway_id"]
+__all__ = ["GatewayQueue", "QueueConfig", "QueueFullError", "QueueResetError", "QueueUnavailableError",
+           "SchedulerQueue", "default_consumer_name", "make_gateway_queue", "make_queues",
+           "make_scheduler_queue", "new_gateway_id", "redis_auth_options"]
+
+
+def redis_auth_options(url: str) -> dict:
+    """Password and TLS keyword arguments for redis.Redis.from_url(url) from the environment, as
+    the queue's own clients use them (shared.queue.redis_streams.auth_options): for any other
+    Redis client of the deployment."""
+    from shared.queue.redis_streams import auth_options
+    return auth_options(url)
 
 
 def make_gateway_queue(redis_url: str | None, *, config: QueueConfig | None = None,

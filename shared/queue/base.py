@@ -28,6 +28,11 @@ class QueueUnavailableError(ConnectionError):
     nothing was lost by the failed call except what it says."""
 
 
+class QueueFullError(RuntimeError):
+    """submit refused: the request stream holds QueueConfig.requests_maxlen entries already.
+    Nothing was queued; the gateway answers 503 and the client retries later."""
+
+
 @dataclass
 class QueueConfig:
     """Names and timings of the queue. All Redis keys start with `prefix`.
@@ -41,6 +46,12 @@ class QueueConfig:
     out_ttl_s: seconds a reply stream lives after its last publish (a dead gateway's stream
         expires instead of leaking).
     aborts_maxlen: approximate cap, in entries, of the abort stream.
+    requests_maxlen: entries the request stream may hold (queued plus taken and not yet acked);
+        a submit beyond it raises QueueFullError instead of growing Redis without bound.
+    gateway_ttl_s: seconds a gateway's lease lives after its last refresh (it refreshes it about
+        once a second while it reads its events, and on every submit). A scheduler aborts the
+        requests of a gateway whose lease it found expired on two checks in a row: nobody is
+        left to read their tokens.
     """
 
     prefix: str = "sarathi:"
@@ -51,6 +62,8 @@ class QueueConfig:
     out_maxlen: int = 100_000
     out_ttl_s: int = 3600
     aborts_maxlen: int = 10_000
+    requests_maxlen: int = 100_000
+    gateway_ttl_s: float = 15.0
 
     @property
     def requests_key(self) -> str:
@@ -65,6 +78,15 @@ class QueueConfig:
 
     def heartbeat_key(self, consumer: str) -> str:
         return f"{self.prefix}scheduler:{consumer}"
+
+    def gateway_key(self, gateway_id: str) -> str:
+        """A key with a TTL: the gateway's lease (see gateway_ttl_s)."""
+        return f"{self.prefix}gateway:{gateway_id}"
+
+    @property
+    def epochs_key(self) -> str:
+        """A hash req_id -> the epoch of its current owner (see SchedulerQueue.publish)."""
+        return f"{self.prefix}epochs"
 
     @property
     def schedulers_key(self) -> str:
@@ -90,7 +112,9 @@ class GatewayQueue(abc.ABC):
 
     @abc.abstractmethod
     async def submit(self, req: RequestMsg) -> None:
-        """Enqueue `req`; returns once it is durable. req.reply_to must be self.gateway_id."""
+        """Enqueue `req`; returns once it is durable. req.reply_to must be self.gateway_id.
+        Raises QueueFullError (nothing queued) when the stream is at requests_maxlen. Also
+        renews this gateway's lease (QueueConfig.gateway_ttl_s)."""
 
     @abc.abstractmethod
     async def abort(self, req_id: str) -> None:
@@ -99,7 +123,12 @@ class GatewayQueue(abc.ABC):
     @abc.abstractmethod
     def events(self) -> AsyncIterator[TokenEvent]:
         """Every TokenEvent addressed to this gateway, in publish order; runs until cancelled.
-        May raise QueueResetError (then call it again) or a connection error."""
+        May raise QueueResetError (then call it again) or a connection error.
+
+        Fenced: once an event of a request arrived with epoch e, its events with an epoch below
+        e (a previous owner's, still running after another replica claimed the request) are
+        dropped here, so a request's output comes from one run at a time, never interleaved.
+        While it runs it renews this gateway's lease."""
 
     @abc.abstractmethod
     async def depth(self) -> int:
@@ -135,7 +164,13 @@ class SchedulerQueue(abc.ABC):
     @abc.abstractmethod
     def publish(self, events: list[TokenEvent], reply_to: dict[str, str] | None = None) -> None:
         """Send each event to its request's gateway. reply_to: req_id -> gateway id; ids not in
-        it are looked up among the requests this queue delivered (unknown ones are dropped)."""
+        it are looked up among the requests this queue delivered (unknown ones are dropped).
+
+        The owner/epoch fence: every time a consumer takes a request (fetch, or a claim of
+        another consumer's) its epoch goes up by one, and the events of a request delivered here
+        carry this consumer's epoch. Events of a request whose current epoch is another (it was
+        claimed away from this consumer) are not sent; the request is reported by take_lost().
+        Events of ids this queue never delivered (an explicit reply_to) carry epoch 0: unfenced."""
 
     @abc.abstractmethod
     def poll_aborts(self) -> list[str]:
@@ -145,7 +180,22 @@ class SchedulerQueue(abc.ABC):
     def heartbeat(self) -> None:
         """Mark this scheduler alive and keep its pending requests from being claimed. Done
         inside fetch/poll_aborts/replay_pending (so a scheduler is "alive" from its loop's first
-        call, not from construction); call it directly only during long pauses."""
+        call, not from construction); the scheduler service also calls it from a thread of its
+        own, so that a replica busy in one long batch keeps its requests. Thread-safe with the
+        other methods. Only refreshes requests still owned here: one claimed away meanwhile is
+        not taken back but reported by take_lost()."""
+
+    def take_lost(self) -> list[str]:
+        """Request ids another consumer claimed from this one since the last call. Their owner
+        is now that consumer: stop running them and publish nothing more for them (publish
+        drops their events anyway); do not ack them. The queue has forgotten them."""
+        return []
+
+    def dead_gateways(self, gateway_ids: set[str]) -> set[str]:
+        """The subset of gateway_ids whose lease is not held right now (QueueConfig.gateway_ttl_s).
+        A gateway that has not submitted anything has no lease: ask only about gateways of
+        requests delivered here."""
+        return set()
 
     def close(self) -> None:
         """Release connections. Idempotent."""

@@ -22,6 +22,9 @@ class RecentIds:
         while len(self._ids) > self._maxlen:
             self._ids.popitem(last=False)
 
+    def discard(self, req_id: str) -> None:
+        self._ids.pop(req_id, None)
+
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._ids
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from shared.messages import RequestMsg, TokenEvent
-from shared.queue.base import GatewayQueue, QueueConfig, SchedulerQueue
+from shared.queue.base import GatewayQueue, QueueConfig, QueueFullError, SchedulerQueue
 from shared.queue.common import RecentIds, now, stamp_scheduled
 
 
@@ -74,7 +74,14 @@ class LocalBroker:
         self.recent_aborts = RecentIds(self.cfg.aborts_maxlen)
         self.abort_buffers: dict[str, list[str]] = {}   # consumer -> aborts not yet polled
         self.heartbeats: dict[str, float] = {}          # consumer -> time.monotonic()
+        self.epochs: dict[str, int] = {}                # req_id -> its current owner's epoch
+        self.gateways: set[str] = set()                 # gateways holding a lease (open ones)
         self._outboxes: dict[str, _Outbox] = {}
+
+    def take(self, req_id: str) -> int:
+        """A consumer takes req_id: its next epoch. Call with `cond` held."""
+        epoch = self.epochs[req_id] = self.epochs.get(req_id, 0) + 1
+        return epoch
 
     def outbox(self, gateway_id: str) -> _Outbox:
         with self.cond:
@@ -85,13 +92,23 @@ class LocalBroker:
 
 
 class LocalGatewayQueue(GatewayQueue):
+    """The gateway's side. Its lease lasts from construction to close()."""
+
     def __init__(self, broker: LocalBroker, gateway_id: str):
         self.broker, self.gateway_id = broker, gateway_id
+        self._epochs: dict[str, int] = {}  # req_id -> highest epoch seen (the fence)
+        self.fenced = 0
+        with broker.cond:
+            broker.gateways.add(gateway_id)
 
     async def submit(self, req: RequestMsg) -> None:
-        with self.broker.cond:
-            self.broker.waiting.append(req)
-            self.broker.cond.notify_all()
+        b = self.broker
+        with b.cond:
+            if len(b.waiting) + len(b.pending) >= b.cfg.requests_maxlen:
+                raise QueueFullError(f"the request queue is full ({b.cfg.requests_maxlen} entries)")
+            b.gateways.add(self.gateway_id)
+            b.waiting.append(req)
+            b.cond.notify_all()
 
     async def abort(self, req_id: str) -> None:
         b = self.broker
@@ -106,6 +123,14 @@ class LocalGatewayQueue(GatewayQueue):
         box = self.broker.outbox(self.gateway_id)
         while True:
             for ev in await box.get():
+                if ev.epoch:
+                    seen = self._epochs.get(ev.req_id, 0)
+                    if ev.epoch < seen:
+                        self.fenced += 1
+                        continue
+                    self._epochs[ev.req_id] = ev.epoch
+                    if ev.finish_reason is not None and len(self._epochs) > 65_536:
+                        self._epochs.clear()  # bounded; late events of ended requests reach no route
                 yield ev
 
     async def depth(self) -> int:
@@ -117,12 +142,28 @@ class LocalGatewayQueue(GatewayQueue):
             beats = list(self.broker.heartbeats.values())
         return any(time.monotonic() - t < self.broker.cfg.heartbeat_ttl_s for t in beats)
 
+    async def close(self) -> None:
+        with self.broker.cond:
+            self.broker.gateways.discard(self.gateway_id)
+
 
 class LocalSchedulerQueue(SchedulerQueue):
+    """The scheduler's side. Its per-request state is guarded by the broker's lock, so the
+    heartbeat may come from another thread."""
+
     def __init__(self, broker: LocalBroker, consumer: str):
-        self.broker, self.consumer = broker, consumer
+        self.broker, self.consumer, self.cfg = broker, consumer, broker.cfg
+        self._epochs: dict[str, int] = {}   # req_id -> this consumer's epoch of it
+        self._lost: list[str] = []
+        self._recent_lost = RecentIds(broker.cfg.aborts_maxlen)
         with broker.cond:
             broker.abort_buffers.setdefault(consumer, [])
+
+    def _own(self, req_id: str) -> None:
+        """Take req_id (cond held): the next epoch, unless it is already ours."""
+        if req_id not in self._epochs:
+            self._epochs[req_id] = self.broker.take(req_id)
+            self._recent_lost.discard(req_id)
 
     def fetch(self, max_n: int, block_ms: int = 0) -> list[RequestMsg]:
         self.heartbeat()
@@ -138,6 +179,7 @@ class LocalSchedulerQueue(SchedulerQueue):
                 if req.req_id in b.recent_aborts:
                     continue
                 b.pending[req.req_id] = _Pending(req, self.consumer, time.monotonic(), now())
+                self._own(req.req_id)
                 out.append(req)
             return out
 
@@ -150,14 +192,43 @@ class LocalSchedulerQueue(SchedulerQueue):
             for req_id, p in list(b.pending.items()):
                 if req_id in b.recent_aborts:
                     del b.pending[req_id]
+                    b.epochs.pop(req_id, None)
                 elif p.consumer == self.consumer or time.monotonic() - p.touched >= idle_s:
                     p.consumer, p.touched = self.consumer, time.monotonic()
+                    self._own(req_id)
                     out.append(p.req)
             return out
 
     def ack(self, req_id: str) -> None:
+        """Only a request pending under this consumer: one claimed away is its new owner's."""
+        b = self.broker
+        with b.cond:
+            p = b.pending.get(req_id)
+            if p is not None and p.consumer == self.consumer:
+                del b.pending[req_id]
+                b.epochs.pop(req_id, None)
+            self._epochs.pop(req_id, None)
+
+    def take_lost(self) -> list[str]:
         with self.broker.cond:
-            self.broker.pending.pop(req_id, None)
+            out, self._lost = self._lost, []
+        return out
+
+    def _forget_lost(self, req_id: str) -> None:
+        """cond held: another consumer owns req_id now."""
+        if self._epochs.pop(req_id, None) is not None:
+            self._recent_lost.add(req_id)
+            self._lost.append(req_id)
+
+    def _stale(self, req_id: str) -> bool:
+        """cond held: req_id was ours and its epoch is another's now."""
+        mine = self._epochs.get(req_id)
+        cur = self.broker.epochs.get(req_id)
+        return mine is not None and cur is not None and cur != mine
+
+    def dead_gateways(self, gateway_ids: set[str]) -> set[str]:
+        with self.broker.cond:
+            return set(gateway_ids) - self.broker.gateways
 
     def publish(self, events: list[TokenEvent], reply_to: dict[str, str] | None = None) -> None:
         b = self.broker
@@ -165,6 +236,12 @@ class LocalSchedulerQueue(SchedulerQueue):
         with b.cond:
             taken_at = {e.req_id: b.pending[e.req_id].taken_at for e in events if e.req_id in b.pending}
             for ev in events:
+                if ev.req_id in self._recent_lost:
+                    continue
+                if self._stale(ev.req_id):
+                    self._forget_lost(ev.req_id)
+                    continue
+                ev.epoch = self._epochs.get(ev.req_id, 0)
                 gw = (reply_to or {}).get(ev.req_id)
                 if gw is None and ev.req_id in b.pending:
                     gw = b.pending[ev.req_id].req.reply_to
@@ -183,9 +260,14 @@ class LocalSchedulerQueue(SchedulerQueue):
 
     def heartbeat(self) -> None:
         t = time.monotonic()
-        with self.broker.cond:
-            self.broker.heartbeats[self.consumer] = t
-            for p in self.broker.pending.values():
+        b = self.broker
+        with b.cond:
+            b.heartbeats[self.consumer] = t
+            for req_id in list(self._epochs):
+                p = b.pending.get(req_id)
+                if (p is not None and p.consumer != self.consumer) or self._stale(req_id):
+                    self._forget_lost(req_id)
+            for p in b.pending.values():
                 if p.consumer == self.consumer:
                     p.touched = t
 

@@ -128,9 +128,13 @@ def deployed_env() -> list[tuple[str, str]]:
     return pairs
 
 
+# read from the environment by the library itself, not through a CLI option
+LIBRARY_ENV = {"SARATHI_LINK_KEYS"}   # the CURVE key directory (a mounted Secret)
+
+
 def test_every_sarathi_env_var_in_the_deployments_is_an_option_of_its_command():
     unknown = [(cmd, var) for cmd, var in deployed_env()
-               if var.startswith("SARATHI_") and var not in cli_options(cmd)]
+               if var.startswith("SARATHI_") and var not in cli_options(cmd) | LIBRARY_ENV]
     assert not unknown, f"env vars no CLI option reads: {unknown}"
 
 
@@ -159,3 +163,21 @@ def test_disaggregated_examples_wire_a_prefill_and_a_decode_worker_to_one_schedu
     assert s["SARATHI_PREFILL_WORKER_ADDRS"] == "tcp://sarathi-prefill-0.sarathi-prefill:5555"
     assert s["SARATHI_DECODE_WORKER_ADDRS"] == "tcp://sarathi-decode-0.sarathi-decode:5555"
     assert s["SARATHI_DISAGGREGATION"] in ("all", "auto") and s["SARATHI_WORKER_ADDR"] == ""
+
+
+def test_image_builds_the_kernels_and_runs_without_a_compiler():
+    """The Dockerfile's shape: a build stage with a compiler installs the package (its install
+    compiles the kernel variants); the runtime stage copies only the venv, runs as a non-root
+    uid, and forbids a kernel build at run time (a missing build is a logged reason, not a silent
+    attempt to compile)."""
+    text = (ROOT / "Dockerfile").read_text()
+    stages = [s for s in text.split("\nFROM ")[1:]]
+    assert len(stages) == 2 and stages[0].split()[2] == "build"
+    build, runtime = stages
+    assert "gcc" in build and "pip install" in build and "_kernels_*.so" in build
+    assert "gcc" not in runtime and "pip install" not in runtime
+    assert "COPY --from=build /opt/venv /opt/venv" in runtime
+    assert "SARATHI_NATIVE_BUILD=prebuilt" in runtime
+    user = next(line.split()[1] for line in runtime.splitlines() if line.startswith("USER "))
+    assert user.isdigit() and int(user) != 0
+    assert "_kernels_*.so" in (ROOT / ".dockerignore").read_text()   # a host's build never enters the image

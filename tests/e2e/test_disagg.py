@@ -124,13 +124,14 @@ def test_a_transfer_that_arrives_after_its_lease_guard_is_refused_and_writes_not
     try:
         raw.connect(receiver.address)
         header, data = export_frames(src.cache, [3])
-        late = {"id": 7, "dst_blocks": [5], "kv": header, "accept_until": time.time() - 1}
+        receiver.receiver.expect("r7", [5], lease_s=5.0)     # the scheduler's announcement
+        late = {"id": 7, "req_id": "r7", "dst_blocks": [5], "kv": header, "accept_until": time.time() - 1}
         raw.send_multipart([msgpack.packb(late), data])
         assert raw.poll(5000)
         reply = msgpack.unpackb(raw.recv())
         assert reply["id"] == 7 and not reply["ok"] and "refused" in reply["error"]
         assert float(dst.cache.k[0][5].abs().sum()) == 0.0
-        seconds, nbytes = sender.send([3], receiver.address, [5], timeout_s=5.0)
+        seconds, nbytes = sender.send([3], receiver.address, [5], timeout_s=5.0, req_id="r7")
         assert nbytes > 0 and bool((dst.cache.k[0][5] == 1.0).all())
     finally:
         raw.close(0)

@@ -82,6 +82,17 @@ def test_models_list_names_the_served_model(stack):
     assert model.id.startswith("SmolLM2-135M-Instruct")
 
 
+def test_the_worker_log_says_which_backend_and_kernels_run(stack):
+    """An operator reads the worker's start-up line in its log (in every mode: `sarathi worker`
+    alone too): the device, attention, linear path and which kernel build runs and why."""
+    from worker_svc.backends.cpu import native
+
+    line = next((ln for ln in stack.logs[0].read_text().splitlines() if "worker backend: device cpu" in ln), None)
+    assert line is not None, stack.logs[0].read_text()[-2000:]
+    if native.available():
+        assert "attention native" in line and "kernels:" in line and native.build_note() in line
+
+
 def test_greedy_completion_equals_the_offline_engine(stack, offline):
     r = client(stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
     assert r.choices[0].text == offline[PROMPT]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import redis
@@ -76,4 +77,24 @@ def test_the_scheduler_side_survives_its_stream_and_group_vanishing(redis_server
     sq.ack("a")
     assert r.xlen(cfg.requests_key) == 0
     assert r.xpending(cfg.requests_key, cfg.group)["pending"] == 0
+    sq.close()
+
+
+def test_the_scheduler_side_loads_its_scripts_again_after_a_script_flush(redis_server_url, redis_prefix):
+    """A Redis that restarted (or was told SCRIPT FLUSH) forgot the fence's scripts: the next
+    heartbeat and publish load them again instead of failing."""
+    cfg = QueueConfig(prefix=redis_prefix, heartbeat_interval_s=0.0)
+    gq, sq = make_queues(redis_server_url, config=cfg, gateway_id="gw", consumer="c1")
+    asyncio.run(gq.submit(_req("a", "gw")))
+    assert [m.req_id for m in sq.fetch(4)] == ["a"]
+    r = redis.Redis.from_url(redis_server_url, decode_responses=True)
+    r.script_flush()
+    sq.heartbeat()
+    assert sq.take_lost() == []
+    r.script_flush()
+    sq.publish([TokenEvent("a", 0, 9, "length")])
+    (entry,) = r.xrange(cfg.out_key("gw"))
+    assert [(e["req_id"], e["epoch"]) for e in json.loads(entry[1]["events"])] == [("a", 1)]
+    sq.ack("a")
+    assert r.hget(cfg.epochs_key, "a") is None  # the epoch leaves with the request
     sq.close()

@@ -76,7 +76,7 @@ class SimKvLink:
         if address:
             executor.join_fabric(fabric, address)
 
-    def send(self, src_blocks, dst_address, dst_blocks, timeout_s):
+    def send(self, src_blocks, dst_address, dst_blocks, timeout_s, req_id=""):
         dst = self.fabric[dst_address]
         for s, d in zip(src_blocks, dst_blocks):
             dst.kv[d] = list(self.executor.kv.get(s, [None] * self.executor.block_size))

@@ -166,7 +166,7 @@ def test_scalar_build_is_correct_and_not_picked_by_auto(fresh_native, monkeypatc
     from worker_svc.backends.cpu import NativeCpuAttention
     from worker_svc.backends.torch_attention import TorchAttention
 
-    monkeypatch.setenv("SARATHI_NATIVE_MARCH", "x86-64")
+    monkeypatch.setenv("SARATHI_NATIVE_VARIANT", "portable")
     assert native.available() and native.isa() == "scalar" and native.int8_isa() == "scalar"
     cache, seqs, q, k, v = paged_case([5, 40], 9, 3, 64, torch.float16, seed=3)
     nat, tor = NativeCpuAttention(), TorchAttention()

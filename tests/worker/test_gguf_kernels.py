@@ -269,9 +269,9 @@ def vnni_lane_results():
 @pytest.mark.skipif(native.gguf_q8_isa() != "avx512vnni", reason="the AVX2 build is the second SIMD path on "
                     "an AVX-512 VNNI machine (elsewhere the default build is the AVX2 or scalar one)")
 def test_avx2_build_on_an_avx512_machine(vnni_lane_results, fresh_native, monkeypatch):
-    """Every SIMD path this machine runs: the AVX2 build (maddubs, no VNNI) of both GGUF paths; its
+    """Every SIMD path this machine runs: the AVX2 variant (maddubs, no VNNI) of both GGUF paths; its
     lane kernels give the VNNI lane kernels' bits (the same integer dots, the same fp32 steps)."""
-    monkeypatch.setenv("SARATHI_NATIVE_MARCH", "haswell")
+    monkeypatch.setenv("SARATHI_NATIVE_VARIANT", "avx2")
     assert native.available() and native.gguf_isa() == "avx2" and native.gguf_q8_isa() == "avx2"
     for qtype in TYPES:
         test_dequantize_bit_identical_to_gguf(qtype)

@@ -89,13 +89,13 @@ def default_lanes() -> bool:
 
 def default_max_tokens(dot: str | None = None, lanes: bool | None = None) -> int:
     """The block kernel's token limit on this machine for this arithmetic (dot, default
-    default_dot(); lanes, default default_lanes()): EVERY_T on VNNI builds with an integer dot on
-    the lane kernels, GGUF_MAX_TOKENS elsewhere (0 without the native library)."""
+    default_dot(); lanes, default default_lanes()): EVERY_T with an integer dot on the lane kernels
+    (VNNI or AVX2 builds), GGUF_MAX_TOKENS elsewhere (0 without the native library)."""
     if not native.available():
         return 0
     dot = default_dot() if dot is None else dot
     lanes = default_lanes() if lanes is None else lanes
-    if dot in DOT_PARTS and lanes and native.gguf_q8_lanes() and native.gguf_q8_isa() == "avx512vnni":
+    if dot in DOT_PARTS and lanes and native.gguf_q8_lanes():
         return EVERY_T
     return GGUF_MAX_TOKENS.get(native.gguf_isa(), 0)
 

@@ -153,11 +153,22 @@ def _compiler() -> str:
     return os.environ.get("SARATHI_CC", "gcc")
 
 
+def _arch_flags() -> list[str]:
+    """-march for a build here: SARATHI_NATIVE_MARCH when set, else the flags of the variant
+    SARATHI_NATIVE_VARIANT names (so a forced variant means the same code, prebuilt or not), else
+    -march=native."""
+    if os.environ.get("SARATHI_NATIVE_MARCH"):
+        return [f"-march={os.environ['SARATHI_NATIVE_MARCH']}"]
+    forced = os.environ.get("SARATHI_NATIVE_VARIANT")
+    if forced in kernel_sources.variants():
+        return kernel_sources.variants()[forced][0]
+    return ["-march=native"]
+
+
 def _flags() -> list[str]:
     """The compiler's flags, for compiling a source (with -c) and for linking the library (the
     flags of a one-command build of the sources into a library)."""
-    return ["-O3", f"-march={os.environ.get('SARATHI_NATIVE_MARCH', 'native')}", "-fopenmp",
-            "-shared", "-fPIC"]
+    return ["-O3", *_arch_flags(), "-fopenmp", "-shared", "-fPIC"]
 
 
 def prebuilt_path(variant: str) -> Path | None:
@@ -208,36 +219,36 @@ def _open(path: Path) -> ctypes.CDLL:
 
 def _load() -> tuple[ctypes.CDLL, str]:
     """(library, what was loaded and why). The prebuilt variant for this CPU when one is installed
-    and was built from these sources; else a build here (-march=native) into the cache;
-    SARATHI_NATIVE_BUILD=jit skips the prebuilt ones, SARATHI_NATIVE_VARIANT=NAME picks one."""
+    and was built from these sources; else a build here into the cache. SARATHI_NATIVE_BUILD=jit
+    (or an explicit SARATHI_NATIVE_MARCH) skips the prebuilt ones, =prebuilt refuses to build;
+    SARATHI_NATIVE_VARIANT=NAME picks a variant (built here with its flags when not installed)."""
     mode = os.environ.get("SARATHI_NATIVE_BUILD", "auto")
     if mode not in ("auto", "jit", "prebuilt"):
         raise ValueError(f"SARATHI_NATIVE_BUILD={mode!r}: choose auto, prebuilt or jit")
+    forced = os.environ.get("SARATHI_NATIVE_VARIANT")
+    if forced and forced not in kernel_sources.variants():
+        raise ValueError(f"SARATHI_NATIVE_VARIANT={forced!r}: choose one of {', '.join(kernel_sources.variants())}")
     stale = ""
-    if mode != "jit":
-        forced = os.environ.get("SARATHI_NATIVE_VARIANT")
+    if mode != "jit" and not os.environ.get("SARATHI_NATIVE_MARCH"):
         flags = cpu_flag_set()
         variant = forced or kernel_sources.select_variant(flags)
-        if variant not in kernel_sources.variants():
-            raise ValueError(f"SARATHI_NATIVE_VARIANT={variant!r}: choose one of "
-                             f"{', '.join(kernel_sources.variants())}")
         path = prebuilt_path(variant)
         if path is not None:
             lib = _open(path)
             if lib.sarathi_kernels_source_hash().decode() == kernel_sources.source_hash():
-                why = "asked for" if forced else _why(variant, flags)
+                why = "asked for by SARATHI_NATIVE_VARIANT" if forced else _why(variant, flags)
                 return lib, f"kernels: prebuilt {variant} variant ({why})"
-            stale = f"the installed {variant} kernels are older than the sources; "
-        elif mode == "prebuilt":
-            raise RuntimeError(f"no prebuilt {variant} kernels installed (pip install the package)")
+            stale = f"the installed {variant} kernels are older than the sources"
         else:
-            stale = f"no prebuilt {variant} kernels installed; "
+            stale = f"no prebuilt {variant} kernels installed"
+        if mode == "prebuilt":
+            raise RuntimeError(f"{stale} and SARATHI_NATIVE_BUILD=prebuilt forbids a build here")
     path = library_path()
     if not path.exists():
         _build(path)
-    march = os.environ.get("SARATHI_NATIVE_MARCH", "native")
-    return _open(path), f"kernels: built here for this CPU (-march={march}" + (
-        f"; {stale.rstrip('; ')})" if stale else ")")
+    what = f"the {forced} variant's flags" if forced and not os.environ.get("SARATHI_NATIVE_MARCH") \
+        else " ".join(_arch_flags())
+    return _open(path), f"kernels: built here ({what}" + (f"; {stale})" if stale else ")")
 
 
 def _why(variant: str, flags: set[str]) -> str:

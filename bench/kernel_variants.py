@@ -1,0 +1,132 @@
+"""The installed kernel variants against a build here, and the AVX2 variant's two arithmetics,
+on SmolLM2's real GGUF, one engine process per arm, stepped in turn (ABBA), llama.cpp's
+llama-bench between rounds when built.
+
+Arms (ARMS): the prebuilt variant this CPU gets and a -march=native build of the same sources
+(the question: does a portable instruction-set level cost speed?); the prebuilt avx2 variant with
+its default before (8-token tile kernels up to GGUF_MAX_TOKENS, the float GEMM on a cached fp32
+copy above) and with the lane kernels at every call (one arithmetic at every batch size, no fp32
+copy), and an AVX2 build here (-march=znver3) with the lanes, against which the avx2 variant is
+compared where no AVX2-only machine is at hand. Cases: decode 1 and 32 at 1k context, prefill 512.
+Each arm's resident memory after its last step.
+
+    python -m bench.kernel_variants [--rounds 7] [--threads 2] [--no-llama] [--arms A,B]
+                                    [--out bench/results/kernels/variants_zen4]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from bench.common import EngineProcess
+from bench.gguf_kernels import LLAMA_CMDS, STEPS, cpu_id, llama_bench_once, pressure, rss_mb
+
+# key: (what it is, its environment)
+ARMS = {
+    "best": ("prebuilt best variant", {"SARATHI_NATIVE_BUILD": "prebuilt"}),
+    "native": ("built here -march=native", {"SARATHI_NATIVE_BUILD": "jit"}),
+    "avx2-tiles": ("prebuilt avx2: tiles <= 48 tokens, fp32 GEMM above", {"SARATHI_NATIVE_VARIANT": "avx2",
+                                                                          "SARATHI_GGUF_LANES": "0"}),
+    "avx2-lanes": ("prebuilt avx2: lane kernels at every T", {"SARATHI_NATIVE_VARIANT": "avx2",
+                                                               "SARATHI_GGUF_LANES": "1"}),
+    "znver3-lanes": ("built here -march=znver3: lanes at every T", {"SARATHI_NATIVE_MARCH": "znver3",
+                                                                     "SARATHI_GGUF_LANES": "1"}),
+}
+LLAMA = "llama.cpp"
+CASES = ["decode:1", "decode:32", "prefill:512"]
+# the ratios the results README reports: (numerator arm, denominator arm)
+RATIOS = {
+    "prebuilt_over_native": ("best", "native"),
+    "avx2_prebuilt_over_znver3_build": ("avx2-lanes", "znver3-lanes"),
+    "avx2_lanes_over_tiles": ("avx2-lanes", "avx2-tiles"),
+    "avx2_lanes_over_llama": ("avx2-lanes", LLAMA),
+    "avx2_tiles_over_llama": ("avx2-tiles", LLAMA),
+    "best_over_llama": ("best", LLAMA),
+}
+
+
+def run(rounds: int, threads: int, llama: bool, arms: list[str]) -> dict:
+    tree = Path(__file__).resolve().parent.parent
+    procs = {}
+    for name in arms:
+        print(f"starting {name} ...", file=sys.stderr, flush=True)
+        procs[name] = EngineProcess(tree, threads, "float32:auto:auto", env=ARMS[name][1])
+    times: dict = {name: {c: [] for c in CASES} for name in [*procs, *([LLAMA] if llama else [])]}
+    for c in CASES:                                   # warm-up
+        for p in procs.values():
+            p.step(c)
+    for r in range(rounds):
+        order = list(procs.items()) if r % 2 == 0 else list(procs.items())[::-1]   # ABBA
+        for c in CASES:
+            for name, p in order:
+                ts = [p.step(c)["s"] for _ in range(STEPS[c] + 1)][1:]
+                times[name][c].append(statistics.median(ts))
+        if llama:
+            for c, sec in llama_bench_once(threads).items():
+                times[LLAMA][c].append(sec)
+        print(f"round {r + 1}/{rounds}: " + "; ".join(
+            f"{n} {1e3 * times[n]['decode:1'][-1]:.2f}/{1e3 * times[n]['prefill:512'][-1]:.0f} ms"
+            for n in times if times[n]["decode:1"]), file=sys.stderr, flush=True)
+    backends = {name: p.info["ready"] for name, p in procs.items()}
+    rss = {name: round(rss_mb(p.proc.pid), 1) for name, p in procs.items()}
+    for p in procs.values():
+        p.close()
+    ms = {n: {c: round(1e3 * statistics.median(ts), 2) for c, ts in d.items() if ts} for n, d in times.items()}
+    ratios = {k: {c: round(ms[a][c] / ms[b][c], 3) for c in CASES if c in ms.get(a, {}) and c in ms.get(b, {})}
+              for k, (a, b) in RATIOS.items() if a in ms and b in ms}
+    arms_info = {n: {"what": ARMS[n][0], "env": ARMS[n][1]} for n in procs}
+    return {"ms": ms, "ratios": ratios, "rss_MB": rss, "backends": backends, "arms": arms_info,
+            "llama_bench_commands": dict(LLAMA_CMDS) if llama else {}}
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(res["ms"])
+    fig, axes = plt.subplots(1, len(CASES), figsize=(5 * len(CASES), 4.5))
+    for ax, c in zip(axes, CASES):
+        vals = [res["ms"][n].get(c, 0) for n in names]
+        ax.barh(range(len(names)), vals, color=["C0", "C1", "C2", "C3", "C4", "C7"][:len(names)])
+        ax.set_yticks(range(len(names)))
+        labels = [res["arms"][n]["what"] if n in res["arms"] else n for n in names]
+        ax.set_yticklabels(labels if c == CASES[0] else [""] * len(names), fontsize=8)
+        ax.set_title(f"{c} (ms, lower is better)")
+        for i, v in enumerate(vals):
+            ax.text(v, i, f" {v:.1f}", va="center", fontsize=8)
+    fig.suptitle(f"{res['machine']}, {res['threads']} threads, {res['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms of {', '.join(ARMS)} (default: all)")
+    ap.add_argument("--out", default="bench/results/kernels/variants")
+    a = ap.parse_args(argv)
+    arms = [n for n in a.arms.split(",") if n]
+    unknown = [n for n in arms if n not in ARMS]
+    if unknown:
+        ap.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
+    res = {"command": "python -m bench.kernel_variants " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": cpu_id(), "threads": a.threads, "rounds": a.rounds, "pressure_before": pressure()}
+    res.update(run(a.rounds, a.threads, not a.no_llama, arms))
+    res["pressure_after"] = pressure()
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
+    plot(res, out.with_suffix(".png"))
+    print(json.dumps({"ms": res["ms"], "ratios": res["ratios"], "rss_MB": res["rss_MB"]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Routing measured: the shared queue's pull against the inference gateway's endpoint-picker
+scorers, on simulated A100 replicas, multi-turn chat and single-turn ShareGPT.
+
+Llama-3-8B on A100s (the GPU cost model), N independent replicas (scheduler + worker each, the
+unchanged scheduler on a virtual clock, sarathi.measure.simulate.run_replicas), sarathi policy,
+tau 512, prefix caching on in every replica for every routing. Routings
+(sarathi.measure.routing): shared-queue (today's distributed mode), least-queue (the picker's
+queue + KV-usage scorers), prefix (its prefix-cache scorer alone, fed by the KV-cache events), mix
+(prefix 3 + queue 1 + KV 1, the picker's default weights).
+
+Per (replicas, workload):
+* capacity (the paper's criterion: P99 TBT <= 100 ms, the strict SLO of the simulated results, and
+  P50 scheduling delay <= 2 s) of each routing in --capacity-routings, by binary search
+  (resolution --resolution), every probe a run of --duration seconds of arrivals;
+* one run per routing at a common rate (the shared queue's capacity, or --qps): TTFT P50 / P99,
+  prefix-cache hit rate.
+
+Workloads: chat (sarathi.measure.loadgen.make_chat_workload: 4 shared system prompts of 512
+tokens, 2-8 turns, a user turn 0.25 x a ShareGPT prompt, answers of ShareGPT output lengths, 5 s
+mean think time; --warmup seconds of earlier turns run first and are left out: conversations
+older than that start the measured window with their history uncached, which favours no
+routing), sharegpt (one request
+per trace row, the packaged ShareGPT length trace).
+
+    python -m bench.routing --replicas 4 --out bench/results/routing
+    python -m bench.routing --replicas 8 --out bench/results/routing
+    python -m bench.routing probe --replicas 4 --workloads chat --routing mix --qps-list 22.75 \
+        --out bench/results/routing                                  # refine a capacity bracket
+    python -m bench.routing report --out bench/results/routing     # summary JSON + PNG
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from sarathi.measure.env import machine
+from sarathi.measure.gpu_costmodel import GPUCostModel
+from sarathi.measure.loadgen import ChatShape
+from sarathi.measure.metrics import json_safe
+from sarathi.measure.simulate import simulated_target
+from sarathi.measure.tools import Workload, capacity, run_once
+from sarathi.measure.trace import load_trace
+from shared.config import SchedulerConfig
+
+ROUTINGS = ("shared-queue", "least-queue", "prefix", "mix")
+TBT_SLO = 0.1
+TAU = 512
+CHAT = ChatShape(system_prompts=4, system_len=512, turns=(2, 8), user_scale=0.25, think_s=5.0)
+
+
+def _chat_shape(warmup_s: float) -> ChatShape:
+    import dataclasses
+    return dataclasses.replace(CHAT, warmup_s=warmup_s)
+
+
+def run(a: argparse.Namespace) -> None:
+    cost = GPUCostModel("llama-3-8b", "a100")
+    blocks = cost.kv_blocks(16, 0.9)
+    trace = load_trace(None, max_total_len=8192)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for wl in a.workloads.split(","):
+        w = Workload(trace, a.num_requests, seed=a.seed, drain_s=a.drain, duration_s=a.duration,
+                     chat=_chat_shape(a.warmup) if wl == "chat" else None)
+        res = {"command": "python -m bench.routing " + " ".join(sys.argv[1:]), "machine": machine(),
+               "replicas": a.replicas, "workload": wl, "chat": json_safe(vars(w.chat)) if w.chat else None,
+               "model": "llama-3-8b", "device": "a100", "num_blocks_per_replica": blocks, "policy": "sarathi",
+               "token_budget": TAU, "tbt_slo_s": TBT_SLO, "max_sched_delay_s": 2.0, "duration_s": a.duration,
+               "drain_s": a.drain, "seed": a.seed, "capacity": {}, "at_common_qps": {}}
+        sched = SchedulerConfig(enable_prefix_caching=True, max_num_seqs=128)
+        t0 = time.time()
+        for routing in a.capacity_routings.split(","):
+            target = simulated_target(cost, replicas=a.replicas, num_blocks=blocks, max_model_len=8192,
+                                      sched_config=sched, routing=routing)
+            c = capacity(target, w, TBT_SLO, policy="sarathi", token_budget=TAU,
+                         qps_start=a.qps_start or a.replicas * 3.0, resolution=a.resolution, progress=False)
+            res["capacity"][routing] = {"capacity_qps": c["capacity_qps"], "bracket": c["bracket"],
+                                        "probes": [{"qps": p["qps"], "ok": p["ok"], "summary": p["summary"]}
+                                                   for p in c["probes"]]}
+            print(f"{a.replicas} replicas {wl} {routing}: capacity {c['capacity_qps']:.3g} QPS "
+                  f"({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+        common = a.qps or res["capacity"].get("shared-queue", {}).get("capacity_qps") or a.replicas * 3.0
+        res["common_qps"] = common
+        for routing in ROUTINGS:
+            target = simulated_target(cost, replicas=a.replicas, num_blocks=blocks, max_model_len=8192,
+                                      sched_config=sched, routing=routing)
+            r = run_once(target, w, common, policy="sarathi", token_budget=TAU, progress=False,
+                         keep_requests=False)
+            s = r["summary"]
+            res["at_common_qps"][routing] = s
+            print(f"{a.replicas} replicas {wl} {routing} @ {common:.3g} QPS: TTFT P50 {s['ttft_p50_s']:.3f} s "
+                  f"P99 {s['ttft_p99_s']:.3f} s, P99 TBT {s['tbt_p99_s']:.3f} s, prefix hits "
+                  f"{s['prefix_hit_rate']:.1%} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+        (out / f"routing_{wl}_{a.replicas}r.json").write_text(json.dumps(json_safe(res), indent=1))
+
+
+def probe(a: argparse.Namespace) -> None:
+    """Refine a capacity bracket: one run per rate of --qps-list for --routing, each judged by the
+    same criterion; appended to the configuration's JSON under "refine"."""
+    from sarathi.measure.metrics import meets_slo
+
+    cost = GPUCostModel("llama-3-8b", "a100")
+    blocks = cost.kv_blocks(16, 0.9)
+    trace = load_trace(None, max_total_len=8192)
+    (wl,) = a.workloads.split(",")
+    path = Path(a.out) / f"routing_{wl}_{a.replicas}r.json"
+    res = json.loads(path.read_text())
+    w = Workload(trace, a.num_requests, seed=a.seed, drain_s=a.drain, duration_s=a.duration,
+                 chat=_chat_shape(a.warmup) if wl == "chat" else None)
+    target = simulated_target(cost, replicas=a.replicas, num_blocks=blocks, max_model_len=8192,
+                              sched_config=SchedulerConfig(enable_prefix_caching=True, max_num_seqs=128),
+                              routing=a.routing)
+    for q in (float(x) for x in a.qps_list.split(",")):
+        s = run_once(target, w, q, policy="sarathi", token_budget=TAU, progress=False, keep_requests=False)["summary"]
+        ok = meets_slo(s, TBT_SLO, 2.0, None)
+        res.setdefault("refine", {}).setdefault(a.routing, []).append({"qps": q, "ok": ok, "summary": s})
+        print(f"{a.replicas} replicas {wl} {a.routing} @ {q:g}: {'ok' if ok else 'miss'} (P50 sched delay "
+              f"{s['sched_delay_p50_s']:.2f} s, P99 TBT {s['tbt_p99_s']:.3f} s)", file=sys.stderr, flush=True)
+        path.write_text(json.dumps(json_safe(res), indent=1))
+
+
+def _capacity(r: dict, routing: str) -> tuple[float | None, float | None]:
+    """(highest passing rate, lowest failing rate above it) over the search and the refinements."""
+    c = r["capacity"].get(routing)
+    if c is None:
+        return None, None
+    probes = [(p["qps"], p["ok"]) for p in c["probes"] + r.get("refine", {}).get(routing, [])]
+    lo = max((q for q, ok in probes if ok), default=0.0)
+    hi = min((q for q, ok in probes if not ok and q > lo), default=None)
+    return lo, hi
+
+
+def report(a: argparse.Namespace) -> None:
+    out = Path(a.out)
+    rows = []
+    for p in sorted(out.glob("routing_*_*r.json")):
+        r = json.loads(p.read_text())
+        for routing in ROUTINGS:
+            s = r["at_common_qps"].get(routing)
+            cap, cap_hi = _capacity(r, routing)
+            base, base_hi = _capacity(r, "shared-queue")
+            rows.append({"replicas": r["replicas"], "workload": r["workload"], "routing": routing,
+                         "capacity_qps": cap, "first_failing_qps": cap_hi,
+                         "capacity_vs_shared_queue": cap / base if cap and base else None,
+                         "ratio_bounds": [cap / base_hi if cap and base_hi else None,
+                                          cap_hi / base if cap_hi and base else None],
+                         "common_qps": r["common_qps"], "ttft_p50_s": s and s["ttft_p50_s"],
+                         "ttft_p99_s": s and s["ttft_p99_s"], "tbt_p99_s": s and s["tbt_p99_s"],
+                         "prefix_hit_rate": s and s["prefix_hit_rate"]})
+    (out / "summary.json").write_text(json.dumps(json_safe({"rows": rows}), indent=1))
+    for row in rows:
+        cap = "-" if row["capacity_qps"] is None else f"{row['capacity_qps']:.3g}"
+        rel = "" if row["capacity_vs_shared_queue"] is None else f" ({row['capacity_vs_shared_queue']:.2f}x)"
+        if row["first_failing_qps"]:
+            cap += f" (< {row['first_failing_qps']:.3g})"
+        print(f"| {row['replicas']} | {row['workload']} | {row['routing']} | {cap}{rel} | "
+              f"{row['ttft_p50_s']:.3f} / {row['ttft_p99_s']:.3f} | {row['prefix_hit_rate']:.1%} |")
+    _plot(rows, out / "routing.png")
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = sorted({(r["workload"], r["replicas"]) for r in rows})
+    fig, axes = plt.subplots(2, len(configs), figsize=(4 * len(configs), 7), squeeze=False)
+    colors = {"shared-queue": "tab:gray", "least-queue": "tab:blue", "prefix": "tab:orange", "mix": "tab:green"}
+    for j, (wl, n) in enumerate(configs):
+        sel = [r for r in rows if r["workload"] == wl and r["replicas"] == n]
+        names = [r["routing"] for r in sel]
+        ax = axes[0][j]
+        measured = [r for r in sel if r["capacity_qps"]]
+        caps = [r["capacity_qps"] for r in measured]
+        up = [(r["first_failing_qps"] or r["capacity_qps"]) - r["capacity_qps"] for r in measured]
+        ax.bar([r["routing"] for r in measured], caps, color=[colors[r["routing"]] for r in measured],
+               yerr=[[0] * len(caps), up], capsize=4)
+        ax.set_title(f"{wl}, {n} x A100 (Llama-3-8B)")
+        ax.set_ylabel("capacity (QPS; bar: first failing rate)")
+        ax.tick_params(axis="x", rotation=30)
+        ax = axes[1][j]
+        x = range(len(sel))
+        ax.bar([i - 0.2 for i in x], [r["ttft_p50_s"] for r in sel], 0.4, label="P50")
+        ax.bar([i + 0.2 for i in x], [r["ttft_p99_s"] for r in sel], 0.4, label="P99")
+        ax.set_xticks(list(x), names, rotation=30)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"TTFT (s) at {sel[0]['common_qps']:.3g} QPS")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", nargs="?", default="run", choices=["run", "probe", "report"])
+    p.add_argument("--routing", default="shared-queue", help="probe: the routing")
+    p.add_argument("--qps-list", default="", help="probe: comma-separated rates")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--workloads", default="chat,sharegpt")
+    p.add_argument("--capacity-routings", default="shared-queue,mix")
+    p.add_argument("--warmup", type=float, default=30.0, help="chat: seconds of earlier turns run first, left out")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
+    p.add_argument("--num-requests", type=int, default=500)
+    p.add_argument("--drain", type=float, default=60.0)
+    p.add_argument("--resolution", type=float, default=0.1)
+    p.add_argument("--qps-start", type=float, default=0.0)
+    p.add_argument("--qps", type=float, default=0.0, help="the common rate (0: the shared queue's capacity)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results/routing")
+    a = p.parse_args(argv)
+    {"run": run, "probe": probe, "report": report}[a.mode](a)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""Routing requests across replicas in `sarathi simulate --replicas N --routing R`.
+
+Two ways a request reaches a replica:
+
+* ``shared-queue``: today's distributed mode. Requests wait in one queue (the Redis consumer
+  group); a replica blocked on the queue while idle takes a request the moment it arrives, a busy
+  one takes what is queued at its next iteration boundary, up to its room (the scheduler
+  service's pull rule: min(max_waiting - waiting, max_num_seqs - running - waiting)). Whoever
+  pulls first wins: blind to load beyond that room and to the prefix cache.
+* a picker (Kubernetes' inference gateway's endpoint picker): every request is scored on every
+  replica at its arrival and sent to the highest total score (ties broken at random, seeded),
+  where it waits in the replica's own queue. The scorers, as the picker's:
+
+  - ``queue``: (max q - q) / (max q - min q) over the replicas, q = requests waiting on the
+    replica (vllm:num_requests_waiting); 1 for all when all are equal;
+  - ``kv``: 1 - KV-cache usage (vllm:kv_cache_usage_perc);
+  - ``prefix``: the fraction of the prompt's full blocks found, as a leading run, in the replica's
+    cache, as a precise prefix-cache scorer sees it: an index fed by each replica's KV-cache events
+    (scheduler_svc.kv_events, the same recorder the scheduler publishes from) and the prompt's
+    block hashes computed the way the events' consumer does.
+
+  Routings: ``least-queue`` = queue + kv (weights 1, 1: the picker's load scorers); ``prefix`` =
+  prefix alone; ``mix`` = prefix 3 + queue 1 + kv 1 (the picker's default profile's weights).
+
+The picker here reads the replicas' state at the arrival instant; the real one reads metrics it
+scraped up to a refresh interval earlier and events a few milliseconds old, so this is its best
+case for load, and exact for the prefix cache.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from scheduler_svc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder, block_hash, root_hash
+
+ROUTINGS = ("least-unfinished", "shared-queue", "least-queue", "prefix", "mix")
+WEIGHTS = {"least-queue": {"queue": 1.0, "kv": 1.0}, "prefix": {"prefix": 1.0},
+           "mix": {"prefix": 3.0, "queue": 1.0, "kv": 1.0}}
+
+
+class PrefixIndex:
+    """Which block hashes each replica holds, from its KV-cache events (what an external
+    indexer builds from the replicas' event streams)."""
+
+    def __init__(self, num_replicas: int):
+        self.blocks: list[set[int]] = [set() for _ in range(num_replicas)]
+
+    def sink(self, replica: int):
+        """The event callback of one replica's recorder."""
+        held = self.blocks[replica]
+
+        def apply(ev) -> None:
+            if isinstance(ev, BlockStored):
+                held.update(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                held.difference_update(ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                held.clear()
+        return apply
+
+    def matched(self, replica: int, hashes: list[int]) -> int:
+        """Leading blocks of `hashes` the replica holds."""
+        held, n = self.blocks[replica], 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+
+class Picker:
+    """The endpoint picker's weighted scorers over simulated replicas (sarathi.measure.simulate
+    Replica objects: .scheduler)."""
+
+    def __init__(self, routing: str, replicas: list, block_size: int, seed: int = 0):
+        if routing not in WEIGHTS:
+            raise ValueError(f"no picker for routing {routing!r}")
+        self.weights = WEIGHTS[routing]
+        self.replicas = replicas
+        self.block_size = block_size
+        self.rng = np.random.default_rng(seed)
+        self.index = PrefixIndex(len(replicas)) if "prefix" in self.weights else None
+        if self.index is not None:
+            for i, r in enumerate(replicas):
+                bm = r.scheduler.block_manager
+                if bm.cache is None:
+                    raise ValueError("prefix-aware routing needs prefix caching (--prefix-caching)")
+                bm.events = KVEventRecorder(block_size, sink=self.index.sink(i))
+        self._root = root_hash("0")
+        self._memo: dict[tuple, int] = {}   # (parent hash, block tokens) -> hash; grows with the run
+        self.matched_blocks = 0     # over all picks: blocks the chosen replica held (prefix scorer)
+        self.prompt_blocks = 0
+
+    def _hashes(self, prompt_ids: list[int]) -> list[int]:
+        """scheduler_svc.kv_events.prefix_hashes(prompt_ids), each block's hash remembered by
+        (hash of the block before, its tokens): a follow-up turn rehashes only its new blocks."""
+        bs, out = self.block_size, []
+        parent = self._root
+        memo = self._memo
+        for i in range(len(prompt_ids) // bs):
+            key = (parent, tuple(prompt_ids[i * bs:(i + 1) * bs]))
+            h = memo.get(key)
+            if h is None:
+                h = memo[key] = block_hash(parent, key[1])
+            out.append(h)
+            parent = h
+        return out
+
+    def scores(self, prompt_ids: list[int]) -> tuple[np.ndarray, list[int] | None]:
+        n = len(self.replicas)
+        total = np.zeros(n)
+        w = self.weights
+        if "queue" in w:
+            q = np.array([len(r.scheduler.waiting) for r in self.replicas], dtype=float)
+            span = q.max() - q.min()
+            total += w["queue"] * ((q.max() - q) / span if span > 0 else np.ones(n))
+        if "kv" in w:
+            total += w["kv"] * np.array([1 - r.scheduler.block_manager.num_used_blocks /
+                                         r.scheduler.block_manager.num_blocks for r in self.replicas])
+        matched = None
+        if "prefix" in w:
+            hashes = self._hashes(prompt_ids)
+            matched = [self.index.matched(i, hashes) for i in range(n)]
+            if hashes:
+                total += w["prefix"] * np.array(matched, dtype=float) / len(hashes)
+            self.prompt_blocks += len(hashes)
+        return total, matched
+
+    def pick(self, prompt_ids: list[int]) -> int:
+        total, matched = self.scores(prompt_ids)
+        best = np.flatnonzero(total >= total.max() - 1e-12)
+        i = int(best[self.rng.integers(len(best))]) if len(best) > 1 else int(best[0])
+        if matched is not None:
+            self.matched_blocks += matched[i]
+        return i

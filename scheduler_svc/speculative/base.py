@@ -1,0 +1,158 @@
+"""The proposer interface of speculative decoding, and the per-request rule for how many drafts
+to ask for (k). Torch-free: proposers read token ids only.
+
+A proposer names up to k tokens it guesses follow a request's tokens (prompt and output so
+far); the worker verifies them all in one forward pass (worker_svc.sampling.speculative), so a
+wrong guess costs its budget tokens and nothing else. A proposer keeps whatever per-request
+state it wants in Request.spec_state under its own name (it goes away with the request).
+
+How many drafts a request gets (`Speculator.k_for`), from its recent acceptance and what a draft
+costs: with each draft accepted with probability alpha given the ones before, k drafts yield
+E(k) = 1 + alpha + ... + alpha^k tokens in a step that k drafts make 1 + c k times as long,
+where c is the time one draft token adds to a decode-only step, in units of that step without
+drafts. That time is added to every request of the batch, so with D decodes in the batch the
+request gets the k in [0, max_k] that maximizes E(k) / (1 + c D k) (the batch's tokens per unit
+of time, were every decode alike); k = 0 (no drafts) unless some k does strictly better. So k
+also falls as the decodes of a batch grow in number. c is measured online from the
+decode-only batches (`observe_batch`: with and without drafts, per number of decodes; a batch
+without drafts is scheduled now and then to keep that baseline); until measured it is 0.1. On a
+CPU, where each verified token costs real compute, c is large and k small; on a GPU, where a
+decode step is bound by reading the weights, c is near 0. alpha is estimated by the
+geometric-law estimate accepted / (accepted + rejections) over sums that decay by 0.8 a step
+(so it follows the last five to ten verification steps), from a prior of one accepted and one
+rejected draft (alpha = 0.5).
+The sums decay at every verification step and, more slowly, at every decode without drafts, so a
+request whose drafts stopped being accepted (k = 0) is tried again after a while. How many of
+those drafts are scheduled is the policy's budget rule (scheduler_svc.policies.base).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from scheduler_svc.request import Request
+
+
+class Proposer(Protocol):
+    """name: the --speculative choice. propose(): at most k (>= 1) draft token ids for the
+    positions after req.token_ids; fewer (or none) when it has no good guess. A proposer may
+    also define finish(req), called when a request ends."""
+
+    name: str
+
+    def propose(self, req: Request, k: int) -> list[int]: ...
+
+
+class Speculator:
+    """A proposer plus the per-request k rule (module doc) and the counters of proposed and
+    accepted drafts. max_k: the upper bound (--num-speculative-tokens)."""
+
+    def __init__(self, proposer: Proposer, max_k: int, *, draft_cost: float = 0.1,
+                 decay: float = 0.8, idle_decay: float = 0.98, baseline_every: int = 32):
+        if max_k < 1:
+            raise ValueError(f"the number of speculative tokens must be >= 1, got {max_k}")
+        self.proposer = proposer
+        self.max_k = max_k
+        self.default_cost = draft_cost   # c until measured (module doc)
+        self.cost: float | None = None   # measured c: a draft token's time / a decode step's
+        self.decay, self.idle_decay = decay, idle_decay
+        self.baseline_every = baseline_every
+        self._base: dict[int, float] = {}   # decodes -> seconds of a decode-only step without drafts
+        self._timed = False                 # some batch came back with a time
+        self._batches = 0
+        self.proposed = 0       # drafts scheduled, since start
+        self.accepted = 0       # drafts accepted, since start
+        self.steps = 0          # decode steps that verified drafts
+        self.emitted = 0        # tokens those steps produced (accepted + 1 each)
+
+    @staticmethod
+    def _sums(req: Request) -> list[float]:
+        st = req.spec_state.get("_acceptance")
+        if st is None:
+            st = req.spec_state["_acceptance"] = [1.0, 1.0]     # prior: accepted, rejected
+        return st
+
+    def acceptance(self, req: Request) -> float:
+        """The estimated probability that a request's next draft is accepted (given the ones
+        before it were)."""
+        acc, rej = self._sums(req)
+        return acc / (acc + rej)
+
+    def k_for(self, req: Request, num_decodes: int = 1) -> int:
+        """Drafts worth asking for, from the request's acceptance, the cost of a draft and the
+        decodes of the batch (module doc), capped by max_k and by the tokens it may still
+        generate (one of which is the token after the drafts)."""
+        left = req.sampling.max_tokens - req.num_output_tokens - 1
+        if left <= 0:
+            return 0
+        alpha = self.acceptance(req)
+        c = self.draft_cost * max(1, num_decodes)
+        best_k, best, gain, power = 0, 1.0, 1.0, 1.0
+        for k in range(1, min(self.max_k, left) + 1):
+            power *= alpha
+            gain += power
+            rate = gain / (1.0 + c * k)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+    @property
+    def draft_cost(self) -> float:
+        """c of the module doc: the measured one, or the default until there is one."""
+        return self.default_cost if self.cost is None else self.cost
+
+    def needs_baseline(self, num_decodes: int) -> bool:
+        """Whether a decode-only batch of num_decodes decodes should run without drafts, to
+        (re)measure the step time c is relative to: when none was measured for that many
+        decodes, and every `baseline_every` batches. Never before any batch had a time."""
+        self._batches += 1
+        return self._timed and (num_decodes not in self._base or self._batches % self.baseline_every == 0)
+
+    def observe_batch(self, num_decodes: int, num_drafts: int, num_other: int, seconds: float) -> None:
+        """A batch came back after `seconds` (schedule to update): num_decodes decodes (with or
+        without drafts), num_drafts draft tokens, num_other prefill tokens. Decode-only batches
+        update c (module doc)."""
+        if seconds <= 0 or num_decodes == 0:
+            return
+        self._timed = True
+        if num_other:
+            return
+        base = self._base.get(num_decodes)
+        if num_drafts == 0:
+            self._base[num_decodes] = seconds if base is None else 0.8 * base + 0.2 * seconds
+        elif base is not None:
+            c = max(0.0, (seconds / base - 1.0) / num_drafts)
+            self.cost = c if self.cost is None else 0.8 * self.cost + 0.2 * c
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        return self.proposer.propose(req, k)[:k] if k > 0 else []
+
+    def finish(self, req: Request) -> None:
+        """req ended (any reason): a proposer that learns from outputs sees it."""
+        finish = getattr(self.proposer, "finish", None)
+        if finish is not None:
+            finish(req)
+
+    def no_draft(self, req: Request) -> None:
+        """req decodes this step without drafts: its evidence ages a little."""
+        st = self._sums(req)
+        st[0] = 1.0 + (st[0] - 1.0) * self.idle_decay
+        st[1] = 1.0 + (st[1] - 1.0) * self.idle_decay
+
+    def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """A verification step of req: num_accepted of its num_drafts drafts were accepted."""
+        st = self._sums(req)
+        st[0] = st[0] * self.decay + num_accepted
+        st[1] = st[1] * self.decay + (1 if num_accepted < num_drafts else 0)
+        self.proposed += num_drafts
+        self.accepted += num_accepted
+        self.steps += 1
+        self.emitted += num_accepted + 1
+
+    def stats(self) -> dict:
+        """spec_proposed_tokens, spec_accepted_tokens (since start), spec_acceptance_rate
+        (accepted / proposed), spec_tokens_per_step (tokens per verification step),
+        spec_draft_cost (c of the module doc, in decode steps per draft token)."""
+        return dict(spec_proposed_tokens=self.proposed, spec_accepted_tokens=self.accepted,
+                    spec_acceptance_rate=self.accepted / self.proposed if self.proposed else 0.0,
+                    spec_tokens_per_step=self.emitted / self.steps if self.steps else 0.0,
+                    spec_draft_cost=self.draft_cost)

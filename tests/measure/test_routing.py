@@ -1,0 +1,106 @@
+"""Routing across simulated replicas (sarathi.measure.routing) and the multi-turn chat workload:
+the shared queue's pull, the endpoint picker's scorers (queue, KV usage, prefix cache from the KV
+events), all over the real scheduler."""
+from __future__ import annotations
+
+import pytest
+
+from sarathi.measure.gpu_costmodel import GPUCostModel
+from sarathi.measure.loadgen import ChatShape, RequestSpec, bench_sampling, make_chat_workload, sim_output_tokens
+from sarathi.measure.routing import Picker
+from sarathi.measure.simulate import Replica, run_replicas
+from sarathi.measure.trace import Trace
+from shared.config import SchedulerConfig
+
+TRACE = Trace([200, 400, 800, 100], [20, 40, 10, 30], "test")
+COST = GPUCostModel("llama-3-8b", "a100")
+
+
+def replicas(n: int, prefix: bool = True, **kw) -> list[Replica]:
+    cfg = SchedulerConfig(token_budget=512, max_model_len=8192, enable_prefix_caching=prefix, **kw)
+    return [Replica(COST, cfg, block_size=16, num_blocks=4096, max_model_len=8192, seed=i) for i in range(n)]
+
+
+def test_chat_turns_extend_the_previous_turn_and_share_system_prompts():
+    shape = ChatShape(system_prompts=2, system_len=64, turns=(3, 3), user_scale=0.1, think_s=1.0)
+    w = make_chat_workload(TRACE, 30, 2.0, shape, seed=1)
+    assert len(w) == 30 and [s.arrival for s in w] == sorted(s.arrival for s in w)
+    by_conv: dict[str, list[RequestSpec]] = {}
+    for s in w:
+        by_conv.setdefault(s.req_id.split("t")[0], []).append(s)
+    assert len({tuple(s.prompt_ids[:64]) for s in w}) == 2          # two shared system prompts
+    for turns in by_conv.values():
+        turns.sort(key=lambda s: int(s.req_id.split("t")[1]))
+        for prev, nxt in zip(turns, turns[1:]):
+            n = len(prev.prompt_ids)
+            assert nxt.arrival > prev.arrival
+            assert nxt.prompt_ids[:n] == prev.prompt_ids             # the growing prefix
+            assert nxt.prompt_ids[n:n + prev.max_tokens] == sim_output_tokens(n, prev.max_tokens, 32000)
+            assert len(nxt.prompt_ids) > n + prev.max_tokens           # plus a new user message
+
+
+def test_prefix_routing_keeps_a_conversation_where_its_history_is_cached():
+    w = make_chat_workload(TRACE, 60, 1.0, ChatShape(system_len=128, turns=(4, 4), think_s=2.0), seed=2)
+    results = {}
+    for routing in ("shared-queue", "prefix", "mix"):
+        routes: dict[str, int] = {}
+        _, extra = run_replicas(replicas(4), w, drain_s=60, routing=routing, routes=routes)
+        results[routing] = (extra["prefix_hit_rate"], routes)
+    for routing in ("prefix", "mix"):
+        routes = results[routing][1]
+        for rid, i in routes.items():
+            conv, turn = rid.split("t")
+            prev = f"{conv}t{int(turn) - 1}"
+            if prev in routes:      # (the turn before may have arrived before the run started)
+                assert routes[prev] == i, (routing, rid)
+        assert results[routing][0] > results["shared-queue"][0] + 0.1
+
+
+def test_an_idle_replica_takes_a_shared_queue_request_at_once_a_busy_one_at_its_boundary():
+    reps = replicas(2)
+    specs = [RequestSpec(f"r{i}", t, list(range(100, 400)), 50) for i, t in enumerate((0.0, 0.0, 0.001))]
+    routes: dict[str, int] = {}
+    rr, extra = run_replicas(reps, specs, drain_s=30, routing="shared-queue", routes=routes)
+    assert routes["r0"] == 0 and routes["r1"] == 1           # both idle: each takes one at arrival
+    assert routes["r2"] in (0, 1) and all(r.finished for r in rr.records)
+    assert extra["replica_requests"] == [2, 1] or extra["replica_requests"] == [1, 2]
+    r2 = next(r for r in rr.records if r.req_id == "r2")
+    first_iteration_end = min(r.token_times[0] for r in rr.records if r.req_id != "r2")
+    assert r2.first_scheduled >= first_iteration_end > r2.arrival   # pulled at a boundary, not at once
+
+
+def test_the_picker_scores_queue_kv_and_prefix_as_the_endpoint_picker():
+    reps = replicas(3)
+    pref = Picker("prefix", reps, 16)      # its index follows the replicas' KV events from now on
+    prompt = list(range(1000, 1000 + 64))
+    reps[1].engine.add_request("warm", prompt, bench_sampling(1))
+    reps[1].engine.run_until_done()                              # replica 1 holds the prompt's 4 blocks
+    longer = prompt + [7] * 16
+    _, matched = pref.scores(longer)
+    assert matched == [0, 4, 0] and pref.pick(longer) == 1
+    for k in range(3):                                           # replica 0: a waiting queue of 3
+        reps[0].engine.add_request(f"q{k}", list(range(10, 20)), bench_sampling(1))
+    scores, _ = Picker("least-queue", reps, 16).scores(prompt)
+    assert scores[0] < scores[1] and scores[0] < scores[2]     # the longest queue scores lowest
+    reps[1].scheduler.on_workers_lost()                          # a restart: AllBlocksCleared
+    assert pref.scores(longer)[1] == [0, 0, 0]
+    with pytest.raises(ValueError, match="prefix caching"):
+        Picker("mix", replicas(2, prefix=False), 16)
+
+
+def test_warm_up_turns_run_first_and_stay_out_of_the_results():
+    import dataclasses
+
+    shape = ChatShape(system_len=64, turns=(3, 3), user_scale=0.1, think_s=1.0, warmup_s=10.0)
+    w = make_chat_workload(TRACE, 40, 2.0, shape, seed=3)
+    warm = [s for s in w if s.arrival < 0]
+    measured = [s for s in w if s.arrival >= 0]
+    assert warm and len(measured) == 40 and min(s.arrival for s in warm) >= -10.0 * 1.5
+    assert abs((measured[-1].arrival - measured[0].arrival) - 39 / 2.0) < 1e-6   # exactly 2 QPS
+    rr, extra = run_replicas(replicas(2), w, drain_s=60, routing="mix")
+    assert {r.req_id for r in rr.records} == {s.req_id for s in measured}
+    assert extra["warmup_requests"] == len(warm)
+    assert min(r.arrival for r in rr.records) == 0.0 and all(r.finished for r in rr.records)
+    assert all(it.start >= 0 for it in rr.iterations)
+    cold = run_replicas(replicas(2), [dataclasses.replace(s) for s in measured], drain_s=60, routing="mix")[1]
+    assert extra["prefix_hit_rate"] > cold["prefix_hit_rate"]   # the warm-up filled the caches
