@@ -1,5 +1,7 @@
 # One image for every service: `sarathi gateway | scheduler | worker | serve`.
-# Options come from SARATHI_<OPTION> environment variables (see docker-compose.yml, k8s/).
+# Options come from SARATHI_<OPTION> environment variables (see docker-compose.yml, k8s/). The
+# default command serves on every interface, which needs an API key: run it with
+# -e SARATHI_API_KEY=... (or SARATHI_API_KEY_FILE=/run/secrets/...), see docs/security.md.
 #
 # Two stages: the build stage has a C compiler and builds the package, whose install compiles the
 # native CPU kernels in every instruction-set variant (docs/cpu.md); the runtime stage gets only
