@@ -18,3 +18,23 @@ def fresh_native(monkeypatch, tmp_path):
     monkeypatch.undo()
     native._reset()
     native.available()
+
+
+@pytest.fixture(autouse=True)
+def _sarathi_environment_restored():
+    """Each test leaves the process's SARATHI_* environment as it found it. Code under test may
+    write it on purpose (the CLI's --link-keys gives the process and its children the keys), and
+    a variable left behind changes every later test of the session (a scheduler with keys its
+    workers lack); the link keys this process read from it are forgotten with it."""
+    import os
+
+    before = {k: v for k, v in os.environ.items() if k.startswith("SARATHI_")}
+    yield
+    after = {k: v for k, v in os.environ.items() if k.startswith("SARATHI_")}
+    if after != before:
+        for k in after.keys() - before.keys():
+            del os.environ[k]
+        os.environ.update(before)
+        from shared import link_auth
+
+        link_auth._process_keys.clear()

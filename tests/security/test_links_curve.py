@@ -158,7 +158,12 @@ def test_sarathi_worker_refuses_a_network_bind_without_keys_before_loading_a_mod
 
 
 def test_the_link_keys_flag_gives_this_process_and_its_children_the_keys(key_dir, monkeypatch):
-    monkeypatch.delenv(link_auth.ENV_DIR, raising=False)     # restored (unset) after the test
+    # use_settings writes os.environ: setenv first, so that monkeypatch restores the variable's
+    # absence afterwards (delenv of an unset variable records nothing to undo, and a leaked
+    # key directory would give every later scheduler of this process keys its workers lack)
+    monkeypatch.setenv(link_auth.ENV_DIR, "unset")
+    monkeypatch.delenv(link_auth.ENV_DIR)
+    monkeypatch.setenv(link_auth.ENV_INSECURE, "")
     monkeypatch.setattr(link_auth, "_process_keys", {})
     monkeypatch.delenv("SARATHI_REDIS_URL", raising=False)
     assert cli_main(["scheduler", "--link-keys", str(key_dir), "--redis-url", ""]) == 2   # stops at the URL
