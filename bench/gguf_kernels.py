@@ -14,8 +14,8 @@ by token count T, each a full sweep over the weights (more than the L3, as in a 
   path with large="dequant": no fp32 copy kept);
 * int8-native: the older per-row int8 kernel (`--weight-quant int8-bf16`) on the same weights;
 * gguf-int8x2-tiles / gguf-int8-tiles: the same integer dots on the 8-token tile kernels
-  (SARATHI_GGUF_LANES=0; the serving default on AVX2 builds, where gguf-int8x2 / gguf-int8 time
-  the AVX2 lane kernels that SARATHI_GGUF_LANES=1 serves).
+  (SARATHI_GGUF_LANES=0; the AVX2 builds' serving default before the lane kernels took every
+  call there too).
 "gguf_beats_float_up_to_T": the largest T up to which a block kernel beats float32-cached at every
 T (worker_svc/backends/cpu/gguf.py GGUF_MAX_TOKENS records the tile kernels' on Zen 3; up to the
 largest T timed when it never loses).
@@ -299,7 +299,7 @@ def llama_bench_once(threads: int) -> dict:
 LLAMA_CMDS: dict = {}
 STEPS = {"decode:1": 8, "decode:32": 3, "prefill:512": 1}     # timed consecutive steps per round
 LLAMA = "llama.cpp, same GGUF (llama-bench; decode 32: llama-batched-bench, prompt shared)"
-NEW = "new default (int8x2 dot, lane kernels on VNNI builds, decode stack)"
+NEW = "new default (int8x2 dot, lane kernels, decode stack)"
 TILES = "8-token tile kernels (SARATHI_GGUF_LANES=0), int8x2, decode stack"
 LANES = "lane kernels where built (SARATHI_GGUF_LANES=1), int8x2, decode stack"
 # the engine's arms: (tree: None = this one, else --base-tree; environment)

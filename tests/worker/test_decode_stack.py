@@ -108,20 +108,20 @@ def test_stack_with_attention_biases(tmp_path):
 def test_batches_the_stack_does_not_take_run_the_layers(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, gguf.GGMLQuantizationType.Q8_0)
-    ex = make_executor(path, num_blocks=64, weight_quant="auto", kv_cache_dtype="bfloat16")
+    ex = make_executor(path, num_blocks=320, weight_quant="auto", kv_cache_dtype="bfloat16")
     seqs = prefilled(ex, [9, 21])
     spy = Spy(ex.model.stack)
     # a hybrid batch: two decodes and a new prompt's chunk
     used = {b for _, _, table in seqs for b in table}
-    extra = [chunk("p", list(range(2, 14)), 0, [min(set(range(64)) - used)], True)]
+    extra = [chunk("p", list(range(2, 14)), 0, [min(set(range(320)) - used)], True)]
     ref = decode_logits(ex, seqs, None, extra=extra)
     got = decode_logits(ex, seqs, spy, extra=extra)
     assert spy.results == [False]
     assert all(torch.equal(ref[r], got[r]) for r in ref)
-    # more decodes than the block kernel's range: the float GEMM path, layer by layer; on VNNI
-    # builds (no range: gguf.py EVERY_T) the stack takes them too
+    # more decodes than the block kernel's range: the float GEMM path, layer by layer; where the
+    # kernels take every call (no range: gguf.py EVERY_T) the stack takes them too
     limit = ex.backend.linear.max_tokens
-    many = prefilled(ex, [4] * (min(limit, GGUF_MAX_TOKENS["avx2"]) + 1), seed=1)
+    many = prefilled(ex, [4] * ((limit if limit != EVERY_T else GGUF_MAX_TOKENS["avx2"]) + 1), seed=1)
     spy.results.clear()
     decode_logits(ex, many, spy)
     assert spy.results == [limit == EVERY_T]

@@ -109,33 +109,28 @@ def test_tiny_gguf_default_greedy_equals_transformers(tmp_path, monkeypatch, qty
 
 
 def test_lane_kernels_are_the_default_where_built(tmp_path, monkeypatch):
-    """The integer dots run on the lane kernels by default on AVX-512 VNNI builds (the decode stack
-    runs them too; there they take every call: no threshold, no float weights), on AVX2 builds with
-    SARATHI_GGUF_LANES=1 (gguf.py says why not by default); SARATHI_GGUF_LANES=0 keeps the 8-token
-    tile kernels; another value is refused. Greedy output is the same either way on a single
-    request (the two differ in fp32 summation order only)."""
+    """The integer dots run on the lane kernels by default wherever they are built (AVX-512 VNNI
+    and AVX2 builds; the decode stack runs them too), at every call: no threshold, no float
+    weights; SARATHI_GGUF_LANES=1 says the same explicitly; SARATHI_GGUF_LANES=0 keeps the
+    8-token tile kernels with their threshold; another value is refused."""
     path = tmp_path / "tiny-Q4_1.gguf"
     write_tiny_gguf(path, Q.Q4_1)
     built = native.gguf_q8_lanes()
-    by_default = built and native.gguf_q8_isa() == "avx512vnni"
     default = make_executor(path, num_blocks=8, weight_quant="auto")
-    assert default.backend.linear.lanes == by_default
-    assert ("lane kernels" in default.backend.linear.name) == by_default
-    assert default.model.stack is not None and default.model.stack.lanes == by_default
+    assert default.backend.linear.lanes == built
+    assert ("lane kernels" in default.backend.linear.name) == built
+    assert default.model.stack is not None and default.model.stack.lanes == built
     monkeypatch.setenv("SARATHI_GGUF_LANES", "1")
     lanes = make_executor(path, num_blocks=8, weight_quant="auto")
     assert lanes.backend.linear.lanes == built and lanes.model.stack.lanes == built
     monkeypatch.setenv("SARATHI_GGUF_LANES", "0")
     tiles = make_executor(path, num_blocks=8, weight_quant="auto")
     assert not tiles.backend.linear.lanes and not tiles.model.stack.lanes
-    # the lane kernels of a VNNI build run every call (no float GEMM, no float weights kept: the
-    # model holds the file's blocks, and the LM head's float weight for the tied embedding)
-    every_t = gguf_backend.EVERY_T
-    assert default.backend.linear.max_tokens == gguf_backend.default_max_tokens(lanes=by_default) == (
-        every_t if by_default else gguf_backend.GGUF_MAX_TOKENS["avx2"])
-    assert tiles.backend.linear.max_tokens == gguf_backend.GGUF_MAX_TOKENS["avx2"]
-    # the lane kernels take every call wherever they are built: one arithmetic at every batch size
-    assert lanes.backend.linear.max_tokens == (every_t if built else gguf_backend.GGUF_MAX_TOKENS["avx2"])
+    every_t, tile_t = gguf_backend.EVERY_T, gguf_backend.GGUF_MAX_TOKENS["avx2"]
+    assert default.backend.linear.max_tokens == (every_t if built else tile_t)
+    assert tiles.backend.linear.max_tokens == tile_t
+    # the lane kernels take every call with SARATHI_GGUF_LANES=1: one arithmetic at every batch size
+    assert lanes.backend.linear.max_tokens == (every_t if built else tile_t)
     for ex in (default, lanes, tiles):
         lin = ex.backend.linear
         assert lin.large == ("dequant" if lin.max_tokens == every_t else "cached")
@@ -170,3 +165,61 @@ def test_none_serves_float_weights_and_the_same_tokens(tmp_path):
     ex = make_executor(path, num_blocks=8, weight_quant="none")
     assert not any(hasattr(m, "gguf_data") for m in ex.model.modules())
     assert greedy_generate(ex, prompt, 12, table) == auto
+
+
+def _decode_then_replay(ex, prompt: list[int], n: int):
+    """Greedy-decode n tokens one step at a time, then recompute prompt + all but the last of
+    them in one prefill chunk, as a replay after a scheduler restart does. Returns, for layer 0's
+    qkv and o_proj inputs (the attention's output) and for the logits, the decode steps' rows and
+    the replay's rows at the same positions."""
+    from shared.messages import Batch
+    from tests.support.engine_helpers import chunk
+
+    seen = {"qkv": [], "o_proj": []}
+    hooks = [getattr(ex.model.layers[0], name).register_forward_hook(
+        lambda m, args, out, name=name: seen[name].append(
+            (out if name == "qkv" else args[0]).detach().clone())) for name in seen]
+    table = list(range(blocks_for(len(prompt) + n, ex.block_size)))
+    out = ex.compute_logits(Batch(0, [chunk("a", prompt, 0, table, True)]))["a"]
+    toks, logits = [int(out.argmax())], [out]
+    while len(toks) < n:
+        out = ex.compute_logits(Batch(0, [chunk("a", [toks[-1]], len(prompt) + len(toks) - 1, table, True)]))["a"]
+        toks.append(int(out.argmax()))
+        logits.append(out)
+    decoded = {k: torch.cat(v[1:]) for k, v in seen.items()}          # the n - 1 decode steps' rows
+    for v in seen.values():
+        v.clear()
+    replay_table = [b + len(table) for b in table]
+    replayed = ex.compute_logits(Batch(0, [chunk("b", prompt + toks[:-1], 0, replay_table, True)]))["b"]
+    for h in hooks:
+        h.remove()
+    rows = {k: v[0][len(prompt):] for k, v in seen.items()}          # the same n - 1 positions
+    return decoded, rows, logits[-1], replayed
+
+
+def test_a_replay_repeats_the_decodes_linear_bits_only_without_a_threshold(tmp_path, monkeypatch):
+    """Why a request replayed after a scheduler restart may end with another word than its first
+    run: the replay recomputes the generated tokens in one prefill chunk. Without a threshold
+    (lane kernels at every call) the chunk's linear layers give each token the bits its decode
+    step got; with one (here the tile kernels: 63 tokens > 48, so the float GEMM) they do not.
+    Either way attention is computed another way in a prefill chunk than by the decode kernel, so
+    its output, and the logits, differ in the last bits: close, not identical."""
+    if not native.gguf_q8_lanes():
+        pytest.skip("no lane kernels in this build")
+    path = tmp_path / "tiny-Q4_1.gguf"
+    write_tiny_gguf(path, Q.Q4_1)
+    monkeypatch.setenv("SARATHI_NATIVE_STACK", "0")     # layer by layer: the hooks see every call
+    prompt, n = list(range(2, 10)), 56
+    results = {}
+    for lanes in ("1", "0"):
+        monkeypatch.setenv("SARATHI_GGUF_LANES", lanes)
+        ex = make_executor(path, num_blocks=16, weight_quant="auto")
+        assert (ex.backend.linear.max_tokens == gguf_backend.EVERY_T) == (lanes == "1")
+        results[lanes] = _decode_then_replay(ex, prompt, n)
+    decoded, replayed, last_logits, replay_logits = results["1"]
+    assert torch.equal(decoded["qkv"], replayed["qkv"])                 # linear: the decode's bits
+    assert not torch.equal(decoded["o_proj"], replayed["o_proj"])       # attention: another order
+    assert torch.allclose(decoded["o_proj"], replayed["o_proj"], atol=1e-5)
+    assert torch.allclose(last_logits, replay_logits, atol=1e-2) and last_logits.argmax() == replay_logits.argmax()
+    decoded, replayed, _, _ = results["0"]
+    assert not torch.equal(decoded["qkv"], replayed["qkv"])             # the threshold: the float GEMM

@@ -17,25 +17,27 @@ A token's activations are quantized alone, so its output never depends on the ot
 its call (batch independence).
 
 Which calls take the block kernel (max_tokens, default_max_tokens):
-* on AVX-512 VNNI builds with an integer dot on the lane kernels: every call (EVERY_T), a
-  prefill chunk too. One arithmetic for every batch size, so a token's result is the same in
-  every batch without exception, and no float weight is kept (large="dequant");
-* elsewhere, calls of at most GGUF_MAX_TOKENS tokens (decode-sized batches); larger ones (prefill
-  chunks, large hybrid batches) run F.linear on the exactly dequantized float weight, where the
-  float GEMM is the faster one. The two paths differ by the small-batch path's activation
-  rounding and summation order: this threshold is the one exception to batch independence.
+* with an integer dot on the lane kernels (the default on AVX-512 VNNI and AVX2 builds): every
+  call (EVERY_T), a prefill chunk too. One arithmetic for every batch size, so a token's linear
+  outputs are the same in every batch without exception, and no float weight is kept
+  (large="dequant"). On AVX2 builds this costs long prefill chunks some speed against the float
+  GEMM, for faster decodes, less memory and replays that repeat their first run (below);
+* on the tile kernels (SARATHI_GGUF_LANES=0) and the scalar build, calls of at most
+  GGUF_MAX_TOKENS tokens, the float GEMM above.
+Where there is a threshold, the two paths differ by the small-batch path's activation rounding
+and summation order: it is the one exception to batch independence of the linear layers.
 
 Kernels (`lanes`, default_lanes, SARATHI_GGUF_LANES): the integer dots run on the lane kernels
 (rows in a vector's lanes for small calls, tokens above) or on the 8-token tile kernels. Both keep
 a token's result independent of its batch; each has its own fp32 summation order, and the lane
 kernels have one order for every call size and both SIMD builds (the AVX2 build's outputs are the
-VNNI build's bits). By default the lanes run where the build has VNNI and AVX2 builds keep the
-tile kernels: there the threshold stays, and with the AVX2 lanes a replayed request
-(tests/e2e/test_serving.py, the scheduler-SIGKILL replay) ended with another word than the
-offline run. The likely cause: the replay recomputes the generated tokens in prefill steps above
-GGUF_MAX_TOKENS, on the float GEMM, where they were first decoded on the integer dots, and a
-near-tie in that request turns the threshold switch into another word with the lanes' last bits.
-SARATHI_GGUF_LANES=0 keeps the tile kernels (and the threshold) everywhere.
+VNNI build's bits). They are the default wherever built. A replayed request (a scheduler
+restart recomputes its generated tokens in prefill steps) gets the decode's linear bits only
+without a threshold: with one, the recomputation runs the float GEMM and a near-tie turns into
+another word (the scheduler-SIGKILL replay test did, on the tile kernels and on lanes with a
+threshold alike). Prefill attention still sums in another order than the decode kernel, so the
+replay's logits match in all but the last bits (tests/worker/test_gguf_engine.py shows both).
+SARATHI_GGUF_LANES=0 keeps the tile kernels (and their threshold) everywhere.
 
 Memory of the large path (where there is a threshold): large="cached" (the default there) keeps
 the float weight (the model holds it anyway: 4 bytes a weight beside the file's blocks);
@@ -76,21 +78,26 @@ DEFAULT_DOT = "int8x2"
 DOT_PARTS = {"int8": 1, "int8x2": 2}   # integer-dot arithmetics: 8-bit parts per activation
 
 
-def default_lanes() -> bool:
-    """SARATHI_GGUF_LANES: unset (or "auto"), the integer-dot path's lane kernels on AVX-512 VNNI
-    builds and the 8-token tile kernels on AVX2 ones (see the module docstring); 1: the lane
-    kernels wherever built (AVX2 too); 0: the tile kernels. Both keep a token's result independent
-    of its batch; they differ from each other in fp32 summation order (last bits)."""
+def lanes_setting() -> str:
+    """SARATHI_GGUF_LANES: "auto" (unset), "1" or "0" (anything else is refused)."""
     v = os.environ.get("SARATHI_GGUF_LANES", "auto")
     if v not in ("0", "1", "auto"):
         raise ValueError(f"SARATHI_GGUF_LANES must be 0, 1 or auto, got {v!r}")
-    return v == "1" or (v == "auto" and native.gguf_q8_isa() == "avx512vnni")
+    return v
+
+
+def default_lanes() -> bool:
+    """SARATHI_GGUF_LANES: unset (or "auto") or 1, the integer-dot path's lane kernels wherever
+    built (AVX-512 VNNI and AVX2 builds), at every call; 0: the 8-token tile kernels below
+    GGUF_MAX_TOKENS. Both keep a token's result independent of its batch; they differ from each
+    other in fp32 summation order (last bits)."""
+    return lanes_setting() != "0"
 
 
 def default_max_tokens(dot: str | None = None, lanes: bool | None = None) -> int:
     """The block kernel's token limit on this machine for this arithmetic (dot, default
     default_dot(); lanes, default default_lanes()): EVERY_T with an integer dot on the lane kernels
-    (VNNI or AVX2 builds), GGUF_MAX_TOKENS elsewhere (0 without the native library)."""
+    (VNNI or AVX2 builds), GGUF_MAX_TOKENS on the tile kernels (0 without the native library)."""
     if not native.available():
         return 0
     dot = default_dot() if dot is None else dot
