@@ -8,7 +8,7 @@ Both serve the default model with the same threads; they are measured one after 
 The container runs as the image says (non-root, no compiler) under a read-only root filesystem
 with a tmpfs on /tmp; its backend line (the kernel variant) is recorded from its log.
 
-    python -m bench.container_vs_host [--image sarathi-serve:latest] [--rounds 4] [--threads 2]
+    python -m bench.container_vs_host [--image sarathi-serve:0.1.0] [--rounds 4] [--threads 2]
                                       [--requests 12] [--qps 0.5] [--out bench/results/deploy/container_vs_host]
 Needs dockerd and the image (deploy/compose_check.sh builds it).
 """
@@ -30,6 +30,7 @@ import httpx
 from bench.gguf_kernels import cpu_id
 
 KEY = "bench-key"
+MODEL = "SmolLM2-135M-Instruct"   # the served name of the default model
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 
 
@@ -38,7 +39,7 @@ def wait_ready(url: str, timeout: float = 300) -> None:
     while time.time() - t0 < timeout:
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                r = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": "hi", "max_tokens": 1},
+                r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
                                headers={"authorization": f"Bearer {KEY}"}, timeout=60)
                 if r.status_code == 200:
                     return
@@ -51,7 +52,7 @@ def wait_ready(url: str, timeout: float = 300) -> None:
 def completion_s(url: str, max_tokens: int) -> float:
     t0 = time.perf_counter()
     r = httpx.post(url + "/v1/completions", timeout=120, headers={"authorization": f"Bearer {KEY}"},
-                   json={"model": "x", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                   json={"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
                          "ignore_eos": True})
     r.raise_for_status()
     assert r.json()["usage"]["completion_tokens"] == max_tokens, r.json()["usage"]
@@ -74,7 +75,7 @@ def backend_lines(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--image", default="sarathi-serve:latest")
+    ap.add_argument("--image", default="sarathi-serve:0.1.0")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--requests", type=int, default=12)
