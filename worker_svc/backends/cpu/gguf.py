@@ -22,8 +22,8 @@ Which calls take the block kernel (max_tokens, default_max_tokens):
   outputs are the same in every batch without exception, and no float weight is kept
   (large="dequant"). On AVX2 builds this costs long prefill chunks some speed against the float
   GEMM, for faster decodes, less memory and replays that repeat their first run (below);
-* on the tile kernels (SARATHI_GGUF_LANES=0) and the scalar build, calls of at most
-  GGUF_MAX_TOKENS tokens, the float GEMM above.
+* on the tile kernels (SARATHI_GGUF_LANES=0), calls of at most GGUF_MAX_TOKENS tokens, the
+  float GEMM above (the scalar build: the float GEMM for every call).
 Where there is a threshold, the two paths differ by the small-batch path's activation rounding
 and summation order: it is the one exception to batch independence of the linear layers.
 
