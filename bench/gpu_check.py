@@ -247,7 +247,10 @@ class Runner:
         self.args = args
         self.t0 = time.monotonic()
         self.deadline = self.t0 + args.budget
-        self.record: dict = {"command": "python -m bench.gpu_check " + " ".join(sys.argv[1:]),
+        # the machine's own --copy-to folder is $OUT on the device tool: recorded as that, so the
+        # committed record names no path of the machine it ran on
+        argv = ["$OUT" if args.copy_to and a == str(args.copy_to) and os.path.isabs(a) else a for a in sys.argv[1:]]
+        self.record: dict = {"command": "python -m bench.gpu_check " + " ".join(argv),
                              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                              "budget_s": args.budget, "steps": []}
         self.ctx: dict = {}

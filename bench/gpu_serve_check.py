@@ -221,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         result["serve_log_tail"] = tail
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        # temporary folders (the model's, the workers' sockets) named as <tmp>: the record names no
+        # path of the machine it ran on
+        out.with_suffix(".json").write_text(re.sub(r"/tmp/[\w.-]+", "<tmp>", json.dumps(result, indent=1)))
         shutil.copy2(log_path, f"{out}_server.log")
         shutil.rmtree(tmp, ignore_errors=True)
     if "checks" in result:
