@@ -311,14 +311,14 @@ ARMS = {"base tree (--base-tree)": ("base", {}),
         "int8 dot (llama.cpp's activation quantization), decode stack": (None, {"SARATHI_GGUF_DOT": "int8"})}
 
 
-def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool, base: Path | None = None) -> dict:
-    """The engine on SmolLM2's GGUF (defaults; each arm of ARMS a process), stepped in turn, and
-    llama-bench between the engine's rounds (same hold, same GGUF, same threads). base: another
-    source tree (e.g. `git archive REV | tar -x -C DIR`) run as the first arm; None: no such arm."""
-    tree = Path(__file__).resolve().parent.parent
-    procs = {name: EngineProcess(tree if t is None else base, threads, "float32:auto:auto", env=env)
-             for name, (t, env) in ARMS.items() if t is None or base is not None}
-    cases = ["decode:1", "decode:32", "prefill:512"]
+ENGINE_CASES = ["decode:1", "decode:32", "prefill:512"]
+
+
+def step_in_turn(procs: dict, cases: list[str], rounds: int, threads: int, llama: bool,
+                 on_round=None) -> dict:
+    """{arm (and LLAMA): {case: [seconds a step, one median per round]}}: the engine processes
+    stepped in turn (one warm-up step per case, then ABBA rounds), llama-bench between rounds
+    when `llama`; on_round(r, times) after each round (progress)."""
     times: dict = {name: {c: [] for c in cases} for name in [*procs, *([LLAMA] if llama else [])]}
     for c in cases:                                   # warm-up
         for p in procs.values():
@@ -334,6 +334,19 @@ def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool, base:
         if llama:
             for c, sec in llama_bench_once(threads).items():
                 times[LLAMA][c].append(sec)
+        if on_round is not None:
+            on_round(r, times)
+    return times
+
+
+def bench_engine(rounds: int, threads: int, block_bytes: int, llama: bool, base: Path | None = None) -> dict:
+    """The engine on SmolLM2's GGUF (defaults; each arm of ARMS a process), stepped in turn, and
+    llama-bench between the engine's rounds (same hold, same GGUF, same threads). base: another
+    source tree (e.g. `git archive REV | tar -x -C DIR`) run as the first arm; None: no such arm."""
+    tree = Path(__file__).resolve().parent.parent
+    procs = {name: EngineProcess(tree if t is None else base, threads, "float32:auto:auto", env=env)
+             for name, (t, env) in ARMS.items() if t is None or base is not None}
+    times = step_in_turn(procs, ENGINE_CASES, rounds, threads, llama)
     info = {name: p.info["ready"] for name, p in procs.items()}
     # after every case: weights, KV cache, buffers
     rss = {name: round(rss_mb(p.proc.pid), 1) for name, p in procs.items()}

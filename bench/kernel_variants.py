@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 from bench.common import EngineProcess
-from bench.gguf_kernels import LLAMA_CMDS, STEPS, cpu_id, llama_bench_once, pressure, rss_mb
+from bench.gguf_kernels import ENGINE_CASES as CASES
+from bench.gguf_kernels import LLAMA_CMDS, cpu_id, pressure, rss_mb, step_in_turn
 
 # key: (what it is, its environment)
 ARMS = {
@@ -37,7 +38,6 @@ ARMS = {
                                                                      "SARATHI_GGUF_LANES": "1"}),
 }
 LLAMA = "llama.cpp"
-CASES = ["decode:1", "decode:32", "prefill:512"]
 # the ratios the results README reports: (numerator arm, denominator arm)
 RATIOS = {
     "prebuilt_over_native": ("best", "native"),
@@ -55,22 +55,12 @@ def run(rounds: int, threads: int, llama: bool, arms: list[str]) -> dict:
     for name in arms:
         print(f"starting {name} ...", file=sys.stderr, flush=True)
         procs[name] = EngineProcess(tree, threads, "float32:auto:auto", env=ARMS[name][1])
-    times: dict = {name: {c: [] for c in CASES} for name in [*procs, *([LLAMA] if llama else [])]}
-    for c in CASES:                                   # warm-up
-        for p in procs.values():
-            p.step(c)
-    for r in range(rounds):
-        order = list(procs.items()) if r % 2 == 0 else list(procs.items())[::-1]   # ABBA
-        for c in CASES:
-            for name, p in order:
-                ts = [p.step(c)["s"] for _ in range(STEPS[c] + 1)][1:]
-                times[name][c].append(statistics.median(ts))
-        if llama:
-            for c, sec in llama_bench_once(threads).items():
-                times[LLAMA][c].append(sec)
+    def progress(r: int, times: dict) -> None:
         print(f"round {r + 1}/{rounds}: " + "; ".join(
             f"{n} {1e3 * times[n]['decode:1'][-1]:.2f}/{1e3 * times[n]['prefill:512'][-1]:.0f} ms"
             for n in times if times[n]["decode:1"]), file=sys.stderr, flush=True)
+
+    times = step_in_turn(procs, CASES, rounds, threads, llama, on_round=progress)
     backends = {name: p.info["ready"] for name, p in procs.items()}
     rss = {name: round(rss_mb(p.proc.pid), 1) for name, p in procs.items()}
     for p in procs.values():
