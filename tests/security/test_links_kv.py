@@ -19,6 +19,7 @@ from shared import link_auth
 from shared.config import ModelInfo
 from shared.messages import Batch, BatchOutput, KvSend, SeqChunk
 from shared.sampling import SamplingParams
+from tests.support.worker_threads import serving
 from worker_svc.service import WorkerServer
 
 LOOPBACK = "tcp://127.0.0.1:0"
@@ -193,21 +194,9 @@ class PrefillRunner:
 def prefill(keys):
     from kvstore.link import KvLink
 
-    started = []
-
-    def start(runner):
-        server = WorkerServer(runner, LOOPBACK, keys=keys[0], kv_link=KvLink(runner.cache, keys=keys[0]))
-        stop = threading.Event()
-        t = threading.Thread(target=server.serve_forever, args=(stop,), daemon=True)
-        t.start()
-        started.append((server, stop, t))
-        return server.address
-
-    yield start
-    for server, stop, t in started:
-        stop.set()
-        t.join(5)
-        server.close()
+    with serving() as run:
+        yield lambda runner: run(WorkerServer(runner, LOOPBACK, keys=keys[0],
+                                              kv_link=KvLink(runner.cache, keys=keys[0])))
 
 
 def handoff_batch(receiver) -> Batch:

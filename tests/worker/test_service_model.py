@@ -3,13 +3,12 @@ the real default model (SmolLM2): chunked prefills, decodes that carry only diff
 sampled request next to a greedy one in the same batches."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from scheduler_svc.remote_executor import RemoteExecutor
 from shared.messages import Batch, SeqChunk
 from shared.sampling import SamplingParams
+from tests.support.worker_threads import serving
 from worker_svc.service import WorkerServer
 
 pytestmark = pytest.mark.slow
@@ -51,16 +50,8 @@ def test_remote_worker_samples_the_same_tokens_as_the_in_process_model_runner(ru
     local = generate(runner.execute)
     assert all(len(toks) >= 7 for toks in local.values())
 
-    server = WorkerServer(runner, f"ipc://{tmp_path}/worker.sock")
-    stop = threading.Event()
-    thread = threading.Thread(target=server.serve_forever, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        remote = RemoteExecutor(server.address, timeout_s=60)
+    with serving() as run:
+        remote = RemoteExecutor(run(WorkerServer(runner, f"ipc://{tmp_path}/worker.sock")), timeout_s=60)
         assert remote.model_info.name == runner.model_info.name
         assert generate(remote.execute) == local
         remote.close()
-    finally:
-        stop.set()
-        thread.join(5)
-        server.close()

@@ -3,6 +3,7 @@ the service plumbing, not the model): the worker rebuilds exactly the scheduler'
 every failure comes back as a clear error reply."""
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -13,6 +14,7 @@ from shared.config import ModelInfo
 from shared.messages import Batch, BatchOutput, SeqChunk
 from shared.sampling import SamplingParams
 from shared.wire import pack, unpack
+from tests.support.worker_threads import serving
 from worker_svc.service import WorkerServer
 
 
@@ -39,22 +41,9 @@ class RecordingRunner:
 
 @pytest.fixture
 def serve(tmp_path):
-    started = []
-
-    def start(runner, address=None):
-        address = address or f"ipc://{tmp_path}/w{len(started)}.sock"
-        server = WorkerServer(runner, address)
-        stop = threading.Event()
-        t = threading.Thread(target=server.serve_forever, args=(stop,), daemon=True)
-        t.start()
-        started.append((server, stop, t))
-        return server.address
-
-    yield start
-    for server, stop, t in started:
-        stop.set()
-        t.join(5)
-        server.close()
+    names = itertools.count()
+    with serving() as run:
+        yield lambda runner, address=None: run(WorkerServer(runner, address or f"ipc://{tmp_path}/w{next(names)}.sock"))
 
 
 def seq(req, toks, start, sample, out=0):

@@ -3,8 +3,6 @@ default model: the scheduler's drafts reach the worker, its accepted drafts come
 greedy output equals the in-process run without drafts."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from scheduler_svc.engine_loop import EngineLoop
@@ -12,6 +10,7 @@ from scheduler_svc.remote_executor import RemoteExecutor
 from scheduler_svc.scheduler import Scheduler
 from shared.config import CacheConfig, SchedulerConfig
 from shared.sampling import SamplingParams
+from tests.support.worker_threads import serving
 from worker_svc.service import WorkerServer
 
 pytestmark = pytest.mark.slow
@@ -40,19 +39,11 @@ def test_remote_drafts_give_the_output_of_a_local_run_without_them(runner, tmp_p
     params = SamplingParams(temperature=0.0, max_tokens=32)
     local = [o.output_token_ids for o in engine(runner, runner.model_info, "off").generate(prompts, params)]
 
-    server = WorkerServer(runner, f"ipc://{tmp_path}/worker.sock")
-    stop = threading.Event()
-    thread = threading.Thread(target=server.serve_forever, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        remote = RemoteExecutor(server.address, timeout_s=60)
+    with serving() as run:
+        remote = RemoteExecutor(run(WorkerServer(runner, f"ipc://{tmp_path}/worker.sock")), timeout_s=60)
         loop = fixed_cost(engine(remote, remote.model_info, "ngram"))
         got = [o.output_token_ids for o in loop.generate(prompts, params)]
         st = loop.stats()
         remote.close()
-    finally:
-        stop.set()
-        thread.join(5)
-        server.close()
     assert got == local
     assert st["spec_accepted_tokens"] >= 10
