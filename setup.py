@@ -52,20 +52,11 @@ class BuildKernels(build_ext):
         run([*cc, "-shared", *objects, *ext.extra_link_args, "-o", str(out)])
 
 
-def _runnable_here() -> list[str]:
-    """The variants this machine's CPU runs (what a development install needs)."""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split()
-    except (OSError, StopIteration):
-        return ["portable"]
-    return [name for name, (_, needed) in ks.variants().items() if needed <= set(flags)]
-
-
 def extensions():
     digest = ks.source_hash()
     wanted = os.environ.get("SARATHI_KERNELS_VARIANTS")
     if wanted == "auto":
-        wanted = ",".join(_runnable_here())
+        wanted = ",".join(ks.runnable_variants(ks.cpu_flags()))   # the variants this CPU runs
     out = []
     for name, (flags, _) in ks.variants().items():
         if wanted and name not in wanted.split(","):

@@ -16,7 +16,7 @@ from worker_svc.backends.cpu import kernel_sources, native
 
 ZEN3 = {"sse2", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}
 ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16"}
-BEST = kernel_sources.select_variant(native.cpu_flag_set())
+BEST = kernel_sources.select_variant(kernel_sources.cpu_flags())
 installed = pytest.mark.skipif(native.prebuilt_path(BEST) is None,
                                reason="no prebuilt kernels in this checkout (make install or make kernels)")
 

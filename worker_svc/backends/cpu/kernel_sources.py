@@ -56,12 +56,26 @@ def variants(machine: str | None = None) -> dict[str, tuple[list[str], set[str]]
     return X86_VARIANTS if m in ("x86_64", "amd64") else OTHER_VARIANTS
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as the kernel lists them (/proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags") and ":" in line:
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def runnable_variants(cpu_flags: set[str], machine: str | None = None) -> list[str]:
+    """The variants whose required CPU flags are all in cpu_flags, best first."""
+    return [name for name, (_, needed) in variants(machine).items() if needed <= cpu_flags]
+
+
 def select_variant(cpu_flags: set[str], machine: str | None = None) -> str:
     """The best variant whose required CPU flags are all in cpu_flags ("portable" always fits)."""
-    for name, (_, needed) in variants(machine).items():
-        if needed <= cpu_flags:
-            return name
-    return "portable"
+    return (runnable_variants(cpu_flags, machine) or ["portable"])[0]
 
 
 def source_hash() -> str:

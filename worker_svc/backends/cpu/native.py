@@ -131,12 +131,6 @@ def _cache_dir() -> Path:
     return Path(base) / "sarathi"
 
 
-def cpu_flag_set() -> set[str]:
-    """This CPU's feature flags as the kernel lists them (/proc/cpuinfo; empty elsewhere)."""
-    line = _cpu_flags()
-    return set(line.split(":", 1)[1].split()) if line.startswith("flags") and ":" in line else set()
-
-
 def _cpu_flags() -> str:
     """-march=native code only runs on a CPU with the same features: they are part of the key."""
     try:
@@ -230,7 +224,7 @@ def _load() -> tuple[ctypes.CDLL, str]:
         raise ValueError(f"SARATHI_NATIVE_VARIANT={forced!r}: choose one of {', '.join(kernel_sources.variants())}")
     stale = ""
     if mode != "jit" and not os.environ.get("SARATHI_NATIVE_MARCH"):
-        flags = cpu_flag_set()
+        flags = kernel_sources.cpu_flags()
         variant = forced or kernel_sources.select_variant(flags)
         path = prebuilt_path(variant)
         if path is not None:
