@@ -68,9 +68,21 @@ def run(rounds: int, threads: int, llama: bool, arms: list[str]) -> dict:
     ms = {n: {c: round(1e3 * statistics.median(ts), 2) for c, ts in d.items() if ts} for n, d in times.items()}
     ratios = {k: {c: round(ms[a][c] / ms[b][c], 3) for c in CASES if c in ms.get(a, {}) and c in ms.get(b, {})}
               for k, (a, b) in RATIOS.items() if a in ms and b in ms}
+    # the same ratios round by round (both arms of a round ran minutes apart at most): their
+    # median and range, the statistic to read where the machine's speed drifts between rounds
+    paired = {k: {c: paired_ratio(times[a][c], times[b][c]) for c in CASES if times[a][c] and times[b][c]}
+              for k, (a, b) in RATIOS.items() if a in times and b in times}
     arms_info = {n: {"what": ARMS[n][0], "env": ARMS[n][1]} for n in procs}
-    return {"ms": ms, "ratios": ratios, "rss_MB": rss, "backends": backends, "arms": arms_info,
-            "llama_bench_commands": dict(LLAMA_CMDS) if llama else {}}
+    rounds_ms = {n: {c: [round(1e3 * t, 2) for t in ts] for c, ts in d.items() if ts} for n, d in times.items()}
+    return {"ms": ms, "ratios": ratios, "paired_ratios": paired, "rounds_ms": rounds_ms, "rss_MB": rss,
+            "backends": backends, "arms": arms_info, "llama_bench_commands": dict(LLAMA_CMDS) if llama else {}}
+
+
+def paired_ratio(a: list[float], b: list[float]) -> dict:
+    """Per-round ratios a[i] / b[i]: their median, min, max and how many rounds a was slower."""
+    r = [x / y for x, y in zip(a, b)]
+    return {"median": round(statistics.median(r), 3), "min": round(min(r), 3), "max": round(max(r), 3),
+            "rounds_above_1": sum(x > 1 for x in r), "rounds": len(r)}
 
 
 def plot(res: dict, path: Path) -> None:
@@ -115,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     plot(res, out.with_suffix(".png"))
-    print(json.dumps({"ms": res["ms"], "ratios": res["ratios"], "rss_MB": res["rss_MB"]}, indent=2))
+    print(json.dumps({"ms": res["ms"], "ratios": res["ratios"], "paired_ratios": res["paired_ratios"],
+                      "rss_MB": res["rss_MB"]}, indent=2))
 
 
 if __name__ == "__main__":
