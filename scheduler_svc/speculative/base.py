@@ -21,8 +21,12 @@ decode step is bound by reading the weights, c is near 0. alpha is estimated by 
 geometric-law estimate accepted / (accepted + rejections) over sums that decay by 0.8 a step
 (so it follows the last five to ten verification steps), from a prior of one accepted and one
 rejected draft (alpha = 0.5).
-The sums decay at every verification step and, more slowly, at every decode without drafts, so a
-request whose drafts stopped being accepted (k = 0) is tried again after a while. How many of
+The sums decay at every verification step and, more slowly, at every decode without drafts.
+Where drafts cost more than the prior justifies (c >= 0.5 with one decode: on a CPU), the rule
+alone would never draft for a request without evidence, so it would never get any: a request
+that has not had its drafts verified yet, and one that went `probe_every` decodes without
+drafts (its drafts stopped being accepted, k = 0), is given one draft (a probe) whenever the rule
+says 0; what the probe shows then decides its k. How many of
 those drafts are scheduled is the policy's budget rule (scheduler_svc.policies.base).
 """
 from __future__ import annotations
@@ -47,7 +51,8 @@ class Speculator:
     accepted drafts. max_k: the upper bound (--num-speculative-tokens)."""
 
     def __init__(self, proposer: Proposer, max_k: int, *, draft_cost: float = 0.1,
-                 decay: float = 0.8, idle_decay: float = 0.98, baseline_every: int = 32):
+                 decay: float = 0.8, idle_decay: float = 0.98, baseline_every: int = 32,
+                 probe_every: int = 64):
         if max_k < 1:
             raise ValueError(f"the number of speculative tokens must be >= 1, got {max_k}")
         self.proposer = proposer
@@ -56,6 +61,7 @@ class Speculator:
         self.cost: float | None = None   # measured c: a draft token's time / a decode step's
         self.decay, self.idle_decay = decay, idle_decay
         self.baseline_every = baseline_every
+        self.probe_every = probe_every      # decodes without drafts before a probe (module doc)
         self._base: dict[int, float] = {}   # decodes -> seconds of a decode-only step without drafts
         self._timed = False                 # some batch came back with a time
         self._batches = 0
@@ -93,6 +99,10 @@ class Speculator:
             rate = gain / (1.0 + c * k)
             if rate > best:
                 best_k, best = k, rate
+        if best_k == 0:
+            idle = req.spec_state.get("_idle")
+            if idle is None or idle >= self.probe_every:
+                return 1        # a probe: no evidence yet, or none for probe_every decodes
         return best_k
 
     @property
@@ -134,12 +144,15 @@ class Speculator:
 
     def no_draft(self, req: Request) -> None:
         """req decodes this step without drafts: its evidence ages a little."""
+        if "_idle" in req.spec_state:
+            req.spec_state["_idle"] += 1
         st = self._sums(req)
         st[0] = 1.0 + (st[0] - 1.0) * self.idle_decay
         st[1] = 1.0 + (st[1] - 1.0) * self.idle_decay
 
     def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """A verification step of req: num_accepted of its num_drafts drafts were accepted."""
+        req.spec_state["_idle"] = 0        # decodes without drafts since (k_for's probe)
         st = self._sums(req)
         st[0] = st[0] * self.decay + num_accepted
         st[1] = st[1] * self.decay + (1 if num_accepted < num_drafts else 0)
