@@ -15,8 +15,8 @@ request gets the k in [0, max_k] that maximizes E(k) / (1 + c D k) (the batch's 
 of time, were every decode alike); k = 0 (no drafts) unless some k does strictly better. So k
 also falls as the decodes of a batch grow in number. c is measured online from the
 decode-only batches (`observe_batch`: with and without drafts, per number of decodes; a batch
-without drafts is scheduled now and then to keep that baseline); until measured it is 0.1. On a
-CPU, where each verified token costs real compute, c is large and k small; on a GPU, where a
+without drafts is scheduled now and then to keep that baseline); until measured it is 0.1, and
+one step counts as at most c = 1 (a longer one was a stall). On a CPU, where each verified token costs real compute, c is large and k small; on a GPU, where a
 decode step is bound by reading the weights, c is near 0. alpha is estimated by the
 geometric-law estimate accepted / (accepted + rejections) over sums that decay by 0.8 a step
 (so it follows the last five to ten verification steps), from a prior of one accepted and one
@@ -130,7 +130,9 @@ class Speculator:
         if num_drafts == 0:
             self._base[num_decodes] = seconds if base is None else 0.8 * base + 0.2 * seconds
         elif base is not None:
-            c = max(0.0, (seconds / base - 1.0) / num_drafts)
+            # at most 1: a draft token costs no more than the step it joins, whose decodes each
+            # compute at least as much; a longer step is a stall (the OS, a pause), not the draft
+            c = min(1.0, max(0.0, (seconds / base - 1.0) / num_drafts))
             self.cost = c if self.cost is None else 0.8 * self.cost + 0.2 * c
 
     def propose(self, req: Request, k: int) -> list[int]:
