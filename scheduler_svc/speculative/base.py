@@ -16,8 +16,9 @@ of time, were every decode alike); k = 0 (no drafts) unless some k does strictly
 also falls as the decodes of a batch grow in number. c is measured online from the
 decode-only batches (`observe_batch`: with and without drafts, per number of decodes; a batch
 without drafts is scheduled now and then to keep that baseline); until measured it is 0.1, and
-one step counts as at most c = 1 (a longer one was a stall). On a CPU, where each verified token costs real compute, c is large and k small; on a GPU, where a
-decode step is bound by reading the weights, c is near 0. alpha is estimated by the
+one step counts as at most c = 1 (a longer one was a stall). On a CPU, where each verified
+token costs real compute, c is large and k small; on a GPU, where a decode step is bound by
+reading the weights, c is near 0. alpha is estimated by the
 geometric-law estimate accepted / (accepted + rejections) over sums that decay by 0.8 a step
 (so it follows the last five to ten verification steps), from a prior of one accepted and one
 rejected draft (alpha = 0.5).
