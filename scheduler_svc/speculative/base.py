@@ -15,8 +15,9 @@ request gets the k in [0, max_k] that maximizes E(k) / (1 + c D k) (the batch's 
 of time, were every decode alike); k = 0 (no drafts) unless some k does strictly better. So k
 also falls as the decodes of a batch grow in number. c is measured online from the
 decode-only batches (`observe_batch`: with and without drafts, per number of decodes; a batch
-without drafts is scheduled now and then to keep that baseline); until measured it is 0.1, and
-one step counts as at most c = 1 (a longer one was a stall). On a CPU, where each verified
+without drafts is scheduled now and then to keep that baseline): the median of the last 16
+samples, each against the median of the last 8 steps without drafts, so that a stalled step
+(the OS, a pause) moves neither; one sample counts as at most c = 1. Until measured c is 0.1. On a CPU, where each verified
 token costs real compute, c is large and k small; on a GPU, where a decode step is bound by
 reading the weights, c is near 0. alpha is estimated by the
 geometric-law estimate accepted / (accepted + rejections) over sums that decay by 0.8 a step
@@ -32,6 +33,8 @@ those drafts are scheduled is the policy's budget rule (scheduler_svc.policies.b
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import Protocol
 
 from scheduler_svc.request import Request
@@ -51,6 +54,8 @@ class Speculator:
     """A proposer plus the per-request k rule (module doc) and the counters of proposed and
     accepted drafts. max_k: the upper bound (--num-speculative-tokens)."""
 
+    WINDOW = 16     # c is the median of the last WINDOW samples, a step's base the median of WINDOW / 2
+
     def __init__(self, proposer: Proposer, max_k: int, *, draft_cost: float = 0.1,
                  decay: float = 0.8, idle_decay: float = 0.98, baseline_every: int = 32,
                  probe_every: int = 64):
@@ -63,7 +68,9 @@ class Speculator:
         self.decay, self.idle_decay = decay, idle_decay
         self.baseline_every = baseline_every
         self.probe_every = probe_every      # decodes without drafts before a probe (module doc)
-        self._base: dict[int, float] = {}   # decodes -> seconds of a decode-only step without drafts
+        # decodes -> the last seconds of decode-only steps without drafts; the last c samples
+        self._base: dict[int, deque[float]] = {}
+        self._costs: deque[float] = deque(maxlen=self.WINDOW)
         self._timed = False                 # some batch came back with a time
         self._batches = 0
         self.proposed = 0       # drafts scheduled, since start
@@ -127,14 +134,17 @@ class Speculator:
         self._timed = True
         if num_other:
             return
-        base = self._base.get(num_decodes)
+        times = self._base.get(num_decodes)
         if num_drafts == 0:
-            self._base[num_decodes] = seconds if base is None else 0.8 * base + 0.2 * seconds
-        elif base is not None:
+            if times is None:
+                times = self._base[num_decodes] = deque(maxlen=self.WINDOW // 2)
+            times.append(seconds)
+        elif times:
             # at most 1: a draft token costs no more than the step it joins, whose decodes each
             # compute at least as much; a longer step is a stall (the OS, a pause), not the draft
-            c = min(1.0, max(0.0, (seconds / base - 1.0) / num_drafts))
-            self.cost = c if self.cost is None else 0.8 * self.cost + 0.2 * c
+            c = min(1.0, max(0.0, (seconds / statistics.median(times) - 1.0) / num_drafts))
+            self._costs.append(c)
+            self.cost = statistics.median(self._costs)
 
     def propose(self, req: Request, k: int) -> list[int]:
         return self.proposer.propose(req, k)[:k] if k > 0 else []
