@@ -424,7 +424,9 @@ def report(a) -> dict:
     return {"mode": "report", "workload": kinds.pop(), "arms": arms, "inputs": a.inputs, "tbt_slo_s": a.tbt_slo,
             "ttft_p50_bound_s": TTFT_P50_S, "slo_rule": a.slo_rule,
             "commands": [d.get("command") for d in docs], "machines": [d.get("machine") for d in docs],
-            "servers": docs[0].get("servers"), "per_qps_median_of_reps": table, "capacity": cap, "runs": runs}
+            "server": docs[0].get("server", "sarathi"), "servers": docs[0].get("servers"),
+            "per_qps_median_of_reps": table, "capacity": cap,
+            "runs": [{k: v for k, v in r.items() if k != "records"} for r in runs]}
 
 
 def plot_report(doc: dict, path: Path) -> None:
@@ -451,7 +453,8 @@ def plot_report(doc: dict, path: Path) -> None:
     for ax in axes:
         ax.legend(fontsize=7)
     m = (doc["machines"] or [{}])[0] or {}
-    fig.suptitle(f"sarathi serve, {doc['workload']} workload, n-gram drafts vs none, over HTTP "
+    server = "sarathi serve" if doc.get("server", "sarathi") == "sarathi" else "llama-server (ngram-simple)"
+    fig.suptitle(f"{server}, {doc['workload']} workload, n-gram drafts vs none, over HTTP "
                  f"(dots: each run; lines: median of runs)\n{m.get('cpu', '')}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
