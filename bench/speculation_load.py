@@ -4,7 +4,12 @@ at a time. Real servers, real HTTP (streamed SSE), the same GGUF for every serve
 
 load: two `sarathi serve` (the same flags, `--speculative off` and `--speculative ngram`) run
 side by side (an idle one takes about 1% of a core); each QPS point is run `--reps` times per
-arm, the arms in turn (off, ngram, off, ngram), with the same workload (seed) every time.
+arm, the arms in turn (off, ngram, off, ngram; with --abba every other repetition reversed),
+with the same workload (seed) every time. Arm `optout` loads the ngram server with every request
+opted out ("speculative": false): an A/A check of the two servers. Before measuring, each
+server gets `--warmup` seconds of the same kind of load (another seed): a server's first batches
+of each shape are slow. `--server llama`: the two servers are llama-server without and with its
+ngram-simple speculation.
 Workloads: `sharegpt`, the ShareGPT-4 length trace x `--length-scale`, token-id prompts, EOS
 ignored (what `sarathi bench --url` sends); `grounded`, chat prompts whose answers copy from the
 prompt (bench.speculation_cpu.GROUNDED), greedy, ending at EOS or `--max-tokens`. Per run: the
@@ -46,6 +51,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from bench.common import machine
 from bench.peer_llama_server import capacity_from_points
@@ -55,8 +61,6 @@ from sarathi.measure.loadgen import RequestSpec, arrival_times, make_workload, r
 from sarathi.measure.metrics import json_safe, meets_slo, summarize
 from sarathi.measure.trace import load_trace
 from shared.model_source import default_gguf_path
-
-import numpy as np
 
 VOCAB = 49152                 # SmolLM2's vocabulary: token-id prompts are drawn below it
 TTFT_P50_S = 2.0              # the "+ TTFT" condition of bench/results/peer
@@ -317,7 +321,8 @@ def run_batch1(a) -> dict:
         arms[f"llama-server ngram-simple {n},{m}"] = llama_cmd(binary, gguf, 0, a.threads, (n, m))
     prompts = chat_ids(GROUNDED)
     servers: dict[str, Server] = {}
-    rows = [{"prompt": t[:60], "prompt_tokens": len(p), "runs": {k: [] for k in arms}} for t, p in zip(GROUNDED, prompts)]
+    rows = [{"prompt": t[:60], "prompt_tokens": len(p), "runs": {k: [] for k in arms}}
+            for t, p in zip(GROUNDED, prompts)]
     try:
         for name, cmd in arms.items():     # all up at once (idle ones cost ~nothing), one loaded at a time
             port = free_port()
@@ -375,8 +380,8 @@ def plot_batch1(doc: dict, path: Path) -> None:
     vals = [doc["totals"][n]["tok_per_s"] for n in names]
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     bars = ax.bar(range(len(names)), vals, color=["C0", "C1", "C3", "C2", "C4", "C5"][:len(names)])
-    ax.bar_label(bars, labels=[f"{v:.0f}\n({doc['ratios'][n]['over_own_off']:.2f}x own off)" for n, v in zip(names, vals)],
-                 fontsize=7)
+    ax.bar_label(bars, fontsize=7,
+                 labels=[f"{v:.0f}\n({doc['ratios'][n]['over_own_off']:.2f}x own off)" for n, v in zip(names, vals)])
     ax.set_xticks(range(len(names)), [n.replace(" ngram", "\nngram") for n in names], fontsize=7)
     ax.set_ylabel("batch-1 decode tokens/s")
     ax.set_ylim(0, max(vals) * 1.3)
@@ -405,7 +410,8 @@ def report(a) -> dict:
         for cond, ttft in (("strict", None), ("strict+ttft", TTFT_P50_S)):
             pts = [(q, all(meets_slo(_unjson(r["summary"]), a.tbt_slo, max_ttft_p50_s=ttft)
                            for r in runs if r["qps"] == q and r["arm"] == arm)) for q in qs]
-            cap.setdefault(arm, {})[cond] = capacity_from_points(pts) | {"points": [{"qps": q, "ok": ok} for q, ok in pts]}
+            points = {"points": [{"qps": q, "ok": ok} for q, ok in pts]}
+            cap.setdefault(arm, {})[cond] = capacity_from_points(pts) | points
     for q in qs:
         row = {"qps": q}
         for arm in arms:
@@ -435,7 +441,8 @@ def plot_report(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
-    panels = (("tbt_p50_s", "P50 TBT"), ("tbt_p99_s", "P99 TBT"), ("ttft_p50_s", "P50 TTFT"), ("e2e_p50_s", "P50 end-to-end"))
+    panels = (("tbt_p50_s", "P50 TBT"), ("tbt_p99_s", "P99 TBT"), ("ttft_p50_s", "P50 TTFT"),
+              ("e2e_p50_s", "P50 end-to-end"))
     for arm, color in zip(doc["arms"], ("C0", "C1", "C2")):
         runs = [r for r in doc["runs"] if r["arm"] == arm]
         for ax, (key, title) in zip(axes, panels):

@@ -17,9 +17,9 @@ also falls as the decodes of a batch grow in number. c is measured online from t
 decode-only batches (`observe_batch`: with and without drafts, per number of decodes; a batch
 without drafts is scheduled now and then to keep that baseline): the median of the last 16
 samples, each against the median of the last 8 steps without drafts, so that a stalled step
-(the OS, a pause) moves neither; one sample counts as at most c = 1. Until measured c is 0.1. On a CPU, where each verified
-token costs real compute, c is large and k small; on a GPU, where a decode step is bound by
-reading the weights, c is near 0. alpha is estimated by the
+(the OS, a pause) moves neither; one sample counts as at most c = 1. Until measured c is 0.1.
+On a CPU, where each verified token costs real compute, c is large and k small; on a GPU,
+where a decode step is bound by reading the weights, c is near 0. alpha is estimated by the
 geometric-law estimate accepted / (accepted + rejections) over sums that decay by 0.8 a step
 (so it follows the last five to ten verification steps), from a prior of one accepted and one
 rejected draft (alpha = 0.5).
