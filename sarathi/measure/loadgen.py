@@ -42,12 +42,14 @@ ARRIVALS = ("poisson", "gamma", "burst")
 @dataclass
 class RequestSpec:
     """arrival: seconds after the run starts; prompt_ids: exactly the trace's prompt length;
-    max_tokens: the trace's output length (generated in full: EOS is ignored)."""
+    max_tokens: the trace's output length (generated in full: EOS is ignored, unless
+    ignore_eos is False: then the request may end earlier, at EOS, as a real answer does)."""
 
     req_id: str
     arrival: float
     prompt_ids: list[int]
     max_tokens: int
+    ignore_eos: bool = True
 
 
 @dataclass
@@ -203,9 +205,10 @@ def shift_prompts(workload: list[RequestSpec], scale: float, *, max_total_len: i
     return out
 
 
-def bench_sampling(max_tokens: int) -> SamplingParams:
-    """Greedy, exactly max_tokens tokens: the trace's output length, whatever the model says."""
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def bench_sampling(max_tokens: int, ignore_eos: bool = True) -> SamplingParams:
+    """Greedy, exactly max_tokens tokens: the trace's output length, whatever the model says
+    (ignore_eos False: at most max_tokens, ending at EOS)."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
 # -- in-process ---------------------------------------------------------------------------------
@@ -238,7 +241,8 @@ def run_inprocess(engine: EngineLoop, workload: list[RequestSpec], *, drain_s: f
             while pending and t0 + pending[0].arrival <= now:
                 spec = pending.popleft()
                 reqs[spec.req_id] = (spec, engine.add_request(
-                    spec.req_id, spec.prompt_ids, bench_sampling(spec.max_tokens), t0 + spec.arrival))
+                    spec.req_id, spec.prompt_ids, bench_sampling(spec.max_tokens, spec.ignore_eos),
+                    t0 + spec.arrival))
             if now >= end:
                 break
             collected.clear()
@@ -306,15 +310,17 @@ async def probe_server(client, url: str) -> str:
 
 
 def run_http(url: str, workload: list[RequestSpec], *, drain_s: float, model: str | None = None,
-             api_key: str | None = None,
+             api_key: str | None = None, extra_body: dict | None = None,
              on_progress: Callable[[int], None] | None = None) -> RunResult:
-    """Send the workload to url's /v1/completions (token-id prompts, stream, ignore_eos) at the
-    arrival times; record each SSE chunk's arrival time. Raises TargetUnreachable if the
-    server does not answer /v1/models."""
-    return asyncio.run(_run_http(url.rstrip("/"), workload, drain_s, model, api_key, on_progress))
+    """Send the workload to url's /v1/completions (token-id prompts, greedy, stream, each
+    request's ignore_eos; extra_body: more fields for every request) at the arrival times;
+    record each SSE chunk's arrival time. Raises TargetUnreachable if the server does not
+    answer /v1/models."""
+    return asyncio.run(_run_http(url.rstrip("/"), workload, drain_s, model, api_key, on_progress,
+                                 extra_body or {}))
 
 
-async def _run_http(url, workload, drain_s, model, api_key, on_progress) -> RunResult:
+async def _run_http(url, workload, drain_s, model, api_key, on_progress, extra_body) -> RunResult:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -328,7 +334,7 @@ async def _run_http(url, workload, drain_s, model, api_key, on_progress) -> RunR
         async def one(spec: RequestSpec, rec: RequestRecord) -> None:
             await asyncio.sleep(max(0.0, t0 + spec.arrival - loop.time()))
             body = {"model": model, "prompt": spec.prompt_ids, "max_tokens": spec.max_tokens,
-                    "temperature": 0.0, "stream": True, "ignore_eos": True}
+                    "temperature": 0.0, "stream": True, "ignore_eos": spec.ignore_eos, **extra_body}
             try:
                 async with client.stream("POST", "/v1/completions", json=body) as r:
                     if r.status_code != 200:

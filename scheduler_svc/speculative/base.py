@@ -15,18 +15,26 @@ request gets the k in [0, max_k] that maximizes E(k) / (1 + c D k) (the batch's 
 of time, were every decode alike); k = 0 (no drafts) unless some k does strictly better. So k
 also falls as the decodes of a batch grow in number. c is measured online from the
 decode-only batches (`observe_batch`: with and without drafts, per number of decodes; a batch
-without drafts is scheduled now and then to keep that baseline); until measured it is 0.1. On a
-CPU, where each verified token costs real compute, c is large and k small; on a GPU, where a
-decode step is bound by reading the weights, c is near 0. alpha is estimated by the
+without drafts is scheduled now and then to keep that baseline): the median of the last 16
+samples, each against the median of the last 8 steps without drafts, so that a stalled step
+(the OS, a pause) moves neither; one sample counts as at most c = 1. Until measured c is 0.1.
+On a CPU, where each verified token costs real compute, c is large and k small; on a GPU,
+where a decode step is bound by reading the weights, c is near 0. alpha is estimated by the
 geometric-law estimate accepted / (accepted + rejections) over sums that decay by 0.8 a step
 (so it follows the last five to ten verification steps), from a prior of one accepted and one
 rejected draft (alpha = 0.5).
-The sums decay at every verification step and, more slowly, at every decode without drafts, so a
-request whose drafts stopped being accepted (k = 0) is tried again after a while. How many of
+The sums decay at every verification step and, more slowly, at every decode without drafts.
+Where drafts cost more than the prior justifies (c >= 0.5 with one decode: on a CPU), the rule
+alone would never draft for a request without evidence, so it would never get any: a request
+that has not had its drafts verified yet, and one that went `probe_every` decodes without
+drafts (its drafts stopped being accepted, k = 0), is given one draft (a probe) whenever the rule
+says 0; what the probe shows then decides its k. How many of
 those drafts are scheduled is the policy's budget rule (scheduler_svc.policies.base).
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import Protocol
 
 from scheduler_svc.request import Request
@@ -46,8 +54,11 @@ class Speculator:
     """A proposer plus the per-request k rule (module doc) and the counters of proposed and
     accepted drafts. max_k: the upper bound (--num-speculative-tokens)."""
 
+    WINDOW = 16     # c is the median of the last WINDOW samples, a step's base the median of WINDOW / 2
+
     def __init__(self, proposer: Proposer, max_k: int, *, draft_cost: float = 0.1,
-                 decay: float = 0.8, idle_decay: float = 0.98, baseline_every: int = 32):
+                 decay: float = 0.8, idle_decay: float = 0.98, baseline_every: int = 32,
+                 probe_every: int = 64):
         if max_k < 1:
             raise ValueError(f"the number of speculative tokens must be >= 1, got {max_k}")
         self.proposer = proposer
@@ -56,7 +67,10 @@ class Speculator:
         self.cost: float | None = None   # measured c: a draft token's time / a decode step's
         self.decay, self.idle_decay = decay, idle_decay
         self.baseline_every = baseline_every
-        self._base: dict[int, float] = {}   # decodes -> seconds of a decode-only step without drafts
+        self.probe_every = probe_every      # decodes without drafts before a probe (module doc)
+        # decodes -> the last seconds of decode-only steps without drafts; the last c samples
+        self._base: dict[int, deque[float]] = {}
+        self._costs: deque[float] = deque(maxlen=self.WINDOW)
         self._timed = False                 # some batch came back with a time
         self._batches = 0
         self.proposed = 0       # drafts scheduled, since start
@@ -93,6 +107,10 @@ class Speculator:
             rate = gain / (1.0 + c * k)
             if rate > best:
                 best_k, best = k, rate
+        if best_k == 0:
+            idle = req.spec_state.get("_idle")
+            if idle is None or idle >= self.probe_every:
+                return 1        # a probe: no evidence yet, or none for probe_every decodes
         return best_k
 
     @property
@@ -116,12 +134,17 @@ class Speculator:
         self._timed = True
         if num_other:
             return
-        base = self._base.get(num_decodes)
+        times = self._base.get(num_decodes)
         if num_drafts == 0:
-            self._base[num_decodes] = seconds if base is None else 0.8 * base + 0.2 * seconds
-        elif base is not None:
-            c = max(0.0, (seconds / base - 1.0) / num_drafts)
-            self.cost = c if self.cost is None else 0.8 * self.cost + 0.2 * c
+            if times is None:
+                times = self._base[num_decodes] = deque(maxlen=self.WINDOW // 2)
+            times.append(seconds)
+        elif times:
+            # at most 1: a draft token costs no more than the step it joins, whose decodes each
+            # compute at least as much; a longer step is a stall (the OS, a pause), not the draft
+            c = min(1.0, max(0.0, (seconds / statistics.median(times) - 1.0) / num_drafts))
+            self._costs.append(c)
+            self.cost = statistics.median(self._costs)
 
     def propose(self, req: Request, k: int) -> list[int]:
         return self.proposer.propose(req, k)[:k] if k > 0 else []
@@ -134,12 +157,15 @@ class Speculator:
 
     def no_draft(self, req: Request) -> None:
         """req decodes this step without drafts: its evidence ages a little."""
+        if "_idle" in req.spec_state:
+            req.spec_state["_idle"] += 1
         st = self._sums(req)
         st[0] = 1.0 + (st[0] - 1.0) * self.idle_decay
         st[1] = 1.0 + (st[1] - 1.0) * self.idle_decay
 
     def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """A verification step of req: num_accepted of its num_drafts drafts were accepted."""
+        req.spec_state["_idle"] = 0        # decodes without drafts since (k_for's probe)
         st = self._sums(req)
         st[0] = st[0] * self.decay + num_accepted
         st[1] = st[1] * self.decay + (1 if num_accepted < num_drafts else 0)

@@ -257,6 +257,7 @@ def test_k_weighs_acceptance_against_the_measured_cost_of_a_draft():
     spec = Speculator(NgramProposer(), max_k=8)
     r = req(PERIOD * 3, prompt_len=5)
     r.spec_state["_acceptance"] = [9.0, 1.0]            # alpha = 0.9
+    r.spec_state["_idle"] = 0                           # as after a verification step: no probe
     assert not spec.needs_baseline(1)                    # nothing timed yet: no probe batches
     spec.observe_batch(1, 0, 0, 0.010)                  # a decode alone: 10 ms
     assert spec.needs_baseline(2)                        # 2 decodes were never timed alone
@@ -290,3 +291,66 @@ def test_suffix_drafts_from_an_earlier_answer_are_accepted_where_ngram_has_none(
         assert second.output_token_ids == answer
         got[method] = loop.scheduler.stats()["spec_accepted_tokens"] - before
     assert got["suffix"] > got["ngram"] and got["suffix"] >= 10
+
+
+def test_a_request_without_evidence_gets_a_probe_where_drafts_cost_more_than_the_prior_pays():
+    # c = 0.6: with the prior alpha = 0.5, one draft yields 1.5 tokens for 1.6 steps, so the rule
+    # alone says 0 for every request that never drafted, and it would never learn otherwise
+    spec = Speculator(NgramProposer(), max_k=8, probe_every=10)
+    spec.cost = 0.6
+    fresh = req(PERIOD * 3, prompt_len=5)
+    assert spec.k_for(fresh) == 1                        # a probe
+    spec.observe(fresh, 1, 0)                            # rejected
+    assert spec.k_for(fresh) == 0
+    for _ in range(9):
+        spec.no_draft(fresh)
+    assert spec.k_for(fresh) == 0
+    spec.no_draft(fresh)                                 # probe_every decodes without drafts
+    assert spec.k_for(fresh) == 1
+    copying = req(PERIOD * 3, prompt_len=5)
+    for _ in range(3):
+        assert spec.k_for(copying) >= 1
+        spec.observe(copying, spec.k_for(copying), spec.k_for(copying))   # all accepted
+    assert spec.k_for(copying) >= 2                      # the evidence pays for more drafts
+
+
+def test_drafts_still_start_after_the_measured_cost_of_a_draft_turns_out_high():
+    # a draft token costs 0.012 s on a 0.022 s step of one decode: c = 0.55 once measured. The
+    # requests run one after another, each copying its prompt (drafts would be accepted): the
+    # later ones, which start after c is known, must still speculate.
+    period = [51, 52, 53, 54, 55, 56, 57, 58, 59]
+    loop = sim_engine(speculative="ngram", block_size=4, num_blocks=256, max_model_len=512,
+                      cost_model=linear_cost_model(0.010, 0.012, 0.012),
+                      scripts={f"r{i}": period * 8 for i in range(6)})
+    accepted = []
+    for i in range(6):
+        before = loop.scheduler.stats()["spec_accepted_tokens"]
+        r = loop.add_request(f"r{i}", period * 3, greedy(48))
+        loop.run_until_done()
+        assert r.output_token_ids == (period * 8)[:48]
+        accepted.append(loop.scheduler.stats()["spec_accepted_tokens"] - before)
+    assert loop.scheduler.stats()["spec_draft_cost"] > 0.5
+    assert all(a >= 10 for a in accepted[3:]), accepted
+
+
+def test_a_stalled_step_moves_neither_the_cost_of_a_draft_nor_its_baseline():
+    # steps of one decode take 10 ms, 14 ms with 4 drafts: c = 0.1. A 0.5 s stall of a step with
+    # one draft would read as c = 49, one of a step without drafts would make every draft look
+    # free (c = 0) for a while: c is a median over recent steps, so neither moves it
+    spec = Speculator(NgramProposer(), max_k=8)
+    for _ in range(4):
+        spec.observe_batch(1, 0, 0, 0.010)
+        spec.observe_batch(1, 4, 0, 0.014)
+    assert spec.draft_cost == pytest.approx(0.1)
+    spec.observe_batch(1, 1, 0, 0.5)                     # a stalled step with a draft
+    assert spec.draft_cost == pytest.approx(0.1)
+    spec.observe_batch(1, 0, 0, 0.5)                     # a stalled step without
+    spec.observe_batch(1, 4, 0, 0.014)
+    assert spec.draft_cost == pytest.approx(0.1)
+    r = req(PERIOD * 3, prompt_len=5)
+    r.spec_state["_acceptance"] = [9.0, 1.0]             # alpha = 0.9
+    r.spec_state["_idle"] = 0
+    assert spec.k_for(r) >= 4                            # drafting goes on
+    for _ in range(16):                                  # drafts that really cost more: c follows
+        spec.observe_batch(1, 2, 0, 0.016)
+    assert spec.draft_cost == pytest.approx(0.3)
