@@ -13,10 +13,13 @@ In both, each replica's worker process is pinned to its own core (taskset) and r
 one thread; the gateways, schedulers, router and load generator float. Every replica has prefix
 caching on.
 
-Decode step and SLO: the run starts by timing one request alone on one replica (a 32-token
-prompt, --max-tokens tokens): its median token gap is the decode step d of this machine. The
-SLO is the paper's strict one scaled to it: P99 TBT <= 5 d; and, standing in for the paper's
-P50 scheduling delay <= 2 s (an HTTP client cannot see it), P50 TTFT <= --ttft-p50-bound.
+Decode step and SLO: the run starts with one replica alone (its worker on core 0), timing the
+decode-only iteration of a batch of --slo-batch requests (calibrate). The P99 TBT SLO is the
+paper's strict one on this machine: 5 x that iteration (docs/measuring.md: the paper takes batch
+32 at 4k contexts; here the contexts are the short ones of this workload). Standing in for the
+paper's P50 scheduling delay <= 2 s (an HTTP client cannot see it): P50 TTFT <= --ttft-p50-bound.
+The replicas then run the sarathi policy with --token-budget adaptive under that SLO (tau
+follows the iteration times; a fixed tau can be given instead).
 
 Runs: for every rate of --rates (total QPS over both replicas) every routing of --routings,
 interleaved (rate by rate), each over the same workload (same seed, lengths and arrival
@@ -27,8 +30,7 @@ left out of the metrics; the prefix-hit rate is the replicas' own counters
 (vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total) over the measured window.
 Capacity: the highest rate of the list that meets the SLO, below the first one that does not.
 
-    flock /tmp/bench.lock python -m bench.routing_real --workloads chat --out bench/results/routing
-    flock /tmp/bench.lock python -m bench.routing_real --workloads sharegpt --out bench/results/routing
+    flock /tmp/bench.lock python -m bench.routing_real --out bench/results/routing    # chat, then sharegpt
     python -m bench.routing_real report --out bench/results/routing
 """
 from __future__ import annotations
@@ -152,10 +154,11 @@ def children(pid: int) -> list[int]:
 class Deployments:
     """Both deployments of two replicas, up for the whole benchmark."""
 
-    def __init__(self, a: argparse.Namespace, procs: Procs):
+    def __init__(self, a: argparse.Namespace, procs: Procs, tbt_slo_s: float):
         self.a, self.procs = a, procs
         common = dict(threads=1, num_blocks=a.num_blocks)
-        sched = dict(prefix_caching=True, token_budget=a.token_budget, max_model_len=a.max_model_len)
+        sched = dict(prefix_caching=True, token_budget=a.token_budget, max_model_len=a.max_model_len,
+                     tbt_slo=tbt_slo_s if a.token_budget == "adaptive" else None)
         # -- picker: two `sarathi serve`, KV events on loopback
         self.replicas, self.serve_metrics = [], []
         serve_procs = []
@@ -235,15 +238,35 @@ def shifted(workload: list[RequestSpec], offset: int, vocab: int, delay: float) 
             for s in workload]
 
 
-def decode_step(url: str, max_tokens: int) -> dict:
-    """One request alone (32-token prompt): its median token gap, the decode step of this machine."""
-    rng = np.random.default_rng(12345)
-    steps = []
-    for i in range(3):
-        w = [RequestSpec(f"solo{i}", 0.0, rng.integers(100, 30000, 32).tolist(), max_tokens)]
-        s = summarize(run_http(url, w, drain_s=60).records)
-        steps.append(s["tbt_p50_s"])
-    return {"decode_step_s": float(np.median(steps)), "samples_s": steps}
+def calibrate(a: argparse.Namespace, procs: Procs) -> dict:
+    """One replica alone (`sarathi serve`, its worker pinned to core 0, a fixed tau of 128):
+    the decode step d (median token gap of one request alone, 32-token prompt), the decode-only
+    iteration of a batch of --slo-batch requests (64-token prompts, all admitted at once: the
+    gaps after the last first token), and one 512-token prefill alone (its TTFT)."""
+    port = free_port()
+    p = procs.start("calibrate", sarathi("serve", port=port, threads=1, num_blocks=a.num_blocks, prefix_caching=True,
+                                         token_budget=128, max_model_len=a.max_model_len))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        procs.wait_ready(url + "/ready")
+        for kid in children(p.pid):
+            pin(kid, 0)
+        rng = np.random.default_rng(12345)
+        solo = []
+        for i in range(3):
+            w = [RequestSpec(f"solo{i}", 0.0, rng.integers(100, 30000, 32).tolist(), 32)]
+            solo.append(summarize(run_http(url, w, drain_s=60).records)["tbt_p50_s"])
+        w = [RequestSpec(f"b{i}", 0.0, rng.integers(100, 30000, 64).tolist(), 32) for i in range(a.slo_batch)]
+        recs = run_http(url, w, drain_s=120).records
+        last_first = max(r.token_times[0] for r in recs)
+        gaps = [y - x for r in recs for x, y in zip(r.token_times, r.token_times[1:]) if x >= last_first]
+        w = [RequestSpec("prefill", 0.0, rng.integers(100, 30000, 512).tolist(), 1)]
+        prefill = summarize(run_http(url, w, drain_s=60).records)["ttft_p50_s"]
+    finally:
+        procs.stop(p)
+    return {"decode_step_s": float(np.median(solo)), "solo_samples_s": solo,
+            "decode_batch": a.slo_batch, "decode_batch_step_s": float(np.median(gaps)),
+            "decode_batch_gaps": len(gaps), "prefill_512_s": prefill}
 
 
 def workloads(a: argparse.Namespace, kind: str, qps: float, seed: int) -> tuple[list[RequestSpec], float]:
@@ -299,35 +322,52 @@ def run(a: argparse.Namespace) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     logdir = Path(tempfile.mkdtemp(prefix="routing-real-"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # a `timeout` still stops every server
     procs = Procs(logdir)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    rates = [float(x) for x in a.rates.split(",")]
-    routings = a.routings.split(",")
+    rates = sorted(float(x) for x in a.rates.split(","))
+    budgets = [float(x) for x in str(a.budget_min).split(",")]
     try:
-        dep = Deployments(a, procs)
-        d = decode_step(dep.serve_metrics[0].replace("/metrics", ""), a.max_tokens)
-        slo = a.slo_factor * d["decode_step_s"]
-        print(f"decode step {d['decode_step_s'] * 1e3:.1f} ms -> P99 TBT SLO {slo * 1e3:.0f} ms", file=sys.stderr)
-        for wl in a.workloads.split(","):
+        d = calibrate(a, procs)
+        slo = a.slo_factor * d["decode_batch_step_s"]
+        print(f"decode step {d['decode_step_s'] * 1e3:.1f} ms alone, {d['decode_batch_step_s'] * 1e3:.1f} ms at batch "
+              f"{a.slo_batch}, 512-token prefill {d['prefill_512_s']:.2f} s -> P99 TBT SLO {slo * 1e3:.0f} ms",
+              file=sys.stderr, flush=True)
+        dep = Deployments(a, procs, slo)
+        n_run = 0
+        for wi, wl in enumerate(a.workloads.split(",")):
+            routings = (a.routings_sharegpt if wl == "sharegpt" else a.routings).split(",")
+            budget_s, t_start = budgets[min(wi, len(budgets) - 1)] * 60, time.monotonic()
             res = {"command": "python -m bench.routing_real " + " ".join(sys.argv[1:]), "machine": machine(),
                    "started": started, "workload": wl, "replicas": 2, "model": "SmolLM2-135M-Instruct",
                    "settings": {k: v for k, v in vars(a).items() if k not in ("mode", "out")},
                    "decode_step": d, "slo": {"tbt_p99_s": slo, "factor": a.slo_factor,
                                              "ttft_p50_s": a.ttft_p50_bound},
                    "runs": []}
-            n_run = 0
+            walls = []
             for ri, qps in enumerate(rates):
+                prev = [x for x in res["runs"] if x["qps"] == rates[ri - 1]] if ri else []
+                if prev and not any(x["ok"] for x in prev):
+                    res["stopped"] = f"every routing missed the SLO at {rates[ri - 1]:g} QPS"
+                    break
+                if walls and time.monotonic() - t_start + np.mean(walls) * len(routings) > budget_s:
+                    res["stopped"] = f"the time budget ({budget_s / 60:g} min) before {qps:g} QPS"
+                    break
                 reqs, warm = workloads(a, wl, qps, seed=a.seed + ri)
                 for routing in routings:
                     n_run += 1
                     s = one_run(dep, routing, reqs, warm, offset=7919 * n_run, a=a)
                     ok = meets_slo(s, slo, max_ttft_p50_s=a.ttft_p50_bound)
                     res["runs"].append({"qps": qps, "routing": routing, "ok": ok, "summary": s})
+                    walls.append(s["wall_s"] + 5.0)
                     hit = "-" if s["prefix_hit_rate"] is None else f"{s['prefix_hit_rate']:.0%}"
                     print(f"{wl} {routing} @ {qps:g} QPS: TTFT P50 {s['ttft_p50_s']:.3f} P99 {s['ttft_p99_s']:.3f} s,"
                           f" TBT P99 {s['tbt_p99_s'] * 1e3:.0f} ms, hits {hit}, unfinished {s['unfinished']}"
                           f" -> {'ok' if ok else 'miss'} ({s['wall_s']:.0f} s)", file=sys.stderr, flush=True)
                     (out / f"routing_real_{wl}.json").write_text(json.dumps(json_safe(res), indent=1))
+            if "stopped" in res:
+                print(f"{wl}: stopped: {res['stopped']}", file=sys.stderr)
+                (out / f"routing_real_{wl}.json").write_text(json.dumps(json_safe(res), indent=1))
     finally:
         procs.stop_all()
         if a.keep_logs:
@@ -368,8 +408,9 @@ def report(a: argparse.Namespace) -> None:
     for row in rows:
         for x in row["per_rate"]:
             hit = "-" if x["prefix_hit_rate"] in (None, "nan") else f"{x['prefix_hit_rate']:.0%}"
-            print(f"| {row['workload']} | {row['routing']} | {x['qps']:g} | {x['ttft_p50_s']:.3f} / "
-                  f"{x['ttft_p99_s']:.3f} | {x['tbt_p99_s'] * 1e3:.0f} | {hit} | {'ok' if x['ok'] else 'miss'} |")
+            print(f"| {row['workload']} | {row['routing']} | {x['qps']:g} | {float(x['ttft_p50_s']):.3f} / "
+                  f"{float(x['ttft_p99_s']):.3f} | {float(x['tbt_p99_s']) * 1e3:.0f} | {hit} | "
+                  f"{x['unfinished']} | {'ok' if x['ok'] else 'miss'} |")
         print(f"capacity {row['workload']} {row['routing']}: {row['capacity_qps']} "
               f"(fails at {row['first_failing_qps']})")
     _plot(results, out / "routing_real.png")
@@ -381,29 +422,32 @@ def _plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     colors = {"shared-queue": "tab:gray", "least-queue": "tab:blue", "prefix": "tab:orange", "mix": "tab:green"}
-    fig, axes = plt.subplots(len(results), 3, figsize=(14, 3.8 * len(results)), squeeze=False)
+    fig, axes = plt.subplots(len(results), 4, figsize=(18, 3.8 * len(results)), squeeze=False)
     for j, r in enumerate(results):
         for routing in ROUTINGS:
             runs = sorted((x for x in r["runs"] if x["routing"] == routing), key=lambda x: x["qps"])
             if not runs:
                 continue
             q = [x["qps"] for x in runs]
-            cap, _ = capacity_of(r["runs"], routing)
-            lab = f"{routing} (capacity {cap if cap is not None else '< ' + str(q[0])} QPS)"
-            for k, key in enumerate(("ttft_p50_s", "ttft_p99_s")):
+            cap, fail = capacity_of(r["runs"], routing)
+            cap_s = f"< {q[0]:g}" if cap is None else (f">= {cap:g}" if fail is None else f"{cap:g}")
+            lab = f"{routing} (capacity {cap_s} QPS)"
+            for k, key in enumerate(("ttft_p50_s", "ttft_p99_s", "tbt_p99_s")):
                 y = [float(x["summary"][key]) for x in runs]
                 axes[j][k].plot(q, y, "o-", color=colors[routing], label=lab)
             hits = [x["summary"]["prefix_hit_rate"] for x in runs]
-            axes[j][2].plot(q, [float(h) * 100 if h not in (None, "nan") else np.nan for h in hits], "o-",
+            axes[j][3].plot(q, [float(h) * 100 if h not in (None, "nan") else np.nan for h in hits], "o-",
                             color=colors[routing], label=routing)
-        for k, name in enumerate(("TTFT P50 (s)", "TTFT P99 (s)", "prefix-cache hits (% of prompt tokens)")):
+        for k, name in enumerate(("TTFT P50 (s)", "TTFT P99 (s)", "TBT P99 (s)",
+                                  "prefix-cache hits (% of prompt tokens)")):
             ax = axes[j][k]
             ax.set_xlabel("QPS (2 replicas)")
             ax.set_ylabel(name)
-            if k < 2:
+            if k < 3:
                 ax.set_yscale("log")
             ax.set_title(f"{r['workload']}, 2 x 1 CPU core, SmolLM2-135M")
         axes[j][0].axhline(r["slo"]["ttft_p50_s"], color="r", ls=":", lw=1)
+        axes[j][2].axhline(r["slo"]["tbt_p99_s"], color="r", ls=":", lw=1)
         axes[j][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -412,25 +456,34 @@ def _plot(results: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", nargs="?", default="run", choices=["run", "report"])
-    p.add_argument("--workloads", default="chat")
+    p.add_argument("--workloads", default="chat,sharegpt")
     p.add_argument("--routings", default=",".join(ROUTINGS))
-    p.add_argument("--rates", default="1,2,3", help="total QPS over both replicas, comma-separated")
-    p.add_argument("--duration", type=float, default=40.0, help="seconds of measured arrivals per run")
-    p.add_argument("--warmup", type=float, default=15.0, help="chat: seconds of earlier turns first (left out)")
-    p.add_argument("--drain", type=float, default=20.0, help="seconds after the last arrival before unfinished")
+    p.add_argument("--routings-sharegpt", default="shared-queue,mix", help="the routings of --workloads sharegpt "
+                   "(no prefix is shared there: prefix alone is a coin toss, least-queue is mix's load part)")
+    p.add_argument("--rates", default="1,2,3,4", help="total QPS over both replicas, comma-separated "
+                   "(ascending; a rate where every routing misses the SLO ends the list)")
+    p.add_argument("--budget-min", default="7.5,4", help="per workload (comma-separated, in --workloads' "
+                   "order): no new rate once this many minutes would be exceeded (a rate's runs stay together)")
+    p.add_argument("--duration", type=float, default=25.0, help="seconds of measured arrivals per run")
+    p.add_argument("--warmup", type=float, default=10.0, help="chat: seconds of earlier turns first (left out)")
+    p.add_argument("--drain", type=float, default=15.0, help="seconds after the last arrival before unfinished")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request at most")
     p.add_argument("--system-prompts", type=int, default=4)
     p.add_argument("--system-len", type=int, default=256)
     p.add_argument("--max-turns", type=int, default=6)
-    p.add_argument("--user-scale", type=float, default=0.25)
+    p.add_argument("--user-scale", type=float, default=0.03, help="a user turn: a ShareGPT prompt x this")
     p.add_argument("--think", type=float, default=3.0)
     p.add_argument("--answer-s-per-token", type=float, default=0.02)
-    p.add_argument("--sharegpt-prompt-scale", type=float, default=0.5)
-    p.add_argument("--token-budget", default="128")
+    p.add_argument("--sharegpt-prompt-scale", type=float, default=0.125)
+    p.add_argument("--token-budget", default="adaptive", help="the replicas' tau: a number, or adaptive (tau "
+                   "follows the iteration times to stay under the SLO measured first)")
+    p.add_argument("--slo-batch", type=int, default=32, help="the decode-only batch whose iteration x --slo-factor "
+                   "is the P99 TBT SLO")
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=49152, help="the model's vocabulary (token ids below it)")
-    p.add_argument("--slo-factor", type=float, default=5.0, help="P99 TBT SLO = this x the decode step")
+    p.add_argument("--slo-factor", type=float, default=5.0, help="P99 TBT SLO = this x the decode-only iteration "
+                   "of --slo-batch requests")
     p.add_argument("--ttft-p50-bound", type=float, default=2.0, help="seconds")
     p.add_argument("--poll", type=float, default=0.05, help="router: seconds between metric scrapes")
     p.add_argument("--seed", type=int, default=0)
