@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(no prefix is shared there: prefix alone is a coin toss, least-queue is mix's load part)")
     p.add_argument("--rates", default="1,2,3,4", help="total QPS over both replicas, comma-separated "
                    "(ascending; a rate where every routing misses the SLO ends the list)")
-    p.add_argument("--budget-min", default="7.5,4", help="per workload (comma-separated, in --workloads' "
+    p.add_argument("--budget-min", default="6.5,3", help="per workload (comma-separated, in --workloads' "
                    "order): no new rate once this many minutes would be exceeded (a rate's runs stay together)")
     p.add_argument("--duration", type=float, default=25.0, help="seconds of measured arrivals per run")
     p.add_argument("--warmup", type=float, default=10.0, help="chat: seconds of earlier turns first (left out)")
