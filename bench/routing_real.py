@@ -269,6 +269,17 @@ def calibrate(a: argparse.Namespace, procs: Procs) -> dict:
             "decode_batch_gaps": len(gaps), "prefill_512_s": prefill}
 
 
+def path_ttft(urls: dict[str, str], n: int = 5) -> dict[str, float]:
+    """Median TTFT (s) of n requests one after another (64-token prompts, 8 tokens) on each
+    path, the deployments idle: what a request pays for its way in (router or gateway + queue)."""
+    rng = np.random.default_rng(777)
+    out = {}
+    for name, url in urls.items():
+        w = [RequestSpec(f"{name}{i}", 0.0, rng.integers(100, 30000, 64).tolist(), 8) for i in range(n)]
+        out[name] = float(np.median([summarize(run_http(url, [s], drain_s=30).records)["ttft_p50_s"] for s in w]))
+    return out
+
+
 def workloads(a: argparse.Namespace, kind: str, qps: float, seed: int) -> tuple[list[RequestSpec], float]:
     """(the run's requests, warm-up seconds before the measured ones: arrivals from 0)."""
     base = load_trace(None)
@@ -327,15 +338,31 @@ def run(a: argparse.Namespace) -> None:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rates = sorted(float(x) for x in a.rates.split(","))
     budgets = [float(x) for x in str(a.budget_min).split(",")]
+    wls = a.workloads.split(",")
+    earlier = {wl: json.loads((out / f"routing_real_{wl}.json").read_text()) for wl in wls} if a.append else {}
     try:
-        d = calibrate(a, procs)
-        slo = a.slo_factor * d["decode_batch_step_s"]
-        print(f"decode step {d['decode_step_s'] * 1e3:.1f} ms alone, {d['decode_batch_step_s'] * 1e3:.1f} ms at batch "
-              f"{a.slo_batch}, 512-token prefill {d['prefill_512_s']:.2f} s -> P99 TBT SLO {slo * 1e3:.0f} ms",
-              file=sys.stderr, flush=True)
+        if a.append:    # another hold: the first hold's SLO, no calibration
+            slos = {r["slo"]["tbt_p99_s"] for r in earlier.values()}
+            if len(slos) != 1:
+                raise ValueError(f"--append: the workloads' results hold different SLOs {slos}")
+            d, slo = None, slos.pop()
+        else:
+            d = calibrate(a, procs)
+            slo = a.slo_factor * d["decode_batch_step_s"]
+        if d is not None:
+            print(f"decode step {d['decode_step_s'] * 1e3:.1f} ms alone, {d['decode_batch_step_s'] * 1e3:.1f} ms at "
+                  f"batch {a.slo_batch}, 512-token prefill {d['prefill_512_s']:.2f} s -> P99 TBT SLO "
+                  f"{slo * 1e3:.0f} ms",
+                  file=sys.stderr, flush=True)
         dep = Deployments(a, procs, slo)
+        paths = {"serve replica, direct": dep.serve_metrics[0].replace("/metrics", "")}
+        paths["router (mix) + serve replica"] = dep.target("mix")[0]
+        paths["gateway + Redis + scheduler"] = dep.target("shared-queue")[0]
+        paths = path_ttft(paths)
+        print("TTFT alone per path: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in paths.items()),
+              file=sys.stderr, flush=True)
         n_run = 0
-        for wi, wl in enumerate(a.workloads.split(",")):
+        for wi, wl in enumerate(wls):
             routings = (a.routings_sharegpt if wl == "sharegpt" else a.routings).split(",")
             budget_s, t_start = budgets[min(wi, len(budgets) - 1)] * 60, time.monotonic()
             res = {"command": "python -m bench.routing_real " + " ".join(sys.argv[1:]), "machine": machine(),
@@ -344,6 +371,14 @@ def run(a: argparse.Namespace) -> None:
                    "decode_step": d, "slo": {"tbt_p99_s": slo, "factor": a.slo_factor,
                                              "ttft_p50_s": a.ttft_p50_bound},
                    "runs": []}
+            if a.append:    # the runs of this hold join the earlier holds' (each run says its hold)
+                res = earlier[wl]
+                res.pop("stopped", None)
+                res.setdefault("holds", []).append({"command": "python -m bench.routing_real " + " ".join(sys.argv[1:]),
+                                                    "started": started, "machine": machine(), "path_ttft_s": paths})
+            else:
+                res["path_ttft_s"] = paths
+            hold = len(res.get("holds", []))
             walls = []
             for ri, qps in enumerate(rates):
                 prev = [x for x in res["runs"] if x["qps"] == rates[ri - 1]] if ri else []
@@ -358,7 +393,7 @@ def run(a: argparse.Namespace) -> None:
                     n_run += 1
                     s = one_run(dep, routing, reqs, warm, offset=7919 * n_run, a=a)
                     ok = meets_slo(s, slo, max_ttft_p50_s=a.ttft_p50_bound)
-                    res["runs"].append({"qps": qps, "routing": routing, "ok": ok, "summary": s})
+                    res["runs"].append({"qps": qps, "routing": routing, "ok": ok, "hold": hold, "summary": s})
                     walls.append(s["wall_s"] + 5.0)
                     hit = "-" if s["prefix_hit_rate"] is None else f"{s['prefix_hit_rate']:.0%}"
                     print(f"{wl} {routing} @ {qps:g} QPS: TTFT P50 {s['ttft_p50_s']:.3f} P99 {s['ttft_p99_s']:.3f} s,"
@@ -488,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poll", type=float, default=0.05, help="router: seconds between metric scrapes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-logs", action="store_true")
+    p.add_argument("--append", action="store_true", help="another hold: add its runs to the workloads' results "
+                   "(their SLO, no calibration; --seed N makes its first rate's workload the N-th of a list)")
     p.add_argument("--out", default="bench/results/routing")
     a = p.parse_args(argv)
     {"run": run, "report": report}[a.mode](a)
