@@ -355,10 +355,9 @@ def run(a: argparse.Namespace) -> None:
                   f"{slo * 1e3:.0f} ms",
                   file=sys.stderr, flush=True)
         dep = Deployments(a, procs, slo)
-        paths = {"serve replica, direct": dep.serve_metrics[0].replace("/metrics", "")}
-        paths["router (mix) + serve replica"] = dep.target("mix")[0]
-        paths["gateway + Redis + scheduler"] = dep.target("shared-queue")[0]
-        paths = path_ttft(paths)
+        paths = path_ttft({"serve replica, direct": dep.serve_metrics[0].replace("/metrics", "")})
+        paths.update(path_ttft({"router (mix) + serve replica": dep.target("mix")[0]}))
+        paths.update(path_ttft({"gateway + Redis + scheduler": dep.target("shared-queue")[0]}))
         print("TTFT alone per path: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in paths.items()),
               file=sys.stderr, flush=True)
         n_run = 0
