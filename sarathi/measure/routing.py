@@ -22,6 +22,10 @@ Two ways a request reaches a replica:
   Routings: ``least-queue`` = queue + kv (weights 1, 1: the picker's load scorers); ``prefix`` =
   prefix alone; ``mix`` = prefix 3 + queue 1 + kv 1 (the picker's default profile's weights).
 
+The scorers are one class (Scorer) over whatever state it is handed: Picker hands it the
+simulated replicas' schedulers, bench/picker_router.py (a live picker in front of real replicas)
+the metrics it scraped and the KV events it subscribed to.
+
 The picker here reads the replicas' state at the arrival instant; the real one reads metrics it
 scraped up to a refresh interval earlier and events a few milliseconds old, so this is its best
 case for load, and exact for the prefix cache.
@@ -67,26 +71,29 @@ class PrefixIndex:
         return n
 
 
-class Picker:
-    """The endpoint picker's weighted scorers over simulated replicas (sarathi.measure.simulate
-    Replica objects: .scheduler)."""
+class Scorer:
+    """The endpoint picker's weighted scorers over N replicas' state, wherever that state comes
+    from: the simulated replicas' schedulers (Picker) or a live router's scrapes of real
+    replicas' metrics and subscription to their KV-cache events (bench/picker_router.py).
 
-    def __init__(self, routing: str, replicas: list, block_size: int, seed: int = 0):
+    choose(prompt_ids, waiting, kv_usage): waiting[i] = requests queued on replica i
+    (vllm:num_requests_waiting), kv_usage[i] = its KV-cache usage, 0 to 1
+    (vllm:kv_cache_usage_perc); the prefix scorer reads `index` (a PrefixIndex the caller feeds
+    from the replicas' events). Block hashes are the events' chain (hash_seed: the replicas'),
+    so a lookup and an announced block agree."""
+
+    MEMO_MAX = 1 << 20   # remembered block hashes; a long-lived router starts over past this
+
+    def __init__(self, routing: str, num_replicas: int, block_size: int, seed: int = 0, hash_seed: str = "0"):
         if routing not in WEIGHTS:
             raise ValueError(f"no picker for routing {routing!r}")
         self.weights = WEIGHTS[routing]
-        self.replicas = replicas
+        self.num_replicas = num_replicas
         self.block_size = block_size
         self.rng = np.random.default_rng(seed)
-        self.index = PrefixIndex(len(replicas)) if "prefix" in self.weights else None
-        if self.index is not None:
-            for i, r in enumerate(replicas):
-                bm = r.scheduler.block_manager
-                if bm.cache is None:
-                    raise ValueError("prefix-aware routing needs prefix caching (--prefix-caching)")
-                bm.events = KVEventRecorder(block_size, sink=self.index.sink(i))
-        self._root = root_hash("0")
-        self._memo: dict[tuple, int] = {}   # (parent hash, block tokens) -> hash; grows with the run
+        self.index = PrefixIndex(num_replicas) if "prefix" in self.weights else None
+        self._root = root_hash(hash_seed)
+        self._memo: dict[tuple, int] = {}   # (parent hash, block tokens) -> hash
         self.matched_blocks = 0     # over all picks: blocks the chosen replica held (prefix scorer)
         self.prompt_blocks = 0
 
@@ -96,6 +103,8 @@ class Picker:
         bs, out = self.block_size, []
         parent = self._root
         memo = self._memo
+        if len(memo) > self.MEMO_MAX:
+            memo.clear()
         for i in range(len(prompt_ids) // bs):
             key = (parent, tuple(prompt_ids[i * bs:(i + 1) * bs]))
             h = memo.get(key)
@@ -105,17 +114,24 @@ class Picker:
             parent = h
         return out
 
-    def scores(self, prompt_ids: list[int]) -> tuple[np.ndarray, list[int] | None]:
-        n = len(self.replicas)
+    def state(self) -> tuple[list, list]:
+        """(waiting, kv_usage) of every replica now, when the caller does not pass them."""
+        raise NotImplementedError
+
+    def scores(self, prompt_ids: list[int], waiting=None, kv_usage=None) -> tuple[np.ndarray, list[int] | None]:
+        """Each replica's total score, and the leading blocks of the prompt each holds (None
+        without the prefix scorer); the load state from state() unless given."""
+        if waiting is None or kv_usage is None:
+            waiting, kv_usage = self.state()
+        n = self.num_replicas
         total = np.zeros(n)
         w = self.weights
         if "queue" in w:
-            q = np.array([len(r.scheduler.waiting) for r in self.replicas], dtype=float)
+            q = np.asarray(waiting, dtype=float)
             span = q.max() - q.min()
             total += w["queue"] * ((q.max() - q) / span if span > 0 else np.ones(n))
         if "kv" in w:
-            total += w["kv"] * np.array([1 - r.scheduler.block_manager.num_used_blocks /
-                                         r.scheduler.block_manager.num_blocks for r in self.replicas])
+            total += w["kv"] * (1.0 - np.asarray(kv_usage, dtype=float))
         matched = None
         if "prefix" in w:
             hashes = self._hashes(prompt_ids)
@@ -125,10 +141,35 @@ class Picker:
             self.prompt_blocks += len(hashes)
         return total, matched
 
-    def pick(self, prompt_ids: list[int]) -> int:
-        total, matched = self.scores(prompt_ids)
+    def choose(self, prompt_ids: list[int], waiting=None, kv_usage=None) -> int:
+        """The replica with the highest total score (ties broken at random, seeded)."""
+        total, matched = self.scores(prompt_ids, waiting, kv_usage)
         best = np.flatnonzero(total >= total.max() - 1e-12)
         i = int(best[self.rng.integers(len(best))]) if len(best) > 1 else int(best[0])
         if matched is not None:
             self.matched_blocks += matched[i]
         return i
+
+
+class Picker(Scorer):
+    """The scorers over simulated replicas (sarathi.measure.simulate Replica objects:
+    .scheduler), read at the arrival instant; each replica's block manager records its KV-cache
+    events straight into the index."""
+
+    def __init__(self, routing: str, replicas: list, block_size: int, seed: int = 0):
+        super().__init__(routing, len(replicas), block_size, seed)
+        self.replicas = replicas
+        if self.index is not None:
+            for i, r in enumerate(replicas):
+                bm = r.scheduler.block_manager
+                if bm.cache is None:
+                    raise ValueError("prefix-aware routing needs prefix caching (--prefix-caching)")
+                bm.events = KVEventRecorder(block_size, sink=self.index.sink(i))
+
+    def state(self) -> tuple[list, list]:
+        return ([len(r.scheduler.waiting) for r in self.replicas],
+                [r.scheduler.block_manager.num_used_blocks / r.scheduler.block_manager.num_blocks
+                 for r in self.replicas])
+
+    def pick(self, prompt_ids: list[int]) -> int:
+        return self.choose(prompt_ids)
