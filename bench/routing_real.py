@@ -30,7 +30,7 @@ left out of the metrics; the prefix-hit rate is the replicas' own counters
 (vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total) over the measured window.
 Capacity: the highest rate of the list that meets the SLO, below the first one that does not.
 
-    flock /tmp/bench.lock python -m bench.routing_real --out bench/results/routing    # chat, then sharegpt
+    python -m bench.routing_real --out bench/results/routing    # chat, then sharegpt
     python -m bench.routing_real report --out bench/results/routing
 """
 from __future__ import annotations
@@ -55,17 +55,11 @@ from sarathi.measure.env import machine
 from sarathi.measure.loadgen import ChatShape, RequestSpec, make_chat_workload, make_workload, run_http
 from sarathi.measure.metrics import json_safe, meets_slo, summarize
 from sarathi.measure.trace import Trace, load_trace
+from worker_svc.launcher import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTINGS = ("shared-queue", "least-queue", "prefix", "mix")
 PICKER_ROUTINGS = ("least-queue", "prefix", "mix")
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str, timeout: float = 5.0) -> str:

@@ -42,7 +42,6 @@ import json
 import math
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,13 +53,14 @@ import httpx
 import numpy as np
 
 from bench.common import machine
-from bench.peer_llama_server import capacity_from_points
+from bench.peer_llama_server import _unjson, capacity_from_points
 from bench.speculation_cpu import GROUNDED
 from sarathi.measure.env import command_line
 from sarathi.measure.loadgen import RequestSpec, arrival_times, make_workload, run_http
 from sarathi.measure.metrics import json_safe, meets_slo, summarize
 from sarathi.measure.trace import load_trace
 from shared.model_source import default_gguf_path
+from worker_svc.launcher import free_port
 
 VOCAB = 49152                 # SmolLM2's vocabulary: token-id prompts are drawn below it
 TTFT_P50_S = 2.0              # the "+ TTFT" condition of bench/results/peer
@@ -68,12 +68,6 @@ ARMS = ("off", "ngram")
 
 
 # -- servers ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def shown(cmd: list[str], gguf: str) -> str:
     """The command as recorded: no path of this machine (the GGUF, the home folder, the venv)."""
     home = str(Path.home())
@@ -393,10 +387,6 @@ def plot_batch1(doc: dict, path: Path) -> None:
 
 
 # -- report -------------------------------------------------------------------------------------
-def _unjson(s: dict) -> dict:
-    return {k: (float(v) if v in ("inf", "-inf", "nan") else v) for k, v in s.items()}
-
-
 def report(a) -> dict:
     docs = [json.loads(Path(p).read_text()) for p in a.inputs]
     kinds = {d["workload"] for d in docs}
