@@ -96,6 +96,22 @@ class _Call:
     resent: bool = False           # sent once more in full after an "unknown_request"
 
 
+def _monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A monitor of `sock` that can never stall the context: libzmq sends each event with a
+    blocking send on an inproc PAIR, from the context's I/O thread, so once 1000 events wait
+    unread (a link that flaps or keeps failing its handshake while nobody looks) that thread
+    blocks and every socket of the context goes silent. The reading end is made unbounded
+    (an inproc pipe is unbounded when either side's limit is 0); events are ~100 bytes and are
+    drained on every look at the links."""
+    addr = f"inproc://remote-executor-monitor-{next(_MONITOR_IDS)}"
+    sock.monitor(addr, events)
+    mon = sock.context.socket(zmq.PAIR)
+    mon.rcvhwm = 0
+    mon.linger = 0
+    mon.connect(addr)
+    return mon
+
+
 class RemoteExecutor:
     """submit(batch) / collect() -> (batch, BatchOutput), and execute(batch), over ZeroMQ.
 
@@ -147,8 +163,7 @@ class RemoteExecutor:
             events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
             for e in _HANDSHAKE_FAILED:
                 events |= e
-            self.monitors[i] = s.get_monitor_socket(events,
-                                                    addr=f"inproc://remote-executor-monitor-{next(_MONITOR_IDS)}")
+            self.monitors[i] = _monitor(s, events)
         self.connected[i] = False
         s.connect(address)
         return s

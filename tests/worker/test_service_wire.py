@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import pytest
 import zmq
@@ -240,3 +241,54 @@ def test_a_frozen_worker_misses_its_heartbeats_and_is_noticed_within_2s(tmp_path
     finally:
         proc.kill()
         proc.join(5)
+
+
+def test_a_link_that_keeps_failing_unwatched_does_not_stall_the_context(tmp_path):
+    """libzmq sends monitor events from the context's I/O thread with a blocking send: if 1000+
+    events of a failing link wait unread (nobody looks at the links for a while), that thread
+    must not block, or every socket of the context goes silent. A listener that hangs up on
+    every connection makes the executor's link fail ~1000 times a second."""
+    import socket as pysocket
+
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.RECONNECT_IVL, 1)   # retry at once: thousands of failed links in seconds
+    listener = pysocket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(0.5)
+    accepted, done = [0], threading.Event()
+
+    def hang_up():
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            conn.close()
+            accepted[0] += 1
+
+    t = threading.Thread(target=hang_up, daemon=True)
+    t.start()
+    remote = RemoteExecutor(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout_s=1, ctx=ctx, keys=None)
+    try:
+        deadline = time.monotonic() + 20
+        while accepted[0] < 3000 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert accepted[0] >= 3000, f"the link stopped retrying after {accepted[0]} attempts: the I/O thread is stuck"
+        # another link of the same context still carries messages (ipc: through the I/O thread)
+        server = ctx.socket(zmq.ROUTER)
+        server.bind(f"ipc://{tmp_path}/alive.sock")
+        client = ctx.socket(zmq.DEALER)
+        client.connect(f"ipc://{tmp_path}/alive.sock")
+        client.send(b"ping")
+        assert server.poll(2000), "a fresh link of the same context got no message through"
+        assert server.recv_multipart()[-1] == b"ping"
+        assert remote.check_links() == []   # thousands of unread events are read at once: none was up
+        for s in (server, client):
+            s.close(0)
+    finally:
+        done.set()
+        t.join(2)
+        listener.close()
+        remote.close()
+        ctx.term()
