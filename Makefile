@@ -34,9 +34,14 @@ endif
 serve: install
 	$(VENV)/bin/sarathi serve --port $(PORT)
 
+# The suite runs on TEST_WORKERS processes, each test file on one of them (its module fixtures,
+# e.g. a started stack or a loaded model, are set up once). Half the suite waits on services and
+# subprocesses, so 2 processes fit a 2-core machine; OpenMP threads that wait sleep instead of
+# spinning, so one process's kernels do not burn the other's core.
+TEST_WORKERS ?= 2
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 # rebuild the native CPU kernels in place after editing worker_svc/backends/cpu/csrc/ (the install
 # builds them; a worker finding them older than the sources builds its own for this CPU instead);

@@ -38,3 +38,16 @@ def _sarathi_environment_restored():
         from shared import link_auth
 
         link_auth._process_keys.clear()
+
+
+def pytest_collection_modifyitems(items):
+    """Give schemathesis' per-operation items the node ids their names already carry. They share
+    one node id (test_fuzz.py::test_...), and pytest-xdist schedules by node id: without this, a
+    parallel run runs one operation of seven."""
+    for item in items:
+        if type(item).__name__ == "SchemathesisFunction" and "[" in item.name and "[" not in item.nodeid:
+            operation = item.name.split("[", 1)[1].removesuffix("]")
+            if hasattr(getattr(item, "_id", None), "with_params"):   # pytest >= 9: a NodeId object
+                item._id = item._id.with_params(operation)
+            else:
+                item._nodeid = f"{item.nodeid}[{operation}]"
