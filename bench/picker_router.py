@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import httpx
 
 from sarathi.measure.routing import WEIGHTS, Scorer
+from sarathi.measure.scrape import summed
 from scheduler_svc.kv_events import END_SEQ, decode_batch
 
 log = logging.getLogger("sarathi.picker_router")
@@ -173,13 +174,8 @@ class EventSubscriber:
 def parse_load(text: str) -> tuple[float, float]:
     """(vllm:num_requests_waiting, vllm:kv_cache_usage_perc) from a Prometheus text page (summed
     over label sets; 0 where absent)."""
-    waiting = kv = 0.0
-    for line in text.splitlines():
-        if line.startswith("vllm:num_requests_waiting"):
-            waiting += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vllm:kv_cache_usage_perc"):
-            kv += float(line.rsplit(" ", 1)[1])
-    return waiting, kv
+    s = summed(text, "vllm:")
+    return s.get("vllm:num_requests_waiting", 0.0), s.get("vllm:kv_cache_usage_perc", 0.0)
 
 
 class Router:

@@ -54,6 +54,7 @@ import numpy as np
 from sarathi.measure.env import machine
 from sarathi.measure.loadgen import ChatShape, RequestSpec, make_chat_workload, make_workload, run_http
 from sarathi.measure.metrics import json_safe, meets_slo, summarize
+from sarathi.measure.scrape import summed
 from sarathi.measure.trace import Trace, load_trace
 from worker_svc.launcher import free_port
 
@@ -71,10 +72,8 @@ def counters(urls: list[str]) -> dict[str, float]:
     """vllm: counters and gauges summed over the replicas' /metrics pages."""
     out: dict[str, float] = {}
     for u in urls:
-        for line in get(u).splitlines():
-            if line.startswith("vllm:") and " " in line:
-                name = line.split("{", 1)[0].split(" ", 1)[0]
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        for name, value in summed(get(u), "vllm:").items():
+            out[name] = out.get(name, 0.0) + value
     return out
 
 

@@ -58,6 +58,7 @@ from bench.speculation_cpu import GROUNDED
 from sarathi.measure.env import command_line
 from sarathi.measure.loadgen import RequestSpec, arrival_times, make_workload, run_http
 from sarathi.measure.metrics import json_safe, meets_slo, summarize
+from sarathi.measure.scrape import summed
 from sarathi.measure.trace import load_trace
 from shared.model_source import default_gguf_path
 from worker_svc.launcher import free_port
@@ -149,15 +150,10 @@ SPEC_COUNTERS = {"drafts": "sarathi_scheduler_spec_draft_tokens_total",
 def spec_counters(url: str) -> dict[str, float]:
     """The scheduler's draft counters (sarathi serve's /metrics); {} where there are none."""
     try:
-        text = httpx.get(url + "/metrics", timeout=5.0).text
-    except httpx.HTTPError:
+        samples = summed(httpx.get(url + "/metrics", timeout=5.0).text, "sarathi_scheduler_spec_")
+    except (httpx.HTTPError, ValueError):   # unreachable, or not a metrics page
         return {}
-    out = {}
-    for key, name in SPEC_COUNTERS.items():
-        m = re.search(rf"^{name} ([0-9.eE+-]+)$", text, re.M)
-        if m:
-            out[key] = float(m.group(1))
-    return out
+    return {key: samples[name] for key, name in SPEC_COUNTERS.items() if name in samples}
 
 
 def scheduler_stats(port: int | None) -> dict:
