@@ -27,10 +27,13 @@ per trace row, the packaged ShareGPT length trace).
     python -m bench.routing probe --replicas 4 --workloads chat --routing mix --qps-list 22.75 \
         --out bench/results/routing                                  # refine a capacity bracket
     python -m bench.routing report --out bench/results/routing     # summary JSON + PNG
+    python -m bench.routing weights --replicas 4 --workloads chat --qps-list 21,23 \
+        --weights-list 3:1:1,1:1:1,3:3:0 --out bench/results/routing   # the picker's weights swept
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -193,11 +196,75 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def weights(a: argparse.Namespace) -> None:
+    """The picker's weights swept: the mix routing with each prefix:queue:kv setting of
+    --weights-list at each rate of --qps-list, judged by the capacity criterion; written to
+    routing_{workload}_{N}r_weights.json (+ PNG). The endpoint picker's configuration sets these
+    weights per scorer; this asks whether another setting than the default 3:1:1 moves capacity."""
+    from sarathi.measure import routing as R
+    from sarathi.measure.metrics import meets_slo
+
+    cost = GPUCostModel("llama-3-8b", "a100")
+    blocks = cost.kv_blocks(16, 0.9)
+    trace = load_trace(None, max_total_len=8192)
+    (wl,) = a.workloads.split(",")
+    w = Workload(trace, a.num_requests, seed=a.seed, drain_s=a.drain, duration_s=a.duration,
+                 chat=_chat_shape(a.warmup) if wl == "chat" else None)
+    default = dict(R.WEIGHTS["mix"])
+    res = {"command": "python -m bench.routing " + " ".join(sys.argv[1:]), "machine": machine(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "replicas": a.replicas, "workload": wl, "default_weights": default, "runs": []}
+    out = Path(a.out)
+    try:
+        for setting in a.weights_list.split(","):
+            pw, qw, kw = (float(x) for x in setting.split(":"))
+            R.WEIGHTS["mix"] = {"prefix": pw, "queue": qw, "kv": kw}
+            for q in (float(x) for x in a.qps_list.split(",")):
+                target = simulated_target(cost, replicas=a.replicas, num_blocks=blocks, max_model_len=8192,
+                                          sched_config=SchedulerConfig(enable_prefix_caching=True,
+                                                                       max_num_seqs=128), routing="mix")
+                s = run_once(target, w, q, policy="sarathi", token_budget=TAU, progress=False,
+                             keep_requests=False)["summary"]
+                ok = meets_slo(s, TBT_SLO, 2.0, None)
+                res["runs"].append({"weights": setting, "qps": q, "ok": ok, "summary": s})
+                print(f"{a.replicas} replicas {wl} mix {setting} @ {q:g}: {'ok' if ok else 'miss'} (P50 sched "
+                      f"delay {s['sched_delay_p50_s']:.2f} s, P99 TBT {s['tbt_p99_s']:.3f} s)",
+                      file=sys.stderr, flush=True)
+    finally:
+        R.WEIGHTS["mix"] = default
+    path = out / f"routing_{wl}_{a.replicas}r_weights.json"
+    path.write_text(json.dumps(json_safe(res), indent=1))
+    _plot_weights(res, path.with_suffix(".png"))
+
+
+def _plot_weights(res: dict, png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r["qps"] for r in res["runs"]})
+    fig, axes = plt.subplots(1, len(rates), figsize=(4.5 * len(rates), 3.6), squeeze=False)
+    for ax, q in zip(axes[0], rates):
+        runs = [r for r in res["runs"] if r["qps"] == q]
+        delays = [min(r["summary"]["sched_delay_p50_s"], 30.0) for r in runs]
+        ax.bar([r["weights"] for r in runs], delays, color=["tab:green" if r["ok"] else "tab:red" for r in runs])
+        ax.axhline(2.0, color="k", ls="--", lw=1, label="SLO: P50 scheduling delay 2 s")
+        ax.set_title(f"{res['replicas']} replicas, {res['workload']} @ {q:g} QPS")
+        ax.set_xlabel("mix weights prefix:queue:kv")
+        ax.set_ylabel("P50 scheduling delay (s)")
+        ax.tick_params(axis="x", rotation=45)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", nargs="?", default="run", choices=["run", "probe", "report"])
+    p.add_argument("mode", nargs="?", default="run", choices=["run", "probe", "report", "weights"])
     p.add_argument("--routing", default="shared-queue", help="probe: the routing")
-    p.add_argument("--qps-list", default="", help="probe: comma-separated rates")
+    p.add_argument("--qps-list", default="", help="probe, weights: comma-separated rates")
+    p.add_argument("--weights-list", default="3:1:1", help="weights: comma-separated prefix:queue:kv settings of mix")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--workloads", default="chat,sharegpt")
     p.add_argument("--capacity-routings", default="shared-queue,mix")
@@ -211,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/routing")
     a = p.parse_args(argv)
-    {"run": run, "probe": probe, "report": report}[a.mode](a)
+    {"run": run, "probe": probe, "report": report, "weights": weights}[a.mode](a)
     return 0
 
 
