@@ -104,3 +104,23 @@ def test_warm_up_turns_run_first_and_stay_out_of_the_results():
     assert all(it.start >= 0 for it in rr.iterations)
     cold = run_replicas(replicas(2), [dataclasses.replace(s) for s in measured], drain_s=60, routing="mix")[1]
     assert extra["prefix_hit_rate"] > cold["prefix_hit_rate"]   # the warm-up filled the caches
+
+
+def test_the_weights_sweep_runs_each_setting_and_restores_the_default(tmp_path):
+    """bench.routing weights: one run per (setting, rate), the settings really differ (an
+    all-prefix setting finds more cached than an all-load one), and the picker's default weights
+    are back afterwards."""
+    import json
+
+    from bench.routing import main
+    from sarathi.measure.routing import WEIGHTS
+
+    before = dict(WEIGHTS["mix"])
+    main(["weights", "--replicas", "2", "--workloads", "chat", "--duration", "4", "--warmup", "4",
+          "--num-requests", "60", "--qps-list", "4", "--weights-list", "1:0:0,0:1:1", "--out", str(tmp_path)])
+    assert WEIGHTS["mix"] == before
+    res = json.loads((tmp_path / "routing_chat_2r_weights.json").read_text())
+    assert [(r["weights"], r["qps"]) for r in res["runs"]] == [("1:0:0", 4.0), ("0:1:1", 4.0)]
+    hits = {r["weights"]: r["summary"]["prefix_hit_rate"] for r in res["runs"]}
+    assert hits["1:0:0"] > hits["0:1:1"]
+    assert (tmp_path / "routing_chat_2r_weights.png").stat().st_size > 0
