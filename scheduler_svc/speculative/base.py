@@ -17,7 +17,11 @@ also falls as the decodes of a batch grow in number. c is measured online from t
 decode-only batches (`observe_batch`: with and without drafts, per number of decodes; a batch
 without drafts is scheduled now and then to keep that baseline): the median of the last 16
 samples, each against the median of the last 8 steps without drafts, so that a stalled step
-(the OS, a pause) moves neither; one sample counts as at most c = 1. Until measured c is 0.1.
+(the OS, a pause) moves neither; one sample counts as at most c = 1. c is kept per batch size
+(the decodes rounded up to a power of two): a draft token's time is a larger share of a step of
+one decode than of a step of many, so one c for all would make small batches draft too much
+and large ones too little; a batch size not measured yet uses the median over all sizes. Until
+measured c is 0.1; setting `cost` fixes one c for every batch size.
 On a CPU, where each verified token costs real compute, c is large and k small; on a GPU,
 where a decode step is bound by reading the weights, c is near 0. alpha is estimated by the
 geometric-law estimate accepted / (accepted + rejections) over sums that decay by 0.8 a step
@@ -64,13 +68,14 @@ class Speculator:
         self.proposer = proposer
         self.max_k = max_k
         self.default_cost = draft_cost   # c until measured (module doc)
-        self.cost: float | None = None   # measured c: a draft token's time / a decode step's
+        self._cost: float | None = None  # measured c over all batch sizes (median)
         self.decay, self.idle_decay = decay, idle_decay
         self.baseline_every = baseline_every
         self.probe_every = probe_every      # decodes without drafts before a probe (module doc)
         # decodes -> the last seconds of decode-only steps without drafts; the last c samples
         self._base: dict[int, deque[float]] = {}
         self._costs: deque[float] = deque(maxlen=self.WINDOW)
+        self._costs_by: dict[int, deque[float]] = {}   # batch-size bucket -> its last samples
         self._timed = False                 # some batch came back with a time
         self._batches = 0
         self.proposed = 0       # drafts scheduled, since start
@@ -99,7 +104,7 @@ class Speculator:
         if left <= 0:
             return 0
         alpha = self.acceptance(req)
-        c = self.draft_cost * max(1, num_decodes)
+        c = self.draft_cost_for(num_decodes) * max(1, num_decodes)
         best_k, best, gain, power = 0, 1.0, 1.0, 1.0
         for k in range(1, min(self.max_k, left) + 1):
             power *= alpha
@@ -114,9 +119,30 @@ class Speculator:
         return best_k
 
     @property
+    def cost(self) -> float | None:
+        """The measured c over all batch sizes (None until measured)."""
+        return self._cost
+
+    @cost.setter
+    def cost(self, value: float | None) -> None:
+        """A given c, for every batch size (what was measured per size is forgotten)."""
+        self._cost = value
+        self._costs_by.clear()
+
+    @staticmethod
+    def _bucket(num_decodes: int) -> int:
+        """num_decodes rounded up to a power of two (1, 2, 4, 8, ...)."""
+        return 1 << max(0, num_decodes - 1).bit_length()
+
+    @property
     def draft_cost(self) -> float:
-        """c of the module doc: the measured one, or the default until there is one."""
-        return self.default_cost if self.cost is None else self.cost
+        """c of the module doc over all batch sizes: the measured one, or the default."""
+        return self.default_cost if self._cost is None else self._cost
+
+    def draft_cost_for(self, num_decodes: int) -> float:
+        """c for a batch of num_decodes decodes: measured at that size, else draft_cost."""
+        samples = self._costs_by.get(self._bucket(num_decodes))
+        return statistics.median(samples) if samples else self.draft_cost
 
     def needs_baseline(self, num_decodes: int) -> bool:
         """Whether a decode-only batch of num_decodes decodes should run without drafts, to
@@ -144,7 +170,11 @@ class Speculator:
             # compute at least as much; a longer step is a stall (the OS, a pause), not the draft
             c = min(1.0, max(0.0, (seconds / statistics.median(times) - 1.0) / num_drafts))
             self._costs.append(c)
-            self.cost = statistics.median(self._costs)
+            self._cost = statistics.median(self._costs)
+            bucket = self._bucket(num_decodes)
+            if bucket not in self._costs_by:
+                self._costs_by[bucket] = deque(maxlen=self.WINDOW)
+            self._costs_by[bucket].append(c)
 
     def propose(self, req: Request, k: int) -> list[int]:
         return self.proposer.propose(req, k)[:k] if k > 0 else []

@@ -354,3 +354,27 @@ def test_a_stalled_step_moves_neither_the_cost_of_a_draft_nor_its_baseline():
     for _ in range(16):                                  # drafts that really cost more: c follows
         spec.observe_batch(1, 2, 0, 0.016)
     assert spec.draft_cost == pytest.approx(0.3)
+
+
+def test_the_cost_of_a_draft_is_measured_per_batch_size():
+    # one decode: a 10 ms step, one draft adds 5 ms (c = 0.5); two decodes: a 12 ms step, a
+    # draft adds 0.6 ms (c = 0.05). One c for both (their median, 0.275) would give two decodes
+    # fewer drafts than one; per size, the pair gets more (its drafts are nearly free) and the
+    # single decode fewer (its drafts cost half a step each)
+    spec = Speculator(NgramProposer(), max_k=8)
+    for _ in range(4):
+        spec.observe_batch(1, 0, 0, 0.010)
+        spec.observe_batch(1, 1, 0, 0.015)
+        spec.observe_batch(2, 0, 0, 0.012)
+        spec.observe_batch(2, 1, 0, 0.0126)
+    assert spec.draft_cost_for(1) == pytest.approx(0.5)
+    assert spec.draft_cost_for(2) == pytest.approx(0.05)
+    assert spec.draft_cost == pytest.approx(0.275)             # every size's samples
+    assert spec.draft_cost_for(3) == spec.draft_cost           # 3-4 decodes: not measured yet
+    r = req(PERIOD * 3, prompt_len=5)
+    r.spec_state["_acceptance"] = [9.0, 1.0]                   # alpha = 0.9
+    r.spec_state["_idle"] = 0
+    one, two = spec.k_for(r, 1), spec.k_for(r, 2)
+    assert two > one >= 1
+    spec.cost = 0.275                                          # one c for every size ...
+    assert spec.k_for(r, 2) <= spec.k_for(r, 1)                # ... and k only falls with size
