@@ -33,7 +33,6 @@ per trace row, the packaged ShareGPT length trace).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import time
@@ -100,28 +99,40 @@ def run(a: argparse.Namespace) -> None:
         (out / f"routing_{wl}_{a.replicas}r.json").write_text(json.dumps(json_safe(res), indent=1))
 
 
+def _probe_target(a: argparse.Namespace, routing: str):
+    """(workload name, Workload, Target) of a probe: --replicas simulated A100 replicas routed
+    by `routing`, the single workload of --workloads."""
+    cost = GPUCostModel("llama-3-8b", "a100")
+    trace = load_trace(None, max_total_len=8192)
+    (wl,) = a.workloads.split(",")
+    w = Workload(trace, a.num_requests, seed=a.seed, drain_s=a.drain, duration_s=a.duration,
+                 chat=_chat_shape(a.warmup) if wl == "chat" else None)
+    target = simulated_target(cost, replicas=a.replicas, num_blocks=cost.kv_blocks(16, 0.9), max_model_len=8192,
+                              sched_config=SchedulerConfig(enable_prefix_caching=True, max_num_seqs=128),
+                              routing=routing)
+    return wl, w, target
+
+
+def _judged_run(a: argparse.Namespace, target, w: Workload, q: float, what: str) -> tuple[bool, dict]:
+    """One run at q QPS, judged by the capacity criterion, printed as `what`: (ok, summary)."""
+    from sarathi.measure.metrics import meets_slo
+
+    s = run_once(target, w, q, policy="sarathi", token_budget=TAU, progress=False, keep_requests=False)["summary"]
+    ok = meets_slo(s, TBT_SLO, 2.0, None)
+    print(f"{a.replicas} replicas {what} @ {q:g}: {'ok' if ok else 'miss'} (P50 sched delay "
+          f"{s['sched_delay_p50_s']:.2f} s, P99 TBT {s['tbt_p99_s']:.3f} s)", file=sys.stderr, flush=True)
+    return ok, s
+
+
 def probe(a: argparse.Namespace) -> None:
     """Refine a capacity bracket: one run per rate of --qps-list for --routing, each judged by the
     same criterion; appended to the configuration's JSON under "refine"."""
-    from sarathi.measure.metrics import meets_slo
-
-    cost = GPUCostModel("llama-3-8b", "a100")
-    blocks = cost.kv_blocks(16, 0.9)
-    trace = load_trace(None, max_total_len=8192)
-    (wl,) = a.workloads.split(",")
+    wl, w, target = _probe_target(a, a.routing)
     path = Path(a.out) / f"routing_{wl}_{a.replicas}r.json"
     res = json.loads(path.read_text())
-    w = Workload(trace, a.num_requests, seed=a.seed, drain_s=a.drain, duration_s=a.duration,
-                 chat=_chat_shape(a.warmup) if wl == "chat" else None)
-    target = simulated_target(cost, replicas=a.replicas, num_blocks=blocks, max_model_len=8192,
-                              sched_config=SchedulerConfig(enable_prefix_caching=True, max_num_seqs=128),
-                              routing=a.routing)
     for q in (float(x) for x in a.qps_list.split(",")):
-        s = run_once(target, w, q, policy="sarathi", token_budget=TAU, progress=False, keep_requests=False)["summary"]
-        ok = meets_slo(s, TBT_SLO, 2.0, None)
+        ok, s = _judged_run(a, target, w, q, f"{wl} {a.routing}")
         res.setdefault("refine", {}).setdefault(a.routing, []).append({"qps": q, "ok": ok, "summary": s})
-        print(f"{a.replicas} replicas {wl} {a.routing} @ {q:g}: {'ok' if ok else 'miss'} (P50 sched delay "
-              f"{s['sched_delay_p50_s']:.2f} s, P99 TBT {s['tbt_p99_s']:.3f} s)", file=sys.stderr, flush=True)
         path.write_text(json.dumps(json_safe(res), indent=1))
 
 
@@ -202,37 +213,21 @@ def weights(a: argparse.Namespace) -> None:
     routing_{workload}_{N}r_weights.json (+ PNG). The endpoint picker's configuration sets these
     weights per scorer; this asks whether another setting than the default 3:1:1 moves capacity."""
     from sarathi.measure import routing as R
-    from sarathi.measure.metrics import meets_slo
 
-    cost = GPUCostModel("llama-3-8b", "a100")
-    blocks = cost.kv_blocks(16, 0.9)
-    trace = load_trace(None, max_total_len=8192)
-    (wl,) = a.workloads.split(",")
-    w = Workload(trace, a.num_requests, seed=a.seed, drain_s=a.drain, duration_s=a.duration,
-                 chat=_chat_shape(a.warmup) if wl == "chat" else None)
+    wl, w, target = _probe_target(a, "mix")     # the picker reads WEIGHTS["mix"] at each run's start
     default = dict(R.WEIGHTS["mix"])
     res = {"command": "python -m bench.routing " + " ".join(sys.argv[1:]), "machine": machine(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "replicas": a.replicas, "workload": wl, "default_weights": default, "runs": []}
-    out = Path(a.out)
     try:
         for setting in a.weights_list.split(","):
             pw, qw, kw = (float(x) for x in setting.split(":"))
             R.WEIGHTS["mix"] = {"prefix": pw, "queue": qw, "kv": kw}
             for q in (float(x) for x in a.qps_list.split(",")):
-                target = simulated_target(cost, replicas=a.replicas, num_blocks=blocks, max_model_len=8192,
-                                          sched_config=SchedulerConfig(enable_prefix_caching=True,
-                                                                       max_num_seqs=128), routing="mix")
-                s = run_once(target, w, q, policy="sarathi", token_budget=TAU, progress=False,
-                             keep_requests=False)["summary"]
-                ok = meets_slo(s, TBT_SLO, 2.0, None)
+                ok, s = _judged_run(a, target, w, q, f"{wl} mix {setting}")
                 res["runs"].append({"weights": setting, "qps": q, "ok": ok, "summary": s})
-                print(f"{a.replicas} replicas {wl} mix {setting} @ {q:g}: {'ok' if ok else 'miss'} (P50 sched "
-                      f"delay {s['sched_delay_p50_s']:.2f} s, P99 TBT {s['tbt_p99_s']:.3f} s)",
-                      file=sys.stderr, flush=True)
     finally:
         R.WEIGHTS["mix"] = default
-    path = out / f"routing_{wl}_{a.replicas}r_weights.json"
+    path = Path(a.out) / f"routing_{wl}_{a.replicas}r_weights.json"
     path.write_text(json.dumps(json_safe(res), indent=1))
     _plot_weights(res, path.with_suffix(".png"))
 

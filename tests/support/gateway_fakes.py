@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
+from sarathi.measure.scrape import summed
 from shared.config import ModelInfo
 from shared.messages import RequestMsg, TokenEvent
 from shared.model_source import resolve_model
@@ -243,5 +243,4 @@ def make_stack(request, tokenizer):
 
 def metric(base_url: str, name: str) -> float:
     """The value of one unlabelled sample (or the sum over labels) on the gateway's /metrics."""
-    text = httpx.get(base_url + "/metrics").text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+    return summed(httpx.get(base_url + "/metrics").text).get(name, 0.0)
