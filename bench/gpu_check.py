@@ -16,9 +16,10 @@ Steps, in order (each a subprocess from the repository root, its output in bench
     while on those two the torch attention path without graphs is benchmarked (the baseline:
     gpu_engine_iteration_torch.*; GPU-bound, its host thread has its own core);
  5. the GPU tests, `pytest -m gpu` (gpu_tests.txt);
- 6. the benchmark, FlashInfer + CUDA graphs (gpu_engine_iteration.*, with a kernel profile),
-    and again with FlashInfer's fused elementwise kernels (SARATHI_CUDA_OPS=flashinfer:
-    gpu_engine_iteration_fused_ops.*);
+ 6. the benchmark, FlashInfer + CUDA graphs + fused elementwise kernels, the default
+    (gpu_engine_iteration.*, with a kernel profile and the host / GPU split of decode steps),
+    and again with the reference elementwise ops (SARATHI_CUDA_OPS=torch:
+    gpu_engine_iteration_torch_ops.*);
  7. `sarathi serve --device cuda` answering the openai client (gpu_serve_check.*);
  8. one load point per policy, real engine vs the simulator's H100 model (gpu_load_point.*).
 
@@ -201,9 +202,9 @@ def steps(args: argparse.Namespace, python: str = sys.executable) -> list[Step]:
                                    "--timeout", "240", "tests/gpu"], "gpu_tests.txt", 240, need=40),
         Step("benchmark", lambda ctx: [*bench, *rates(ctx), "--out", out + "gpu_engine_iteration"],
              "gpu_engine_iteration.log", 150, need=40),
-        Step("benchmark-fused-ops", lambda ctx: [*bench, *rates(ctx), "--ops", "flashinfer",
-                                                 "--out", out + "gpu_engine_iteration_fused_ops"],
-             "gpu_engine_iteration_fused_ops.log", 150, need=40),
+        Step("benchmark-torch-ops", lambda ctx: [*bench, *rates(ctx), "--ops", "torch",
+                                                 "--out", out + "gpu_engine_iteration_torch_ops"],
+             "gpu_engine_iteration_torch_ops.log", 150, need=40),
         Step("serve", lambda ctx: [python, "-m", "bench.gpu_serve_check", "--model-files",
                                    str(args.bundle / "model"), "--out", out + "gpu_serve_check"],
              "gpu_serve_check.log", 150, need=45),

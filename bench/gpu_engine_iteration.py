@@ -149,6 +149,48 @@ def measure(ex: ModelRunner, tiny: bool, rounds: int) -> dict:
     return times
 
 
+def decode_split(ex: ModelRunner, tiny: bool, rounds: int) -> dict:
+    """Where a graph-replayed decode step's time goes: "decode:B" -> step_s (execute, as
+    measured), graph_s (the captured graph replayed back to back: the GPU's part) and host_s
+    (execute with the replay left out: metadata, FlashInfer's plan, input copies, sampling
+    launches, the token ids' copy back; the GPU idles meanwhile). step - graph is what the host
+    adds to a step; {} without graphs. Medians over rounds."""
+    g = ex.graphs
+    if g is None:
+        return {}
+    sync = torch.cuda.synchronize if ex.backend.device.type == "cuda" else (lambda: None)
+    out = {}
+    for s, n, ctx in cases(tiny):
+        if s != "decode" or n > g.sizes[-1]:
+            continue
+        b, size = make_batch(s, n, ctx, tiny), next(z for z in g.sizes if z >= n)
+        replay = g.replays[size]
+        step, graph, host = [], [], []
+        ex.execute(b)
+        for _ in range(rounds):
+            sync()
+            t0 = time.perf_counter()
+            ex.execute(b)
+            step.append(time.perf_counter() - t0)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                replay()
+            sync()
+            graph.append((time.perf_counter() - t0) / 10)
+            g.replays[size] = lambda: None
+            try:
+                sync()
+                t0 = time.perf_counter()
+                ex.execute(b)
+                host.append(time.perf_counter() - t0)
+            finally:
+                g.replays[size] = replay
+        out[f"decode:{n}"] = {"step_s": statistics.median(step), "graph_s": statistics.median(graph),
+                              "host_s": statistics.median(host)}
+    return out
+
+
 def summarize(times: dict, cfg: ModelConfig, tiny: bool, kv_bytes_per_token: int,
               hbm_bytes_per_s: float = HBM_BYTES_PER_S, dense_flops: float = DENSE_FLOPS) -> dict:
     out = {}
@@ -188,12 +230,14 @@ def against_goals(summary: dict, tiny: bool, hbm_bytes_per_s: float = HBM_BYTES_
     return goals
 
 
-def plot(summary: dict, path: Path) -> None:
+def plot(summary: dict, path: Path, split: dict | None = None) -> None:
+    """Iteration time against size per series, with the bound; with a decode split, a fourth
+    panel: each replayed decode step as its graph's GPU time and what the host adds."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 4 if split else 3, figsize=(21 if split else 16, 4.5))
     for ax, series in zip(axes, ("decode", "prefill", "hybrid")):
         for v, pts in summary.items():
             sel = [p for p in pts if p["series"] == series]
@@ -206,12 +250,22 @@ def plot(summary: dict, path: Path) -> None:
                                                        "hybrid": "decodes + prefill chunk"}[series])
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
+    if split:
+        ax, keys = axes[3], list(split)
+        gpu = [split[k]["graph_s"] * 1e3 for k in keys]
+        host = [max(0.0, split[k]["step_s"] - split[k]["graph_s"]) * 1e3 for k in keys]
+        ax.bar(range(len(keys)), gpu, label="graph replay (GPU)")
+        ax.bar(range(len(keys)), host, bottom=gpu, label="added by the host")
+        ax.set_xticks(range(len(keys)), [k.split(":")[1] for k in keys])
+        ax.set(xlabel="decodes (CUDA graph)", ylabel="step (ms, median)", title="decode step: GPU vs host")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def profile(ex: ModelRunner, tiny: bool, path: Path) -> None:
-    """Kernel table (CUDA time) of the decode-32 and hybrid 32+512 steps: what remains."""
+    """Kernel table (CUDA time) of the decode-1, decode-32, prefill-512 and hybrid 32+512 steps:
+    what remains (the hybrid step against its chunk alone)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -219,7 +273,8 @@ def profile(ex: ModelRunner, tiny: bool, path: Path) -> None:
     sort = "cuda_time_total" if ex.backend.device.type == "cuda" else "self_cpu_time_total"
     parts = [f"# python -m bench.gpu_engine_iteration --profile  ({gpu_info()}, "
              f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')})\n"]
-    picks = [("decode", 4 if tiny else 32), ("hybrid", 64 if tiny else 512)]
+    picks = [("decode", 1), ("decode", 4 if tiny else 32), ("prefill", 64 if tiny else 512),
+             ("hybrid", 64 if tiny else 512)]
     for series, size in picks:
         c = next(c for c in cases(tiny) if c[:2] == (series, size))
         b = make_batch(*c, tiny)
@@ -292,14 +347,18 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": str(ex.dtype), "block_size": BLOCK_SIZE, "rounds": args.rounds,
         "bounds": f"weights+KV bytes / {hbm / 1e12:.2f} TB/s, or FLOPs / {flops / 1e12:.0f} TFLOP/s",
         "goals": against_goals(summary, args.tiny, hbm), "results": summary,
+        "decode_split": decode_split(ex, args.tiny, args.rounds),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    plot(summary, out.with_suffix(".png"))
+    plot(summary, out.with_suffix(".png"), result["decode_split"])
     if not args.no_profile:
         profile(ex, args.tiny, Path(f"{out}_profile.txt"))
     print(json.dumps(result["goals"], indent=1))
+    for key, v in result["decode_split"].items():
+        print(f"{key}: step {v['step_s'] * 1e3:.2f} ms = graph replay {v['graph_s'] * 1e3:.2f} ms "
+              f"+ {(v['step_s'] - v['graph_s']) * 1e3:.2f} ms of host (host work alone {v['host_s'] * 1e3:.2f} ms)")
     return result
 
 

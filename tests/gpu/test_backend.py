@@ -57,10 +57,28 @@ def ckpt(request, tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("gpu"), request.param)
 
 
+def with_ops(ops: str, **kw) -> ModelRunner:
+    """A model runner whose layers' glue runs on `ops` (SARATHI_CUDA_OPS while it is built)."""
+    import os
+
+    before = os.environ.get("SARATHI_CUDA_OPS")
+    os.environ["SARATHI_CUDA_OPS"] = ops
+    try:
+        return model_runner(**kw)
+    finally:
+        if before is None:
+            del os.environ["SARATHI_CUDA_OPS"]
+        else:
+            os.environ["SARATHI_CUDA_OPS"] = before
+
+
 @pytest.fixture(scope="module")
 def flash(ckpt):
-    ex = model_runner(ckpt, attention="flashinfer")
-    assert ex.backend.attention.name == "flashinfer" and ex.graphs is not None
+    """FlashInfer attention + graphs with the reference elementwise ops (torch, Hugging Face's
+    roundings): what the tests against Hugging Face's bf16 results hold."""
+    ex = with_ops("torch", path=ckpt, attention="flashinfer")
+    assert ex.backend.attention.name == "flashinfer" and ex.backend.ops.name == "torch"
+    assert ex.graphs is not None
     return ex
 
 
@@ -71,14 +89,12 @@ def torch_path(ckpt):
 
 @pytest.fixture(scope="module")
 def fused(ckpt):
-    """FlashInfer attention + graphs + FlashInfer's fused elementwise kernels (SARATHI_CUDA_OPS)."""
+    """The default CUDA configuration: FlashInfer attention + graphs + FlashInfer's fused
+    elementwise kernels (no SARATHI_CUDA_OPS given)."""
     import os
 
-    os.environ["SARATHI_CUDA_OPS"] = "flashinfer"
-    try:
-        ex = model_runner(ckpt, attention="flashinfer")
-    finally:
-        del os.environ["SARATHI_CUDA_OPS"]
+    assert "SARATHI_CUDA_OPS" not in os.environ
+    ex = model_runner(ckpt, attention="flashinfer")
     assert ex.backend.ops.name == "flashinfer" and ex.graphs is not None
     return ex
 
@@ -194,14 +210,14 @@ def test_weights_arrive_on_the_device_in_the_compute_dtype(flash):
     assert "flashinfer" in sys.modules
 
 
-def test_offline_api_on_cuda_generates_the_same_greedy_tokens(ckpt, flash):
+def test_offline_api_on_cuda_generates_the_same_greedy_tokens(ckpt, fused):
     from sarathi.llm import LLM
     from tests.support.engine_helpers import greedy_generate
 
     p = prompt(30, 8)
     llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", num_blocks=64, max_num_seqs=8)
     got = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].token_ids
-    assert got == greedy_generate(flash, p, 12, list(range(blocks_for(42, BS))))
+    assert got == greedy_generate(fused, p, 12, list(range(blocks_for(42, BS))))   # both the default
 
 
 def test_fused_ops_on_cuda_compute_the_references_functions():

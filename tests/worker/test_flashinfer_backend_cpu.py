@@ -227,3 +227,19 @@ def test_bf16_model_on_the_fused_ops_gives_the_torch_paths_logits(fake_backend, 
     for b in (Batch(1, [chunk("r", p[10:], 10, t, True)]), Batch(2, [chunk("r", [5], 40, t, True)])):
         got, want = flash.compute_logits(b), ref.compute_logits(b)
         assert (got["r"] - want["r"]).norm() / want["r"].norm() < 0.03, b.batch_id
+
+
+def test_gpu_benchmark_splits_a_replayed_decode_step_into_host_and_graph(fake_backend, ckpt):
+    """bench.gpu_engine_iteration's decode split on the graph runner (eager replay here): every
+    captured decode size gets the step, the replay alone and the step without the replay; the
+    step without its replay is the cheaper one, and the real replays are back in place."""
+    from bench import gpu_engine_iteration as g
+
+    ex = flash_runner(ckpt)
+    before = dict(ex.graphs.replays)
+    split = g.decode_split(ex, tiny=True, rounds=3)
+    assert set(split) == {"decode:1", "decode:2", "decode:4"}
+    for v in split.values():
+        assert v["graph_s"] > 0 and v["host_s"] < v["step_s"]
+    assert ex.graphs.replays == before
+    assert g.decode_split(flash_runner(ckpt, graphs=False), tiny=True, rounds=1) == {}

@@ -9,9 +9,9 @@ attention="torch" picks the torch path on purpose (the reference the GPU tests c
 FlashInfer is imported here, lazily, only when a CUDA backend is built: the CPU install and
 the CPU test suite never import it (tests/gpu/test_optional.py).
 
-The layers' elementwise glue (RMSNorm with the residual add, rotary, silu * up) is the torch
-reference by default; SARATHI_CUDA_OPS=flashinfer puts it on FlashInfer's fused kernels
-(ops.py: FlashInferOps; see cuda_backend for why it is opt-in).
+The layers' elementwise glue (RMSNorm with the residual add, rotary, silu * up) runs on
+FlashInfer's fused kernels by default (ops.py: FlashInferOps); SARATHI_CUDA_OPS=torch puts it on
+the torch reference, which rounds as Hugging Face does (see cuda_backend).
 
 Per batch: flashinfer_meta.py builds qo/kv indptr, page indices, last-page lengths and
 the slot mapping on the host from the block tables, and one wrapper's plan() runs (the decode
@@ -218,14 +218,14 @@ def cuda_backend(device: torch.device, compute_dtype: torch.dtype | None = None,
                  ops: str | None = None) -> CudaBackend:
     """compute_dtype: None = CudaBackend.default_dtype; kv_cache_dtype: None = the compute dtype.
     attention: "auto" (FlashInfer, else torch with a logged reason), "flashinfer", "torch".
-    ops: the layers' elementwise glue on the FlashInfer path: "torch" (the reference, the
-    default) or "flashinfer" (ops.py's fused kernels: faster, other roundings); None = the
-    SARATHI_CUDA_OPS environment variable, else "torch". The default is the configuration whose
-    GPU tests all passed on a GPU (greedy equal to Hugging Face in bf16 on the test models); the
-    fused kernels round differently (once, in fp32), which moved those tests off Hugging Face's
-    results, so they stay opt-in until a GPU run shows them as close to an fp32 reference as the
-    default (tests/gpu/test_backend.py; bench/results/gpu/README.md)."""
-    ops = ops or os.environ.get("SARATHI_CUDA_OPS") or "torch"
+    ops: the layers' elementwise glue on the FlashInfer path: "flashinfer" (ops.py's fused
+    kernels, the default) or "torch" (the reference ops); None = the SARATHI_CUDA_OPS environment
+    variable, else "flashinfer". The fused kernels round once, in fp32, where Hugging Face rounds
+    to bf16 between steps: their greedy tokens can leave Hugging Face's bf16 ones after a few
+    tokens, so they are held to an fp32 reference instead, as close to it as the reference ops
+    (tests/gpu/test_backend.py, passed on an H200); the torch ops are held to Hugging Face's bf16
+    results. The fused kernels are fewer and larger (the figures: bench/results/gpu/README.md)."""
+    ops = ops or os.environ.get("SARATHI_CUDA_OPS") or "flashinfer"
     if ops not in ("torch", "flashinfer"):
         raise ValueError(f"unknown CUDA ops {ops!r} (SARATHI_CUDA_OPS); choose torch or flashinfer")
     if not torch.cuda.is_available():
