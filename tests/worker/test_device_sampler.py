@@ -111,3 +111,6 @@ def test_unknown_parameters_go_to_the_host_sampler():
     assert DeviceSampler.supports(SamplingParams(temperature=0.7, top_k=3, top_p=0.5, seed=1))
     assert DeviceSampler.supports(_ParamsWithPenalty())
     assert not DeviceSampler.supports(_ParamsWithPenalty(presence_penalty=0.5))
+    for other in (dict(min_tokens=2), dict(logprobs=0), dict(repetition_penalty=1.2), dict(frequency_penalty=0.5)):
+        assert not DeviceSampler.supports(SamplingParams(temperature=0.7, **other)), other
+    assert DeviceSampler.supports(SamplingParams(temperature=0.0, stop_token_ids=[3], ignore_eos=True))

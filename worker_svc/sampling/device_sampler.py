@@ -25,7 +25,7 @@ per batch.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -89,8 +89,7 @@ class DeviceSampler:
     @staticmethod
     def supports(params: SamplingParams) -> bool:
         """False when params set a field this sampler does not implement (see module doc)."""
-        defaults = _defaults(type(params))
-        return all(v == defaults.get(k) for k, v in params.to_dict().items() if k not in _HANDLED)
+        return all(getattr(params, k) == v for k, v in _unhandled_defaults(type(params)))
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_indices: list[int]) -> list[int]:
@@ -109,8 +108,11 @@ class DeviceSampler:
 
 
 @functools.lru_cache(maxsize=None)
-def _defaults(cls: type) -> dict:
-    return cls().to_dict()
+def _unhandled_defaults(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(field, default) of every field DeviceSampler does not implement. Read field by field:
+    supports() runs for every due sequence of every step, and to_dict() (a deep copy) cost
+    more host time a decode step than the rest of its preparation."""
+    return tuple((k, v) for k, v in cls().to_dict().items() if k not in _HANDLED)
 
 
 class DeviceFirstSampler:
