@@ -29,15 +29,18 @@ from sarathi.measure.gpu_costmodel import GPUCostModel
 
 
 def load_runs(paths: list[Path]) -> list[dict]:
-    """[{label, gpu, backend, policy, shapes: [[(start, n, decode)]], seconds: [s]}]"""
+    """[{label, gpu, backend, policy, shapes: [[(start, n, decode)]], seconds: [s]}]; a run's
+    label is its file's name, with its folder's when two files share a name."""
     out = []
+    stems = [p.stem for p in paths]
     for p in paths:
+        name = p.stem if stems.count(p.stem) == 1 else f"{p.parent.name}/{p.stem}"
         d = json.loads(p.read_text())
         for policy, entry in d["policies"].items():
             batches = entry["real"].get("batches")
             if not batches:
                 continue
-            out.append({"label": f"{p.stem}:{policy}", "gpu": d["gpu"], "backend": d["backend"],
+            out.append({"label": f"{name}:{policy}", "gpu": d["gpu"], "backend": d["backend"],
                         "policy": policy, "shapes": [[tuple(s) for s in b[0]] for b in batches],
                         "seconds": [b[1] for b in batches]})
     if not out:

@@ -253,3 +253,18 @@ def test_gpu_load_point_and_its_calibration_run_on_a_tiny_model(tmp_path):
     fit = cal["runs"]["synthetic:sarathi"]["fitted_host"]
     assert abs(fit["cpu_fixed_s"] - 2e-3) < 1e-5 and abs(fit["cpu_per_seq_s"] - 10e-6) < 1e-7
     assert abs(fit["pred_over_real_p50"] - 1) < 1e-6 and (tmp_path / "cal.png").stat().st_size > 0
+
+
+def test_calibration_names_runs_apart_when_their_files_share_a_name(tmp_path):
+    """Two load points both named gpu_load_point.json (one run's folder each) are two runs, not
+    one overwriting the other; a file with a name of its own keeps just its name."""
+    from bench.gpu_sim_calibration import load_runs
+
+    run = {"gpu": "g", "backend": "b", "policies": {"sarathi": {"real": {"batches": [[[[1000, 1, True]], 0.01]]}}}}
+    paths = []
+    for folder, name in (("a", "gpu_load_point"), ("b", "gpu_load_point"), ("b", "other")):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        paths.append(tmp_path / folder / f"{name}.json")
+        paths[-1].write_text(json.dumps(run))
+    assert [r["label"] for r in load_runs(paths)] == ["a/gpu_load_point:sarathi", "b/gpu_load_point:sarathi",
+                                                      "other:sarathi"]
