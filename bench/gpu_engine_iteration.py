@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -191,6 +192,39 @@ def decode_split(ex: ModelRunner, tiny: bool, rounds: int) -> dict:
     return out
 
 
+def host_profile(ex: ModelRunner, tiny: bool, path: Path, calls: int = 50) -> None:
+    """cProfile of the host's work alone in a graph-replayed decode step (32 decodes; 4 tiny):
+    execute with the replay left out, as decode_split's host_s, `calls` times; the 30 functions
+    with the most cumulative time (FlashInfer's plan, metadata, sampling, copies). Nothing
+    without graphs."""
+    import cProfile
+    import io
+    import pstats
+
+    g = ex.graphs
+    if g is None:
+        return
+    n = 4 if tiny else 32
+    b, size = make_batch("decode", n, 64 if tiny else 1024, tiny), next(z for z in g.sizes if z >= n)
+    replay, g.replays[size] = g.replays[size], (lambda: None)
+    try:
+        ex.execute(b)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            ex.execute(b)
+        prof.disable()
+    finally:
+        g.replays[size] = replay
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+    root = str(Path(__file__).resolve().parent.parent) + "/"
+    lines = [re.sub(r"\S*/(site-packages|python3\.\d+)/", r"\1/", ln.replace(root, ""))   # no machine paths
+             for ln in text.getvalue().splitlines() if ln.strip()]
+    path.write_text(f"# host work alone of a decode step of {n} ({calls} calls, replay left out; "
+                    f"{gpu_info()})\n" + "\n".join(lines) + "\n")
+
+
 def summarize(times: dict, cfg: ModelConfig, tiny: bool, kv_bytes_per_token: int,
               hbm_bytes_per_s: float = HBM_BYTES_PER_S, dense_flops: float = DENSE_FLOPS) -> dict:
     out = {}
@@ -355,6 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
     plot(summary, out.with_suffix(".png"), result["decode_split"])
     if not args.no_profile:
         profile(ex, args.tiny, Path(f"{out}_profile.txt"))
+        host_profile(ex, args.tiny, Path(f"{out}_host_profile.txt"))
     print(json.dumps(result["goals"], indent=1))
     for key, v in result["decode_split"].items():
         print(f"{key}: step {v['step_s'] * 1e3:.2f} ms = graph replay {v['graph_s'] * 1e3:.2f} ms "

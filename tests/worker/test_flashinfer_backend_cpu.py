@@ -6,6 +6,8 @@ the scratch block, padding to graph sizes, static buffers, sampling on the devic
 and real graph capture are GPU tests (tests/gpu/test_backend.py), not run here."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -229,10 +231,11 @@ def test_bf16_model_on_the_fused_ops_gives_the_torch_paths_logits(fake_backend, 
         assert (got["r"] - want["r"]).norm() / want["r"].norm() < 0.03, b.batch_id
 
 
-def test_gpu_benchmark_splits_a_replayed_decode_step_into_host_and_graph(fake_backend, ckpt):
+def test_gpu_benchmark_splits_a_replayed_decode_step_into_host_and_graph(fake_backend, ckpt, tmp_path):
     """bench.gpu_engine_iteration's decode split on the graph runner (eager replay here): every
     captured decode size gets the step, the replay alone and the step without the replay; the
-    step without its replay is the cheaper one, and the real replays are back in place."""
+    step without its replay is the cheaper one, and the real replays are back in place. The host
+    profile of such a step names the engine's functions without the machine's paths."""
     from bench import gpu_engine_iteration as g
 
     ex = flash_runner(ckpt)
@@ -243,3 +246,8 @@ def test_gpu_benchmark_splits_a_replayed_decode_step_into_host_and_graph(fake_ba
         assert v["graph_s"] > 0 and v["host_s"] < v["step_s"]
     assert ex.graphs.replays == before
     assert g.decode_split(flash_runner(ckpt, graphs=False), tiny=True, rounds=1) == {}
+    prof = tmp_path / "host.txt"
+    g.host_profile(ex, tiny=True, path=prof, calls=3)
+    text = prof.read_text()
+    assert "build_paged_batch" in text and "execute" in text and str(Path.cwd()) not in text
+    assert ex.graphs.replays == before
