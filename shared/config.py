@@ -183,7 +183,11 @@ class ParallelConfig:
     pp_layers: layers per stage (sums to the model's layer count; None = balanced, earlier stages
     get the remainder). master_addr/master_port: the TCP rendezvous of torch.distributed (rank 0
     listens there; port 0 = a free one, chosen by the launcher that starts every rank here).
-    timeout_s: seconds a collective or recv may wait before the peer is declared lost."""
+    store_hosted: the launcher that starts every rank on this machine already listens there, on
+    loopback (worker_svc.launcher.host_store), and every rank joins as a client: no rank binds
+    the port, so no other process can take it between its choice and its use, and nothing off
+    this machine reaches it. timeout_s: seconds a collective or recv may wait before the peer
+    is declared lost."""
 
     tp: int = 1
     pp: int = 1
@@ -192,6 +196,7 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     timeout_s: float = 60.0
+    store_hosted: bool = False
 
     @property
     def world_size(self) -> int:

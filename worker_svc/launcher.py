@@ -2,13 +2,14 @@
 
 `sarathi worker --tp T --pp P` (without --rank and without RANK in the environment) runs
 `launch_local`: it checks the layout against the model's config (before any weight is read),
-picks a free rendezvous port, and spawns T x P processes, one per rank, each serving its
-ZeroMQ socket at shared.config.rank_address(bind, rank). Like torchrun, the replica lives and
-dies as one: when any rank exits (crash, or a rank that saw a peer die and stopped), the others
-are terminated and the launcher exits with that rank's code, so a supervisor (compose restart
-policy, a Kubernetes pod) restarts the whole replica. SIGTERM / Ctrl-C stop every rank. The
-ranks inherit this process's environment, link keys included (SARATHI_LINK_*, see
-shared.link_auth): every rank's socket is authenticated like a single worker's.
+hosts the rendezvous store on a free loopback port (host_store), and spawns T x P processes,
+one per rank, each serving its ZeroMQ socket at shared.config.rank_address(bind, rank). Like
+torchrun, the replica lives and dies as one: when any rank exits (crash, or a rank that saw a
+peer die and stopped), the others are terminated and the launcher exits with that rank's code,
+so a supervisor (compose restart policy, a Kubernetes pod) restarts the whole replica. SIGTERM /
+Ctrl-C stop every rank. The ranks inherit this process's environment, link keys included
+(SARATHI_LINK_*, see shared.link_auth): every rank's socket is authenticated like a single
+worker's.
 
 For several machines, start one process per rank instead (`sarathi worker --tp T --pp P --rank
 R --master-addr A`, or under torchrun, which sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT).
@@ -30,10 +31,31 @@ from shared.config import ParallelConfig, WorkerServiceConfig
 log = logging.getLogger("sarathi.worker")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def host_store(world_size: int, port: int = 0, timeout_s: float = 60.0):
+    """The replica's torch.distributed rendezvous store (a TCPStore server), hosted by the
+    launcher for the ranks it starts on this machine: a socket bound to 127.0.0.1:port (0: a
+    free one) and listening before any rank starts, handed to the TCPStore server as its
+    listening socket. Bound here, the port cannot be taken by another process before the ranks
+    use it (a port chosen here and bound by rank 0 seconds later could be), and on loopback
+    nothing off this machine can reach the store (rank 0's own store listens on every
+    interface). The store owns the socket from then on (it closes it when it goes): keep it for
+    the replica's life. Its port is store.port."""
+    import datetime
+
+    import torch.distributed as dist
+
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen(max(128, 2 * world_size))
+        store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], world_size, is_master=True,
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()      # the store's server listens on this descriptor and closes it
+    return store
 
 
 def launch_local(config: WorkerServiceConfig) -> int:
@@ -45,8 +67,8 @@ def launch_local(config: WorkerServiceConfig) -> int:
 
     parallel = config.parallel
     par.check(read_config(resolve_model(config.engine.model)), parallel)
-    if not parallel.master_port:
-        parallel = replace(parallel, master_port=free_port())
+    store = host_store(parallel.world_size, parallel.master_port, parallel.timeout_s)
+    parallel = replace(parallel, master_addr="127.0.0.1", master_port=store.port, store_hosted=True)
     ctx = mp.get_context("spawn")   # not fork: each rank starts clean (threads, torch state)
     procs = [ctx.Process(target=_rank_main, name=f"sarathi-rank{r}", daemon=False,
                          args=(_rank_config(config, replace(parallel, rank=r)), os.getpid()))
@@ -84,6 +106,7 @@ def launch_local(config: WorkerServiceConfig) -> int:
                 p.join(5)
         for s, h in old.items():
             signal.signal(s, h)
+        del store           # stops listening
     return code
 
 

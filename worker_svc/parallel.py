@@ -241,11 +241,17 @@ class Parallel:
 
 def init_distributed(pc: ParallelConfig, backend: str) -> None:
     """Join the replica's process group (TCP rendezvous at master_addr:master_port) over the
-    torch.distributed `backend` (the device backend's dist_backend: gloo on CPU, nccl on CUDA)."""
+    torch.distributed `backend` (the device backend's dist_backend: gloo on CPU, nccl on CUDA).
+    Rank 0 hosts the rendezvous store (on every interface: torch.distributed's TCPStore binds no
+    address of its own), unless the local launcher already hosts it (pc.store_hosted)."""
     if pc.world_size == 1 or dist.is_initialized():
         return
     log.info("%s: joining process group (%s) at %s:%d", pc.describe(), backend, pc.master_addr,
              pc.master_port)
+    timeout = datetime.timedelta(seconds=pc.timeout_s)
+    if pc.store_hosted:     # the launcher listens: every rank is a client of its store
+        store = dist.TCPStore(pc.master_addr, pc.master_port, pc.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=pc.rank, world_size=pc.world_size, timeout=timeout)
+        return
     dist.init_process_group(backend, init_method=f"tcp://{pc.master_addr}:{pc.master_port}",
-                            rank=pc.rank, world_size=pc.world_size,
-                            timeout=datetime.timedelta(seconds=pc.timeout_s))
+                            rank=pc.rank, world_size=pc.world_size, timeout=timeout)

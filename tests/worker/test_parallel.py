@@ -203,3 +203,42 @@ def test_a_dead_rank_fails_the_batches_in_flight_within_seconds(tmp_path, tiny, 
     finally:
         rep.close()
 
+
+
+def _outward_address() -> str | None:
+    """An address of this machine other than loopback (none: None). A UDP connect sends nothing."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        addr = s.getsockname()[0]
+    return None if addr.startswith("127.") else addr
+
+
+def test_the_launcher_holds_the_rendezvous_port_on_loopback():
+    """The launcher's rendezvous store listens before any rank starts: the port cannot be taken
+    by another process in between (binding it again fails), a rank-style client on loopback
+    reaches the store, and a connection from this machine's outward address is refused."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from worker_svc.launcher import host_store
+
+    store = host_store(2, timeout_s=5)
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", store.port))
+        client = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=datetime.timedelta(seconds=5))
+        client.set("rank1", "here")
+        assert store.get("rank1") == b"here"
+        outward = _outward_address()
+        if outward is not None:
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((outward, store.port), timeout=5).close()
+    finally:
+        del store
