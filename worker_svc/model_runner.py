@@ -28,6 +28,7 @@ from worker_svc.loader import load_weights, read_config
 from worker_svc.model.linear import TensorParallel
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.sampling import SamplerOutput, Verified, emitted_logprobs, verify
+from worker_svc.sampling.speculative import draft_tokens
 
 log = logging.getLogger("sarathi.worker")
 
@@ -192,9 +193,13 @@ class ModelRunner:
             out.tokens.extend(got.tokens)
             out.logprobs.update(got.logprobs)
         eos = list(self.model_cfg.eos_token_ids)
-        results = [verify(logits[start:start + n], s, eos, self.spec_generator) for s, start, n in spans]
+        # a constrained chunk's rows are masked by its grammar after the drafts before each
+        masks = [self.sampler.guides.draft_masks(s, draft_tokens(s)) if s.sampling.constraint is not None
+                 else None for s, _, _ in spans]
+        results = [verify(logits[start:start + n], s, eos, self.spec_generator, mask)
+                   for (s, start, n), mask in zip(spans, masks)]
         if par is not None and par.tp.world_size > 1:
-            results = self._agree(spans, results, logits, eos, par)
+            results = self._agree(spans, results, logits, eos, par, masks)
         for (s, _, _), v in zip(spans, results):
             if v.logprobs is not None:
                 accepted_lps[s.req_id] = v.logprobs[:-1]
@@ -205,7 +210,7 @@ class ModelRunner:
         return order, out
 
     @staticmethod
-    def _agree(spans, results, logits, eos, par):
+    def _agree(spans, results, logits, eos, par, masks):
         """TP: every rank of the last stage verifies; TP rank 0's results are kept (broadcast
         as k + 2 ints a seq: the number accepted, the accepted drafts padded to k, the token),
         with logprobs of the kept tokens."""
@@ -214,13 +219,13 @@ class ModelRunner:
             flat += [len(v.accepted)] + v.accepted + [0] * (n - 1 - len(v.accepted)) + [v.token]
         flat = par.broadcast_tokens(flat)
         kept, i = [], 0
-        for (s, start, n), v in zip(spans, results):
+        for (s, start, n), v, mask in zip(spans, results, masks):
             a = flat[i]
             acc, token = flat[i + 1:i + 1 + a], flat[i + n]
             i += n + 1
             if (acc, token) != (v.accepted, v.token):
                 v = Verified(acc, token, None if v.logprobs is None else
-                             emitted_logprobs(logits[start:start + n], s, eos, acc + [token]))
+                             emitted_logprobs(logits[start:start + n], s, eos, acc + [token], mask))
             kept.append(v)
         return kept
 
@@ -295,10 +300,10 @@ class ModelRunner:
         if n == 0:
             raise BatchError(f"request {s.req_id}: empty token_ids (an empty prompt cannot be run)")
         if s.num_draft_tokens and (not s.sample or not 0 < s.num_draft_tokens < n
-                                   or s.sampling.reads_history):
+                                   or s.sampling.has_penalties):
             raise BatchError(f"request {s.req_id}: {s.num_draft_tokens} draft tokens in a chunk of {n} "
                              "(drafts need a sampled chunk, at least one verified token, and no "
-                             "penalties or output constraint)")
+                             "penalties)")
         if s.start_pos < 0:
             raise BatchError(f"request {s.req_id}: negative start_pos {s.start_pos}")
         if end > self.model_info.max_model_len:

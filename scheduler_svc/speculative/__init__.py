@@ -4,10 +4,11 @@ per-request k rule (base.Speculator). The worker verifies the drafts
 (scheduler_svc.policies.base.Policy.take_drafts).
 
 Which requests get drafts (`eligible`): greedy requests, and sampled requests without a seed,
-none of them with penalties or an output constraint, and not opted out
-(SamplingParams.speculative False). Penalties and constraints make each position's
-distribution depend on the tokens before it, drafts included; a seeded sampled request's tokens
-must not depend on how many drafts the load allowed (a replay must draw the same tokens).
+none of them with penalties, and not opted out (SamplingParams.speculative False). Penalties
+make each position's distribution depend on the counts of the tokens before it, drafts
+included; a seeded sampled request's tokens must not depend on how many drafts the load allowed
+(a replay must draw the same tokens). Requests with an output constraint do get drafts: the
+worker masks each verified position by what the grammar allows after the drafts before it.
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def make_speculator(config: SchedulerConfig, model_info: ModelInfo | None = None
 def eligible(req: Request) -> bool:
     """Whether req may be given drafts at all (module doc)."""
     p = req.sampling
-    return (p.speculative and not p.reads_history
+    return (p.speculative and not p.has_penalties
             and (p.greedy or p.seed is None))
 
 

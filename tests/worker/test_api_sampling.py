@@ -196,3 +196,21 @@ def test_logprobs_of_a_greedy_token_equal_the_log_softmax_of_the_model_logits(ck
     assert out.output_token_ids[0] == top_ids[0] == int(lp.argmax())
     assert chosen == pytest.approx(float(lp.max()), abs=1e-4)
     assert top_lps == pytest.approx(lp.topk(3).values.tolist(), abs=1e-4)
+
+
+def test_token_history_keeps_draft_tokens_out_of_the_generated_ones():
+    """A chunk's drafts are recorded (the next chunk starts after the accepted ones) but are not
+    generated tokens: split() of the chunk ends before them; the next chunk, past one accepted
+    draft and the token after it, leaves exactly those."""
+    import dataclasses
+
+    h = TokenHistory()
+    g = dict(constraint='{"grammars": []}')
+    h.observe(chunk("r", [10, 11, 12], 0, sample=False, **g))
+    h.observe(chunk("r", [13], 3, **g))
+    c = dataclasses.replace(chunk("r", [20, 21, 22], 4, out=1, **g), num_draft_tokens=2)
+    h.observe(c)
+    assert h.split(c) == ([10, 11, 12, 13], [20])
+    c = chunk("r", [30], 6, out=3, **g)          # draft 21 accepted, 30 drawn after it
+    h.observe(c)
+    assert h.split(c) == ([10, 11, 12, 13], [20, 21, 30])

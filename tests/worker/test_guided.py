@@ -177,3 +177,38 @@ def test_the_device_sampler_path_keeps_the_constraint(tokenizer):
     out = run(sampler, params, 120, tokenizer.vocab_size)
     for ids in out.values():
         jsonschema.validate(json.loads(text_of(tokenizer, ids)), SCHEMA)
+
+
+def test_draft_masks_follow_the_grammar_through_the_drafts(tokenizer):
+    """The masks of a constrained chunk with drafts: row 0 is the mask decoding without drafts
+    applies now; row i + 1 is the mask after drafts[:i + 1] (each valid draft allowed in its
+    own row); a draft the grammar forbids is forbidden in its row and every row after it allows
+    everything; the matcher is where it was afterwards."""
+    from worker_svc.sampling.guided import unpack_bitmask
+
+    sampler = make_sampler(tokenizer)
+    p = SamplingParams(temperature=0.0, max_tokens=50, constraint=grammar_for("regex", "(abc|abd)+x", "regex"))
+    enc = [tokenizer.encode(t, add_special_tokens=False) for t in ("abc", "abd", "x")]
+    generated = enc[0]
+    first = SeqChunk("r", list(PROMPT), 0, [0], False, p, 0)
+    sampler.observe([first])
+    seq = PROMPT + generated
+    plain = SeqChunk("r", seq[-1:], len(seq) - 1, [0], True, p, len(generated))
+    sampler.observe([plain])
+    now = sampler.guides.masks([plain]).bitmask[0]
+    bad = tokenizer.encode("zz", add_special_tokens=False)[0]
+    drafts = enc[1] + [bad] + enc[2]
+    chunk = SeqChunk("r", seq[-1:] + drafts, len(seq) - 1, [0], True, p, len(generated),
+                     num_draft_tokens=len(drafts))
+    sampler.observe([chunk])
+    rows = sampler.guides.draft_masks(chunk, drafts)
+    allowed = unpack_bitmask(rows, "cpu")
+    assert rows.shape[0] == len(drafts) + 1 and torch.equal(rows[0], now)
+    for i, d in enumerate(enc[1]):
+        assert allowed[i, d], f"draft {i} ({d}) should be allowed after the ones before it"
+    at_bad = len(enc[1])
+    assert not allowed[at_bad, bad]
+    assert bool((rows[at_bad + 1:] == -1).all())
+    again = SeqChunk("r", seq[-1:], len(seq) - 1, [0], True, p, len(generated))
+    sampler.observe([again])
+    assert torch.equal(sampler.guides.masks([again]).bitmask[0], now)

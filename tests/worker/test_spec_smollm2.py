@@ -97,3 +97,29 @@ def test_logprobs_and_sampling_with_drafts(llm):
     out = on.generate(ids, SamplingParams(temperature=0.5, max_tokens=24))[0]
     assert len(out.output_token_ids) == 24 or out.finish_reason == "stop"
     assert on.stats()["spec_accepted_tokens"] > before
+
+
+def test_structured_output_with_drafts_is_identical_and_drafts_are_accepted(llm):
+    """A JSON-schema request speculates: each verified row is masked by what the grammar allows
+    after the drafts before it, so greedy output is token for token the output without drafts
+    (and valid JSON), and the values copied from the prompt are drafted and accepted."""
+    import json
+
+    from shared.constraints import grammar_for
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["keeper", "times", "notebook"],
+              "properties": {"keeper": {"type": "string"}, "times": {"type": "array", "items": {"type": "string"}},
+                             "notebook": {"type": "string"}}}
+    ids = [llm.tokenizer.encode_chat([{"role": "user", "content": "Answer in JSON: who is the keeper, "
+                                       "every time mentioned, and what he wrote in the notebook?\n\n" + PASSAGE}])]
+    params = SamplingParams(temperature=0.0, max_tokens=64,
+                            constraint=grammar_for("json_schema", schema, "response_format"))
+    base = llm.make_engine(llm.scheduler_config).generate(ids, params)[0]
+    on = fixed_cost(llm.make_engine(dataclasses.replace(llm.scheduler_config, speculative="ngram",
+                                                        num_speculative_tokens=6)))
+    got = on.generate(ids, params)[0]
+    assert got.output_token_ids == base.output_token_ids
+    if base.finish_reason == "stop":
+        json.loads(llm.tokenizer.decode(base.output_token_ids))
+    st = on.stats()
+    assert st["spec_proposed_tokens"] > 0 and st["spec_accepted_tokens"] >= 5

@@ -98,3 +98,28 @@ def test_a_draft_outside_top_k_is_always_rejected():
 def test_a_mismatched_row_count_is_an_error():
     with pytest.raises(ValueError, match="rows"):
         verify(torch.zeros(2, V), chunk([1, 2], SamplingParams(temperature=0.0)), EOS)
+
+
+def bitmask(rows: list[list[int]]) -> torch.Tensor:
+    """int32 bitmask [len(rows), 1] allowing the listed tokens of each row (V <= 32)."""
+    return torch.tensor([[sum(1 << t for t in allowed)] for allowed in rows], dtype=torch.int32)
+
+
+def test_a_grammar_mask_applies_to_each_row_greedy_and_sampled():
+    """Row i is masked by what the grammar allows after the drafts before it: a draft that is
+    its row's raw argmax but forbidden there is rejected, and the token emitted is the best
+    allowed one; sampled rows never draw a forbidden token."""
+    rows = torch.tensor([[0, 3, 1, 0, 0, 0], [0, 0, 0, 4, 1, 0], [2, 0, 0, 0, 0, 0],
+                         [0, 0, 0, 0, 9, 0]], dtype=torch.float32)
+    greedy = SamplingParams(temperature=0.0)
+    allow_all = bitmask([list(range(V))] * 4)
+    assert verify(rows, chunk([1, 3, 0], greedy), EOS, mask=allow_all).accepted == [1, 3, 0]
+    no_3_after_1 = bitmask([list(range(V)), [0, 1, 2, 4, 5], list(range(V)), list(range(V))])
+    v = verify(rows, chunk([1, 3, 0], greedy), EOS, mask=no_3_after_1)
+    assert (v.accepted, v.token) == ([1], 4)            # 3 forbidden at row 1: its best allowed is 4
+    only_2_first = bitmask([[2], list(range(V)), list(range(V)), list(range(V))])
+    g = torch.Generator().manual_seed(0)
+    sampled = SamplingParams(temperature=1.0)
+    for _ in range(200):
+        v = verify(rows[:3], chunk([1, 3], sampled), EOS, g, mask=only_2_first[:3])
+        assert (v.accepted, v.token) == ([], 2)         # draft 1 has probability 0 under the mask

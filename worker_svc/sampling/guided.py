@@ -142,6 +142,27 @@ class Guides:
                 self._only_eos(bitmask[k], tok.eos_tokens)
         return GuideMask(rows, bitmask)
 
+    def draft_masks(self, chunk: SeqChunk, drafts: list[int]) -> torch.Tensor:
+        """int32 bitmask [k + 1, ceil(V / 32)] of a constrained chunk with k drafts: row i allows
+        what the grammar allows after the request's generated tokens and drafts[:i], so row i of
+        the verification sees the distribution decoding without drafts would have given there.
+        From the first draft the grammar forbids on, the rows allow every token (verification
+        rejects that draft at its own row, and no later row is read). The matcher is left where
+        it was (llguidance rolls the drafts back); the tokens verification keeps reach it
+        through the token history at the request's next mask."""
+        if self._pending is not None:     # a fill in flight may use this executor: let it end
+            self._pending[1].exception()
+        tok = self.tokenizer()
+        width = (tok.vocab_size + 31) // 32
+        bitmask = torch.full((len(drafts) + 1, width), -1, dtype=torch.int32)
+        g = self._sync(chunk)
+        self._executor.unsafe_compute_mask_ptr_with_draft_token(
+            [(g.matcher, 0, list(drafts))], bitmask.data_ptr(), width * 4, len(drafts) + 1)
+        if g.matcher.is_error():
+            for row in bitmask:
+                self._only_eos(row, tok.eos_tokens)
+        return bitmask
+
     def advance(self, due: list[SeqChunk], tokens: list[int]) -> None:
         """Feed each constrained row's matcher the token kept for it."""
         for c, t in zip(due, tokens):

@@ -5,9 +5,12 @@ The rows: row i (0 <= i <= k) holds the logits after the chunk's i-th token, i.e
 model's distribution for output index output_index + i, given the request's tokens and drafts
 1..i before it. Each row is processed as the host sampler processes a row (sampler.py's module
 doc): logit_bias, min_tokens (per row: the EOS hold-back ends at the row whose output index
-reaches min_tokens), temperature, top-k, top-p. Penalties and output constraints depend on the
-tokens before each row, so requests with either are never given drafts (the scheduler's rule,
-checked by the model runner); the verification here would otherwise be wrong for them.
+reaches min_tokens), the output constraint's mask, temperature, top-k, top-p. A constrained
+request's row i is masked by what its grammar allows after the drafts before it (the caller
+passes those masks: worker_svc.sampling.guided.Guides.draft_masks), which is the mask decoding
+without drafts would apply there whenever those drafts are accepted. Penalties depend on the
+counts of the tokens before each row, so requests with them are never given drafts (the
+scheduler's rule, checked by the model runner).
 
 The acceptance rule. Drafts come from proposers that name one token per position, a point-mass
 draft distribution q = onehot(d). Standard speculative sampling (Leviathan et al.; Chen et al.)
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.messages import SeqChunk
+from worker_svc.sampling.guided import GuideMask, apply_token_bitmask
 from worker_svc.sampling.sampler import filtered_probs, token_logprobs
 
 
@@ -49,10 +53,14 @@ def draft_tokens(chunk: SeqChunk) -> list[int]:
     return list(chunk.token_ids[len(chunk.token_ids) - k:]) if k else []
 
 
-def process_rows(logits: torch.Tensor, chunk: SeqChunk, eos_token_ids: list[int]) -> torch.Tensor:
-    """logits [k+1, V] -> float32 rows after logit_bias and the min_tokens hold-back (a copy)."""
+def process_rows(logits: torch.Tensor, chunk: SeqChunk, eos_token_ids: list[int],
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [k+1, V] -> float32 rows after logit_bias, the min_tokens hold-back and, when
+    given, the grammar's int32 bitmask [k+1, W] (a copy)."""
     p = chunk.sampling
     rows = logits.float().clone()
+    if mask is not None:
+        apply_token_bitmask(rows, GuideMask(list(range(rows.shape[0])), mask))
     vocab = rows.shape[-1]
     for t, b in p.logit_bias:
         if t < vocab:
@@ -67,15 +75,16 @@ def process_rows(logits: torch.Tensor, chunk: SeqChunk, eos_token_ids: list[int]
 
 
 def verify(logits: torch.Tensor, chunk: SeqChunk, eos_token_ids: list[int],
-           generator: torch.Generator | None = None) -> Verified:
+           generator: torch.Generator | None = None, mask: torch.Tensor | None = None) -> Verified:
     """The accepted drafts and the next token of one chunk with drafts (see the module doc).
-    logits: [k+1, V], on any device; generator: on the logits' device (sampled requests)."""
+    logits: [k+1, V], on any device; generator: on the logits' device (sampled requests);
+    mask: a constrained request's int32 bitmask [k+1, W] on the host (Guides.draft_masks)."""
     drafts = draft_tokens(chunk)
     k = len(drafts)
     if logits.shape[0] != k + 1:
         raise ValueError(f"request {chunk.req_id}: {logits.shape[0]} logits rows for {k} drafts")
     p = chunk.sampling
-    rows = process_rows(logits, chunk, eos_token_ids)
+    rows = process_rows(logits, chunk, eos_token_ids, mask)
     accepted: list[int] = []
     if p.greedy:
         best = rows.argmax(dim=-1).tolist()
@@ -105,10 +114,10 @@ def verify(logits: torch.Tensor, chunk: SeqChunk, eos_token_ids: list[int],
 
 
 def emitted_logprobs(logits: torch.Tensor, chunk: SeqChunk, eos_token_ids: list[int],
-                     emitted: list[int]) -> list[list]:
+                     emitted: list[int], mask: torch.Tensor | None = None) -> list[list]:
     """The logprobs entries of `emitted` (accepted drafts, then the token after them) from the
     chunk's raw logits rows (tensor parallelism: tokens kept from another rank)."""
-    return _logprobs(process_rows(logits, chunk, eos_token_ids), chunk.sampling, emitted)
+    return _logprobs(process_rows(logits, chunk, eos_token_ids, mask), chunk.sampling, emitted)
 
 
 def _logprobs(rows: torch.Tensor, p, emitted: list[int]) -> list[list]:

@@ -52,7 +52,11 @@ class TokenHistory:
 
     def split(self, chunk: SeqChunk) -> tuple[list[int], list[int]]:
         """(prompt ids, generated ids) of the sequence through the end of `chunk` (observed
-        first): the last output_index tokens are the generated ones."""
+        first) but its draft tokens: the output_index tokens before the drafts are the
+        generated ones."""
         seq = self._seqs[chunk.req_id]
-        cut = len(seq) - chunk.output_index
-        return seq[:cut], seq[cut:]
+        # a chunk's draft tokens are recorded (the next chunk starts after the accepted ones,
+        # dropping the rest) but are not generated tokens yet
+        end = len(seq) - chunk.num_draft_tokens
+        cut = end - chunk.output_index
+        return seq[:cut], seq[cut:end]
