@@ -1,6 +1,7 @@
 """Speculative decoding on the CPU, batch 1: decode tokens/s with and without n-gram drafts on
 the default model, on an input-grounded workload (rewrite, summarize, extract, edit code from a
-passage in the prompt) and on plain chat.
+passage in the prompt), on plain chat, and on structured outputs (JSON schemas filled from a
+passage or code in the prompt: every verified position is masked by the grammar).
 
 Each prompt runs alone (batch-1 decode), greedy, without drafts then with, `--reps` times in
 turn, so the two arms see the same machine state; each arm keeps its fastest repetition (other
@@ -11,6 +12,7 @@ of tokens over the sum of times of its prompts. Each run starts a fresh schedule
 of a draft is measured anew (scheduler_svc/speculative/base.py).
 
     python -m bench.speculation_cpu OUT_PREFIX [--threads 1] [--max-tokens 80] [--k 6] [--reps 2] [--quick]
+        [--workloads grounded,chat,structured]
 
 writes OUT_PREFIX.json and OUT_PREFIX.png.
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from sarathi import LLM
 from sarathi.measure.env import command_line, machine
+from shared.constraints import grammar_for
 from shared.sampling import SamplingParams
 
 PASSAGE = (
@@ -55,6 +58,29 @@ CHAT = [
     "Suggest a name for a bakery and explain it.",
 ]
 
+_STR = {"type": "string"}
+# (prompt, JSON schema): the answer's values are mostly copied from the prompt
+STRUCTURED = [
+    ("Return the facts of this passage as JSON.\n\n" + PASSAGE,
+     {"type": "object", "additionalProperties": False,
+      "required": ["library", "opened", "books_donated", "fire_year", "librarian", "most_borrowed"],
+      "properties": {"library": _STR, "opened": {"type": "integer"}, "books_donated": _STR,
+                     "fire_year": {"type": "integer"}, "librarian": _STR, "most_borrowed": _STR}}),
+    ("Split this passage into its sentences, as a JSON list of strings, word for word.\n\n" + PASSAGE,
+     {"type": "array", "items": _STR}),
+    ("Describe each function of this code as JSON: its name, its arguments and its body, "
+     "copied exactly.\n\n" + CODE,
+     {"type": "array", "items": {"type": "object", "additionalProperties": False,
+                                 "required": ["name", "arguments", "body"],
+                                 "properties": {"name": _STR, "arguments": {"type": "array", "items": _STR},
+                                                "body": _STR}}}),
+    ("List every event in this passage as JSON objects with the year and what happened, in the "
+     "passage's words.\n\n" + PASSAGE,
+     {"type": "array", "items": {"type": "object", "additionalProperties": False, "required": ["year", "event"],
+                                 "properties": {"year": {"type": "integer"}, "event": _STR}}}),
+]
+WORKLOADS = ("grounded", "chat", "structured")
+
 
 def decode_rate(out) -> tuple[int, float]:
     """(decode tokens, seconds) of one request: the tokens after its first, over their span."""
@@ -67,7 +93,9 @@ def run(args) -> dict:
     off_cfg = llm.scheduler_config
     on_cfg = dataclasses.replace(off_cfg, speculative="ngram", num_speculative_tokens=args.k)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    workloads = {"grounded": GROUNDED, "chat": CHAT}
+    every = {"grounded": [(t, None) for t in GROUNDED], "chat": [(t, None) for t in CHAT],
+             "structured": STRUCTURED}
+    workloads = {k: every[k] for k in args.workloads}
     if args.quick:
         workloads = {k: v[:2] for k, v in workloads.items()}
     warm = llm.tokenizer.encode_chat([{"role": "user", "content": CHAT[0]}])
@@ -75,15 +103,17 @@ def run(args) -> dict:
     result = {}
     for name, prompts in workloads.items():
         rows = []
-        for text in prompts:
+        for text, schema in prompts:
             ids = llm.tokenizer.encode_chat([{"role": "user", "content": text}])
             row = {"prompt": text[:60], "prompt_tokens": len(ids)}
+            request = params if schema is None else dataclasses.replace(
+                params, constraint=grammar_for("json_schema", schema, "response_format"))
             outs = {}
             for _ in range(args.reps):
                 for arm, cfg in (("off", off_cfg), ("ngram", on_cfg)):
                     engine = llm.make_engine(cfg)
                     t0 = time.perf_counter()
-                    out = engine.generate([ids], params)[0]
+                    out = engine.generate([ids], request)[0]
                     n, secs = decode_rate(out)
                     outs.setdefault(arm, out.output_token_ids)
                     if outs[arm] != out.output_token_ids:
@@ -148,7 +178,12 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2, help="runs per prompt and arm, fastest kept")
     p.add_argument("--k", type=int, default=6, help="--num-speculative-tokens")
     p.add_argument("--quick", action="store_true", help="two prompts per workload")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of " + ", ".join(WORKLOADS))
     args = p.parse_args()
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    unknown = set(args.workloads) - set(WORKLOADS)
+    if unknown or not args.workloads:
+        p.error(f"--workloads: choose from {', '.join(WORKLOADS)} (got {args.workloads})")
     started = machine()
     result = run(args)
     out = Path(args.out)

@@ -27,8 +27,7 @@ from worker_svc.kv_cache import PagedKVCache
 from worker_svc.loader import load_weights, read_config
 from worker_svc.model.linear import TensorParallel
 from worker_svc.model.llama import LlamaForCausalLM
-from worker_svc.sampling import SamplerOutput, Verified, emitted_logprobs, verify
-from worker_svc.sampling.speculative import draft_tokens
+from worker_svc.sampling import SamplerOutput, Verified, draft_tokens, emitted_logprobs, verify
 
 log = logging.getLogger("sarathi.worker")
 

@@ -11,7 +11,7 @@ it imports only the names below.
 * guided.py: Guides, constrained decoding (one llguidance matcher per request, token bitmasks
   filled while the forward pass runs);
 * speculative.py: verify, the acceptance of a decode chunk's draft tokens (greedy: exact;
-  sampled: the rejection-sampling rule for point-mass drafts);
+  sampled: the rejection-sampling rule for point-mass drafts; a grammar's mask per row);
 * token_history.py: TokenHistory, each request's tokens as the worker saw them (what penalties
   and matchers read).
 
@@ -23,9 +23,9 @@ logits row, parameters, seed and i, never on the rest of the batch.
 from worker_svc.sampling.device_sampler import DeviceFirstSampler, DeviceSampler
 from worker_svc.sampling.guided import ConstraintUnavailableError, Guides
 from worker_svc.sampling.sampler import Sampler, SamplerOutput, TokenSampler
-from worker_svc.sampling.speculative import Verified, emitted_logprobs, verify
+from worker_svc.sampling.speculative import Verified, draft_tokens, emitted_logprobs, verify
 from worker_svc.sampling.token_history import MissingHistoryError, TokenHistory
 
 __all__ = ["ConstraintUnavailableError", "DeviceFirstSampler", "DeviceSampler", "Guides", "MissingHistoryError",
-           "Sampler", "SamplerOutput", "TokenHistory", "TokenSampler", "Verified", "emitted_logprobs",
-           "verify"]
+           "Sampler", "SamplerOutput", "TokenHistory", "TokenSampler", "Verified", "draft_tokens",
+           "emitted_logprobs", "verify"]
