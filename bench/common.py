@@ -10,6 +10,7 @@ up to `chunk` tokens on the blocks after them. The model runner's cache holds ex
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,14 @@ GREEDY = SamplingParams(temperature=0.0)
 
 # SmolLM2-135M's linear layers (hidden, intermediate, heads, kv heads, head dim, layers, vocab)
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server a benchmark starts (another process could
+    take it before the server binds it: fine for a benchmark, never what the product does)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def machine_line() -> str:

@@ -40,7 +40,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -49,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import machine
+from bench.common import free_port, machine
 from sarathi.measure.loadgen import make_workload, run_http
 from sarathi.measure.metrics import RequestRecord, json_safe, percentile, summarize
 from sarathi.measure.trace import Trace, load_trace
@@ -88,11 +87,6 @@ def parse_slos(specs: list[str]) -> dict[str, tuple[float, float]]:
 
 
 # -- the stacks ----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _get(url: str, timeout: float = 2.0) -> str | None:
     try:
@@ -106,7 +100,7 @@ class Stack:
     """`sarathi serve` with a deployment's flags, on a free port, until close()."""
 
     def __init__(self, name: str, common: list[str], log_dir: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "sarathi", "serve", "--port", str(self.port), *common,
                     *DEPLOYMENTS[name]]

@@ -51,12 +51,12 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import free_port
 from sarathi.measure.env import machine
 from sarathi.measure.loadgen import ChatShape, RequestSpec, make_chat_workload, make_workload, run_http
 from sarathi.measure.metrics import json_safe, meets_slo, summarize
 from sarathi.measure.scrape import summed
 from sarathi.measure.trace import Trace, load_trace
-from worker_svc.launcher import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTINGS = ("shared-queue", "least-queue", "prefix", "mix")

@@ -28,7 +28,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,17 +35,12 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from bench.common import machine, rss_mb
+from bench.common import free_port, machine, rss_mb
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("river stone cloud lamp orange window garden silver engine paper music forest train "
          "coffee mountain letter candle bridge winter ocean").split()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(url: str) -> dict[str, float]:

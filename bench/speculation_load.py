@@ -52,7 +52,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.common import machine
+from bench.common import free_port, machine
 from bench.peer_llama_server import _unjson, capacity_from_points
 from bench.speculation_cpu import GROUNDED
 from sarathi.measure.env import command_line
@@ -61,7 +61,6 @@ from sarathi.measure.metrics import json_safe, meets_slo, summarize
 from sarathi.measure.scrape import summed
 from sarathi.measure.trace import load_trace
 from shared.model_source import default_gguf_path
-from worker_svc.launcher import free_port
 
 VOCAB = 49152                 # SmolLM2's vocabulary: token-id prompts are drawn below it
 TTFT_P50_S = 2.0              # the "+ TTFT" condition of bench/results/peer
