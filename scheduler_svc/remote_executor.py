@@ -38,6 +38,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +113,29 @@ def _monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
     return mon
 
 
+def _retire(sock: zmq.Socket, mon: zmq.Socket | None) -> None:
+    """Close a monitored link: its monitor is turned off before its reader goes. A reader that
+    goes first leaves libzmq's event socket without a peer, and its next event (the link's own
+    disconnect, emitted while the socket is torn down) is a send that blocks the context's I/O
+    thread forever: every socket of the context goes silent."""
+    if mon is not None and not sock.closed:
+        sock.disable_monitor()
+    sock.close(0)
+    if mon is not None:
+        mon.close(0)
+
+
+def _close_links(socks: list, monitors: list, announcers: dict) -> None:
+    """Every socket of an executor, in the order _retire needs (also when it is collected
+    without close(): weakref.finalize holds these lists, so none of them goes first)."""
+    for i, s in enumerate(socks):
+        _retire(s, monitors[i])
+        monitors[i] = None
+    for s in announcers.values():
+        s.close(0)
+    announcers.clear()
+
+
 class RemoteExecutor:
     """submit(batch) / collect() -> (batch, BatchOutput), and execute(batch), over ZeroMQ.
 
@@ -145,13 +169,11 @@ class RemoteExecutor:
         self.parallel: dict = single_rank_layout()
         self._inflight: deque[_Call] = deque()   # submitted batches, oldest first
         self.kv_address: str | None = None       # the worker's KV receiver (from its "info")
+        self._finalizer = weakref.finalize(self, _close_links, self.socks, self.monitors, self._announcers)
 
     def _connect(self, i: int, address: str) -> zmq.Socket:
         """A fresh DEALER to worker i, with heartbeats and a monitor (inproc:// has neither:
-        a worker thread cannot die alone)."""
-        if self.monitors[i] is not None:
-            self.monitors[i].close(0)
-            self.monitors[i] = None
+        a worker thread cannot die alone). The link it replaces is retired first (_renew)."""
         s = link_auth.bound(self.ctx.socket(zmq.DEALER), max_msg_bytes=MAX_REPLY_BYTES, sndhwm=QUEUED_MSGS,
                             rcvhwm=QUEUED_MSGS, sndtimeo_ms=int(self.timeout_s * 1000))
         if link_auth.uses_curve(address, self.keys):
@@ -458,7 +480,8 @@ class RemoteExecutor:
     def _renew(self, i: int) -> None:
         """A fresh socket (and monitor) for worker i: nothing queued for a dead peer is delivered
         to its replacement, and a late reply cannot be mistaken for a new one."""
-        self.socks[i].close(0)
+        _retire(self.socks[i], self.monitors[i])
+        self.monitors[i] = None
         self.socks[i] = self._connect(i, self.addresses[i])
 
     def _lost_error(self, i: int, what: str = "") -> WorkerLostError:
@@ -487,6 +510,4 @@ class RemoteExecutor:
                         kv_address, msg["op"], msg["req_id"])
 
     def close(self) -> None:
-        for s in self.socks + [m for m in self.monitors if m is not None] + list(self._announcers.values()):
-            s.close(0)
-        self._announcers.clear()
+        self._finalizer()       # _close_links, once

@@ -292,3 +292,65 @@ def test_a_link_that_keeps_failing_unwatched_does_not_stall_the_context(tmp_path
         listener.close()
         remote.close()
         ctx.term()
+
+
+def test_closing_or_dropping_a_failing_link_does_not_stall_the_context(tmp_path):
+    """A link's monitor is turned off before its reader goes: libzmq's next event to a reader
+    that is gone is a send that blocks the context's I/O thread for good. Here the link fails
+    ~1000 times a second (a listener that hangs up), so events are emitted while the executor
+    closes, and again while one dropped without close() is collected; each time a fresh link
+    of the same context must still carry a message."""
+    import gc
+    import socket as pysocket
+
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.RECONNECT_IVL, 1)
+    listener = pysocket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(0.2)
+    done = threading.Event()
+
+    def hang_up():
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            conn.close()
+
+    t = threading.Thread(target=hang_up, daemon=True)
+    t.start()
+    addr = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+
+    def alive(name: str) -> bool:
+        server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        try:
+            server.bind(f"ipc://{tmp_path}/{name}.sock")
+            client.connect(f"ipc://{tmp_path}/{name}.sock")
+            client.send(b"ping")
+            return bool(server.poll(3000))
+        finally:
+            server.close(0)
+            client.close(0)
+
+    wedged = False
+    try:
+        for round_ in range(5):
+            remote = RemoteExecutor(addr, timeout_s=1, ctx=ctx, keys=None)
+            time.sleep(0.2)                     # the link is failing and reporting it
+            sock, mon = remote.socks[0], remote.monitors[0]
+            if round_ % 2:
+                del remote                      # dropped: collected without close()
+                gc.collect()
+            else:
+                remote.close()
+            wedged = not alive(f"r{round_}")
+            assert not wedged, f"round {round_}: a fresh link of the context got no message through"
+            assert sock.closed and mon.closed, f"round {round_}: the link's sockets were left open"
+    finally:
+        done.set()
+        t.join(2)
+        listener.close()
+        if not wedged:              # a stalled context cannot be terminated: left to the process
+            ctx.destroy(linger=0)
