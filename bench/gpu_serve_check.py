@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         # temporary folders (the model's, the workers' sockets) named as <tmp>: the record names no
         # path of the machine it ran on
-        out.with_suffix(".json").write_text(re.sub(r"/tmp/[\w.-]+", "<tmp>", json.dumps(result, indent=1)))
+        temp = re.escape(tempfile.gettempdir()) + r"/[\w.-]+"
+        out.with_suffix(".json").write_text(re.sub(temp, "<tmp>", json.dumps(result, indent=1)))
         shutil.copy2(log_path, f"{out}_server.log")
         shutil.rmtree(tmp, ignore_errors=True)
     if "checks" in result:

@@ -3,6 +3,7 @@ the service plumbing, not the model): the worker rebuilds exactly the scheduler'
 every failure comes back as a clear error reply."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -243,19 +244,16 @@ def test_a_frozen_worker_misses_its_heartbeats_and_is_noticed_within_2s(tmp_path
         proc.join(5)
 
 
-def test_a_link_that_keeps_failing_unwatched_does_not_stall_the_context(tmp_path):
-    """libzmq sends monitor events from the context's I/O thread with a blocking send: if 1000+
-    events of a failing link wait unread (nobody looks at the links for a while), that thread
-    must not block, or every socket of the context goes silent. A listener that hangs up on
-    every connection makes the executor's link fail ~1000 times a second."""
+@contextlib.contextmanager
+def hanging_up_listener():
+    """(a tcp:// address, [connections accepted so far]) of a listener that hangs up on every
+    connection: a link to it fails and reconnects ~1000 times a second (with RECONNECT_IVL 1)."""
     import socket as pysocket
 
-    ctx = zmq.Context()
-    ctx.setsockopt(zmq.RECONNECT_IVL, 1)   # retry at once: thousands of failed links in seconds
     listener = pysocket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
-    listener.settimeout(0.5)
+    listener.settimeout(0.2)
     accepted, done = [0], threading.Event()
 
     def hang_up():
@@ -269,29 +267,48 @@ def test_a_link_that_keeps_failing_unwatched_does_not_stall_the_context(tmp_path
 
     t = threading.Thread(target=hang_up, daemon=True)
     t.start()
-    remote = RemoteExecutor(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout_s=1, ctx=ctx, keys=None)
     try:
-        deadline = time.monotonic() + 20
-        while accepted[0] < 3000 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert accepted[0] >= 3000, f"the link stopped retrying after {accepted[0]} attempts: the I/O thread is stuck"
-        # another link of the same context still carries messages (ipc: through the I/O thread)
-        server = ctx.socket(zmq.ROUTER)
-        server.bind(f"ipc://{tmp_path}/alive.sock")
-        client = ctx.socket(zmq.DEALER)
-        client.connect(f"ipc://{tmp_path}/alive.sock")
-        client.send(b"ping")
-        assert server.poll(2000), "a fresh link of the same context got no message through"
-        assert server.recv_multipart()[-1] == b"ping"
-        assert remote.check_links() == []   # thousands of unread events are read at once: none was up
-        for s in (server, client):
-            s.close(0)
+        yield f"tcp://127.0.0.1:{listener.getsockname()[1]}", accepted
     finally:
         done.set()
         t.join(2)
         listener.close()
-        remote.close()
-        ctx.term()
+
+
+def link_carries(ctx: zmq.Context, path: str) -> bool:
+    """Whether a fresh ipc link of ctx (through its I/O thread) delivers a message in 3 s."""
+    server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        server.bind(f"ipc://{path}")
+        client.connect(f"ipc://{path}")
+        client.send(b"ping")
+        return bool(server.poll(3000)) and server.recv_multipart()[-1] == b"ping"
+    finally:
+        server.close(0)
+        client.close(0)
+
+
+def test_a_link_that_keeps_failing_unwatched_does_not_stall_the_context(tmp_path):
+    """libzmq sends monitor events from the context's I/O thread with a blocking send: if 1000+
+    events of a failing link wait unread (nobody looks at the links for a while), that thread
+    must not block, or every socket of the context goes silent. A listener that hangs up on
+    every connection makes the executor's link fail ~1000 times a second."""
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.RECONNECT_IVL, 1)   # retry at once: thousands of failed links in seconds
+    with hanging_up_listener() as (addr, accepted):
+        remote = RemoteExecutor(addr, timeout_s=1, ctx=ctx, keys=None)
+        try:
+            deadline = time.monotonic() + 20
+            while accepted[0] < 3000 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert accepted[0] >= 3000, \
+                f"the link stopped retrying after {accepted[0]} attempts: the I/O thread is stuck"
+            assert link_carries(ctx, f"{tmp_path}/alive.sock"), \
+                "a fresh link of the same context got no message through"
+            assert remote.check_links() == []   # thousands of unread events are read at once: none was up
+        finally:
+            remote.close()
+    ctx.term()
 
 
 def test_closing_or_dropping_a_failing_link_does_not_stall_the_context(tmp_path):
@@ -301,56 +318,24 @@ def test_closing_or_dropping_a_failing_link_does_not_stall_the_context(tmp_path)
     closes, and again while one dropped without close() is collected; each time a fresh link
     of the same context must still carry a message."""
     import gc
-    import socket as pysocket
 
     ctx = zmq.Context()
     ctx.setsockopt(zmq.RECONNECT_IVL, 1)
-    listener = pysocket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    listener.settimeout(0.2)
-    done = threading.Event()
-
-    def hang_up():
-        while not done.is_set():
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                continue
-            conn.close()
-
-    t = threading.Thread(target=hang_up, daemon=True)
-    t.start()
-    addr = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
-
-    def alive(name: str) -> bool:
-        server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-        try:
-            server.bind(f"ipc://{tmp_path}/{name}.sock")
-            client.connect(f"ipc://{tmp_path}/{name}.sock")
-            client.send(b"ping")
-            return bool(server.poll(3000))
-        finally:
-            server.close(0)
-            client.close(0)
-
     wedged = False
     try:
-        for round_ in range(5):
-            remote = RemoteExecutor(addr, timeout_s=1, ctx=ctx, keys=None)
-            time.sleep(0.2)                     # the link is failing and reporting it
-            sock, mon = remote.socks[0], remote.monitors[0]
-            if round_ % 2:
-                del remote                      # dropped: collected without close()
-                gc.collect()
-            else:
-                remote.close()
-            wedged = not alive(f"r{round_}")
-            assert not wedged, f"round {round_}: a fresh link of the context got no message through"
-            assert sock.closed and mon.closed, f"round {round_}: the link's sockets were left open"
+        with hanging_up_listener() as (addr, _):
+            for round_ in range(5):
+                remote = RemoteExecutor(addr, timeout_s=1, ctx=ctx, keys=None)
+                time.sleep(0.2)                     # the link is failing and reporting it
+                sock, mon = remote.socks[0], remote.monitors[0]
+                if round_ % 2:
+                    del remote                      # dropped: collected without close()
+                    gc.collect()
+                else:
+                    remote.close()
+                wedged = not link_carries(ctx, f"{tmp_path}/r{round_}.sock")
+                assert not wedged, f"round {round_}: a fresh link of the context got no message through"
+                assert sock.closed and mon.closed, f"round {round_}: the link's sockets were left open"
     finally:
-        done.set()
-        t.join(2)
-        listener.close()
         if not wedged:              # a stalled context cannot be terminated: left to the process
             ctx.destroy(linger=0)
