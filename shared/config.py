@@ -182,7 +182,8 @@ class ParallelConfig:
     """One rank's place in a tensor x pipeline parallel replica. rank: global rank 0 .. tp * pp - 1.
     pp_layers: layers per stage (sums to the model's layer count; None = balanced, earlier stages
     get the remainder). master_addr/master_port: the TCP rendezvous of torch.distributed (rank 0
-    listens there; port 0 = a free one, chosen by the launcher that starts every rank here).
+    listens there unless store_hosted; port 0 = a free one, chosen by the launcher that starts
+    every rank here).
     store_hosted: the launcher that starts every rank on this machine already listens there, on
     loopback (worker_svc.launcher.host_store), and every rank joins as a client: no rank binds
     the port, so no other process can take it between its choice and its use, and nothing off
