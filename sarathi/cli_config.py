@@ -60,7 +60,8 @@ def scheduler_config(a: argparse.Namespace, slo: float | None = None) -> Schedul
                            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                            enable_prefix_caching=a.prefix_caching, speculative=speculative,
                            num_speculative_tokens=num_spec, draft_model=draft,
-                           kv_events_config=getattr(a, "kv_events_config", None))
+                           kv_events_config=getattr(a, "kv_events_config", None),
+                           async_scheduling=getattr(a, "async_scheduling", False))
 
 
 def enable_draft_model() -> None:

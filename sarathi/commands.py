@@ -41,6 +41,9 @@ def generate(a: argparse.Namespace) -> int:
 def serve(a: argparse.Namespace) -> int:
     from sarathi.serve import run_embedded
 
+    if getattr(a, "async_scheduling", False) and (a.prefill_workers or a.decode_workers):
+        raise ValueError("--async-scheduling does not combine with prefill/decode workers "
+                         "(disaggregation): use it with colocated workers")
     run_embedded(ServeConfig(
         worker=engine_config(a), scheduler=scheduler_config(a), host=a.host, port=a.port,
         redis_url=a.redis_url, queue_prefix=a.queue_prefix, max_model_len=a.max_model_len or None,

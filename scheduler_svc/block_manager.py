@@ -107,7 +107,10 @@ class BlockManager:
 
     def _missing_blocks(self, req: Request) -> int:
         # inlined arithmetic: called for every decode of every iteration
-        return max(0, cdiv(len(req.token_ids), self.block_size) - len(req.block_table))
+        # the slot of the token to compute next: the last known one, or for a decode planned
+        # ahead (async scheduling) the one still to come
+        need = max(len(req.token_ids), req.num_computed_tokens + 1)
+        return max(0, cdiv(need, self.block_size) - len(req.block_table))
 
     # -- release --------------------------------------------------------------------------------
     def free(self, req: Request) -> None:
@@ -123,11 +126,14 @@ class BlockManager:
         req.num_cached_blocks = 0
 
     # -- prefix caching -----------------------------------------------------------------------
-    def cache_computed_blocks(self, req: Request) -> None:
-        """Key req's full blocks whose K/V are now computed (call after their batch ran)."""
+    def cache_computed_blocks(self, req: Request, upto: int | None = None) -> None:
+        """Key req's full blocks whose K/V are now computed (call after their batch ran): those
+        of its first `upto` tokens (default num_computed_tokens; a batch planned ahead may have
+        advanced that past the batch that ran, or past the known tokens)."""
         if self.cache is None:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        done = req.num_computed_tokens if upto is None else min(upto, req.num_computed_tokens)
+        num_full = min(done, len(req.token_ids)) // self.block_size
         extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, num_full)
         stored = [i for i in range(req.num_cached_blocks, num_full)
                   if self.cache.insert(req.block_hashes[i], req.block_table[i])]

@@ -3,7 +3,10 @@ update, one collected batch per step().
 
 With pp pipeline stages one batch occupies one stage at a time; to keep every stage busy the loop
 keeps up to `depth` (= pp) batches in flight and plans the next one while the earlier ones run.
-A single worker is depth 1: schedule, run, update. Each step():
+A single worker is depth 1: schedule, run, update; with async scheduling
+(SchedulerConfig.async_scheduling) it keeps one batch more in flight, planned ahead while the
+one before runs (Scheduler.schedule(ahead=True)), so the worker finds its next batch waiting.
+Each step():
 
 1. fills: schedule() and submit() until `depth` batches are in flight or the policy has nothing
    more to run (requests already in flight are invisible to the policy: a request is in at most
@@ -120,6 +123,10 @@ class EngineLoop:
                  restart_timeout_s: float = 30.0, on_worker_lost: Callable[[], None] | None = None):
         if depth < 1:
             raise ValueError(f"pipeline depth must be >= 1, got {depth}")
+        self.ahead = scheduler.config.async_scheduling   # one batch planned ahead of the running one
+        if self.ahead and depth > 1:
+            raise ValueError("async scheduling needs one pipeline stage: with pipeline parallelism "
+                             "the stages already overlap consecutive batches")
         self.scheduler = scheduler
         self.executor = executor
         self._pipe = executor if hasattr(executor, "submit") else _ExecuteOnCollect(executor)
@@ -134,6 +141,7 @@ class EngineLoop:
         self.restart_timeout_s = restart_timeout_s
         self.on_worker_lost = on_worker_lost
         self.worker_down_since: float | None = None   # time.monotonic() when the worker was lost
+        self._last_collect = 0.0                 # perf_counter() at the last collect
 
     # -- the engine interface (scheduler_svc.engine) ---------------------------------------------
     def add_request(self, req_id: str, prompt_token_ids: list[int],
@@ -147,7 +155,9 @@ class EngineLoop:
         self.scheduler.abort(req_id, error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Some request has not ended, or a batch is still in flight (async scheduling can leave
+        one, planned ahead of a request's last token: collected like any other)."""
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     def stats(self) -> dict:
         return self.scheduler.stats()
@@ -196,7 +206,11 @@ class EngineLoop:
             raise RuntimeError(f"collected batch {batch.batch_id}, expected the oldest "
                                f"{self.in_flight[0].batch_id}")
         self.in_flight.popleft()
-        seconds = time.perf_counter() - self._submitted.pop(batch.batch_id)
+        now = time.perf_counter()
+        started = self._submitted.pop(batch.batch_id)
+        if self.ahead:   # planned ahead: it started when the batch before it ended
+            started = max(started, self._last_collect)
+        seconds, self._last_collect = now - started, now
         if self.record:
             entry = next(e for e in reversed(self.trace) if e["batch_id"] == batch.batch_id)
             entry.update(collected_at=time.time(), timings=dict(output.timings))
@@ -205,12 +219,16 @@ class EngineLoop:
         return batch, output, self.scheduler.update(batch, output)
 
     def fill(self) -> None:
-        """Schedule and submit until `depth` batches are in flight or nothing more can run."""
-        while len(self.in_flight) < self.depth:
-            batch = self.scheduler.schedule()
+        """Schedule and submit until `depth` batches are in flight (one more with async
+        scheduling, while the scheduler allows it) or nothing more can run."""
+        while len(self.in_flight) < self.depth + self.ahead:
+            ahead = len(self.in_flight) == self.depth   # only with self.ahead
+            if ahead and not self.scheduler.can_schedule_ahead():
+                return
+            batch = self.scheduler.schedule(ahead=True) if ahead else self.scheduler.schedule()
             if batch is None:
                 return
-            if self.in_flight:   # the scheduler's invariant; checked: a breach corrupts KV silently
+            if self.in_flight and not ahead:   # the scheduler's invariant; a breach corrupts KV silently
                 busy = {s.req_id for b in self.in_flight for s in b.seqs}
                 both = busy & {s.req_id for s in batch.seqs}
                 if both:
@@ -243,7 +261,7 @@ class EngineLoop:
         return self.worker_down_since is None
 
     def has_work(self) -> bool:
-        return self.worker_up and self.scheduler.has_unfinished()
+        return self.worker_up and self.has_unfinished()
 
     def check_worker(self) -> bool:
         """A link that went down while idle counts as a lost worker. False while it is lost."""
@@ -330,7 +348,7 @@ class EngineLoop:
                        max_steps: int | None = None) -> int:
         """Step until no request is unfinished; returns the number of steps taken."""
         steps = 0
-        while self.scheduler.has_unfinished() and (max_steps is None or steps < max_steps):
+        while self.has_unfinished() and (max_steps is None or steps < max_steps):
             for ev in self.step():
                 if on_event is not None:
                     on_event(ev)

@@ -469,6 +469,10 @@ def make_pool(name: str, role: str, executor, sched_config, max_model_len: int |
 
     from shared.config import CacheConfig
 
+    if sched_config.async_scheduling and role in ("prefill", "decode"):
+        raise ValueError("async scheduling does not combine with prefill/decode disaggregation: "
+                         "a prompt's last chunk hands its request to another worker, which a "
+                         "decode planned ahead on this one would not follow")
     info = executor.model_info
     cfg = dataclasses.replace(sched_config, max_model_len=max_model_len or info.max_model_len)
     scheduler = Scheduler(cfg, CacheConfig(info.block_size, info.num_blocks), info, clock=clock)

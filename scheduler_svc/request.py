@@ -8,6 +8,9 @@ num_computed_tokens counts tokens whose K/V are in the KV cache (or are being wr
 batch in flight: it advances when a batch is *scheduled*). A policy hands out tokens so that
 computed catches up with total; when it does, a new token is sampled and total grows by one.
 A prefill chunk, a decode and the re-prefill of a preempted request are all the same move.
+With async scheduling a decode may be scheduled before the token it computes is known (the
+previous batch is still running): num_computed_tokens is then num_tokens + 1 until that token
+comes back (`is_ahead`).
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)  # physical KV block ids, logical order
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     num_cached_blocks: int = 0      # leading blocks registered in (or taken from) the prefix cache
-    in_flight: bool = False         # part of a scheduled batch whose output has not come back
+    in_flight: int = 0              # scheduled batches holding a chunk of it, output not back (0-2)
     num_preemptions: int = 0
     num_prompt_tokens: int = 0      # len(prompt_token_ids), cached: read in every iteration
     first_scheduled_time: float | None = None
@@ -85,6 +88,11 @@ class Request:
         """True when the only token left to compute is the last sampled one."""
         n = len(self.token_ids)
         return n - self.num_computed_tokens == 1 and n > self.num_prompt_tokens
+
+    @property
+    def is_ahead(self) -> bool:
+        """A decode was scheduled ahead: the token it computes has not come back yet."""
+        return self.num_computed_tokens > len(self.token_ids)
 
     @property
     def is_finished(self) -> bool:

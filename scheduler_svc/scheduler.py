@@ -2,8 +2,11 @@
 
 One iteration is `schedule()` -> (an executor runs the Batch) -> `update(batch, output)`.
 Counters advance when a batch is scheduled, so a pipeline may schedule the next micro-batch
-before this one's output is back; a request is in at most one in-flight batch. Given the same
-arrivals and the same clock, it makes the same batches.
+before this one's output is back; a request is in at most one in-flight batch, except with
+async scheduling (SchedulerConfig.async_scheduling), where a batch scheduled `ahead` continues
+the requests of the one batch in flight: a partial prefill with its next chunk, a request
+whose chunk samples with a decode of the token still to come (PENDING_TOKEN). Given the same
+arrivals, the same clock and the same calls, it makes the same batches.
 
 Step boundaries (the start of schedule() and the end of update()) are where aborts take
 effect and where blocks of finished requests have been freed.
@@ -21,7 +24,7 @@ from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.speculative import make_speculator
 from shared.config import CacheConfig, ModelInfo, SchedulerConfig
 from shared.limits import check_context_length, check_token_ids
-from shared.messages import Batch, BatchOutput, SeqChunk, TokenEvent
+from shared.messages import PENDING_TOKEN, Batch, BatchOutput, SeqChunk, TokenEvent
 from shared.sampling import InvalidRequestError, SamplingParams
 
 
@@ -61,6 +64,9 @@ class Scheduler:
         self._abort_ids: list[tuple[str, str | None]] = []
         self._next_batch_id = 0
         self._scheduled_at: dict[int, float] = {}   # batch id -> clock at schedule(), until update()
+        self._last_update_at = float("-inf")        # clock at the end of the last update()
+        self.ahead = False                          # the schedule() running plans a batch ahead
+        self._aborting: set[str] = set()            # aborts waiting for a batch in flight
         self.reserved: dict[str, Request] = {}   # blocks held for requests prefilled elsewhere
         self._counters = dict(num_preemptions=0, prefix_cache_hit_tokens=0,
                               prefix_cache_query_tokens=0, num_finished=0, num_aborted=0,
@@ -120,11 +126,19 @@ class Scheduler:
             self._abort_ids.append((req_id, error))
 
     # -- one iteration ----------------------------------------------------------------------------
-    def schedule(self) -> Batch | None:
-        """Plan the next iteration with the policy; None if there is nothing to run now."""
+    def schedule(self, ahead: bool = False) -> Batch | None:
+        """Plan the next iteration with the policy; None if there is nothing to run now.
+        ahead (async scheduling; see can_schedule_ahead): one batch is in flight and this one
+        may continue its requests (run on the worker after it)."""
         self._process_aborts()
+        if ahead and not self.config.async_scheduling:
+            raise ValueError("schedule(ahead=True) needs SchedulerConfig.async_scheduling")
+        self.ahead = ahead
         ctx = StepContext(self)
-        self.policy.plan(ctx)
+        try:
+            self.policy.plan(ctx)
+        finally:
+            self.ahead = False
         if not ctx.chunks:
             return None
         now = self.clock()
@@ -140,22 +154,51 @@ class Scheduler:
     def _schedule_chunk(self, req: Request, n: int, now: float,
                         drafts: list[int] | None = None) -> SeqChunk:
         """drafts: draft tokens to verify after a decode's token (speculative decoding); they
-        are not the request's tokens, so num_computed_tokens advances by n only."""
+        are not the request's tokens, so num_computed_tokens advances by n only. A chunk that
+        starts past the known tokens is a decode scheduled ahead: its token is PENDING_TOKEN
+        and its output index counts the token to come."""
         start = req.num_computed_tokens
         req.num_computed_tokens = start + n
-        req.in_flight = True
+        req.in_flight += 1
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         # penalties and constraints read the whole sequence: a worker new to it must learn what
         # precedes the chunk
         prior = req.token_ids[:start] if start and req.sampling.reads_history else None
+        known = len(req.token_ids)
+        if start == known:                      # ahead: can_run_ahead allowed one decode
+            return SeqChunk(req.req_id, [PENDING_TOKEN], start, list(req.block_table), True,
+                            req.sampling, req.num_output_tokens + 1, prior)
         tokens = req.token_ids[start:start + n]
         if drafts:
             req.draft_token_ids = drafts
             tokens = tokens + drafts
         return SeqChunk(req.req_id, tokens, start, list(req.block_table),
-                        req.num_computed_tokens == req.num_tokens, req.sampling,
+                        req.num_computed_tokens == known, req.sampling,
                         req.num_output_tokens, prior, len(drafts) if drafts else 0)
+
+    # -- async scheduling -----------------------------------------------------------------------
+    @staticmethod
+    def _ahead_capable(sampling: SamplingParams) -> bool:
+        """Sampling that needs no earlier token on the host (grammars and penalties do)."""
+        return not sampling.reads_history
+
+    def can_schedule_ahead(self) -> bool:
+        """The engine loop may plan a batch while one is in flight: async scheduling is on and
+        every request in flight samples without reading its earlier tokens on the host (one
+        that does would otherwise run only every other batch)."""
+        return self.config.async_scheduling and all(
+            self._ahead_capable(r.sampling) for r in self.running if r.in_flight)
+
+    def can_run_ahead(self, req: Request) -> bool:
+        """In a batch planned ahead: req's chunk in flight samples a token and its next decode
+        may run before that token is back (not when that token may be its last by length, nor
+        while an abort waits for it)."""
+        return (req.in_flight == 1 and req.num_computed_tokens == len(req.token_ids)
+                and req.status is RequestStatus.RUNNING and req.req_id not in self._aborting
+                and self._ahead_capable(req.sampling)
+                and req.num_output_tokens + 1 < req.sampling.max_tokens
+                and len(req.token_ids) + 1 < self.max_model_len)
 
     def update(self, batch: Batch, output: BatchOutput) -> list[TokenEvent]:
         """Take an executed batch's sampled tokens; returns the TokenEvents of this step (and
@@ -165,6 +208,8 @@ class Scheduler:
         now = self.clock()
         scheduled_at = self._scheduled_at.pop(batch.batch_id, None)
         if scheduled_at is not None:   # the policy may learn from iteration times (adaptive tau)
+            if self.config.async_scheduling:   # planned ahead: it ran from the previous one's end
+                scheduled_at = max(scheduled_at, self._last_update_at)
             self.policy.observe(batch.num_tokens, now - scheduled_at, now)
             if self.speculator is not None:   # and speculation what a draft token costs
                 decodes = sum(1 for s in batch.seqs if s.is_decode or s.num_draft_tokens)
@@ -175,14 +220,18 @@ class Scheduler:
             req = self.requests.get(seq.req_id)
             if req is None or not req.in_flight:
                 continue  # finished meanwhile (e.g. aborted with an error by the service)
-            req.in_flight = False
-            self.block_manager.cache_computed_blocks(req)
+            req.in_flight -= 1
+            # this chunk's K/V are written: key what they complete (a chunk planned ahead may
+            # have advanced num_computed_tokens further)
+            self.block_manager.cache_computed_blocks(
+                req, seq.start_pos + len(seq.token_ids) - seq.num_draft_tokens)
             if seq.num_draft_tokens:
                 self._append_verified(req, seq, output, now)
             elif seq.sample:
                 self._append_token(req, self._sampled(output, seq.req_id), now,
                                    output.logprobs.get(seq.req_id))
         self._process_aborts()
+        self._last_update_at = now
         return self.take_events()
 
     def _append_verified(self, req: Request, seq: SeqChunk, output: BatchOutput, now: float) -> None:
@@ -284,8 +333,8 @@ class Scheduler:
         """Blocks for req's next token; preempts the newest running requests that are neither
         in flight nor planned (possibly req itself) until there is room."""
         bm = self.block_manager
-        if len(req.block_table) * bm.block_size >= len(req.token_ids):
-            return True  # fast path: the next token's slot is already there
+        if len(req.block_table) * bm.block_size > req.num_computed_tokens:
+            return True  # fast path: the slot of the token to compute is already there
         while not bm.can_append(req):
             victim = next((r for r in reversed(self.running)
                            if not r.in_flight and r.req_id not in planned), None)
@@ -316,7 +365,7 @@ class Scheduler:
         is the caller's (fail_batch, abort or on_workers_lost)."""
         self._scheduled_at.clear()
         for req in self.requests.values():
-            req.in_flight = False
+            req.in_flight = 0
             req.draft_token_ids = []
 
     def on_workers_lost(self) -> None:
@@ -391,7 +440,7 @@ class Scheduler:
         (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
         if req.first_scheduled_time is not None:
             self._freed_ids.append(req_id)
-        req.num_computed_tokens, req.in_flight = 0, False
+        req.num_computed_tokens, req.in_flight = 0, 0
         req.status = RequestStatus.PREEMPTED if req.num_output_tokens else RequestStatus.WAITING
         return req
 
@@ -413,7 +462,7 @@ class Scheduler:
         for seq in batch.seqs:
             req = self.requests.get(seq.req_id)
             if req is not None:
-                req.in_flight = False
+                req.in_flight = 0
                 self.abort(seq.req_id, error=error)
 
     def _forget_speculation(self, req: Request) -> None:
@@ -439,6 +488,7 @@ class Scheduler:
                                            "error" if error else "abort", error,
                                            req.num_prompt_tokens))
             self._finish(req, "error" if error else "abort", error)
+        self._aborting = {req_id for req_id, _ in deferred}   # not to be scheduled ahead
         if deferred:
             with self._abort_lock:
                 self._abort_ids[:0] = deferred

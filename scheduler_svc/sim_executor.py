@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from shared.messages import Batch, BatchOutput, SeqChunk
+from shared.messages import Batch, BatchOutput, SeqChunk, fill_pending
 
 
 class SimClock:
@@ -87,6 +87,7 @@ class SimExecutor:
         # kv_cost(kv_send) -> seconds of the send: added to the iteration (and to the clock) as a
         # separate term, reported as the request's kv_transfer_s (None: free)
         self.kv_cost: Callable | None = None
+        self._last_sampled: dict[str, int] = {}   # the tokens decodes planned ahead read
 
     def join_fabric(self, fabric: dict[str, "SimExecutor"], address: str) -> "SimExecutor":
         """Receive KV blocks at `address` of `fabric` (shared by the simulated workers of a test)."""
@@ -95,6 +96,7 @@ class SimExecutor:
         return self
 
     def execute(self, batch: Batch) -> BatchOutput:
+        batch = fill_pending(batch, self._last_sampled)   # async scheduling's decodes planned ahead
         # Strict model of attention: every sequence reads the KV cache as it was before this
         # batch, plus its own chunk. A scheduler that let one sequence read blocks another
         # sequence writes in the same batch fails here (a real kernel makes no such promise).
@@ -112,6 +114,7 @@ class SimExecutor:
         if self.clock is not None:
             self.clock.advance(cost)
         self.num_batches += 1
+        self._last_sampled = sampled
         out = BatchOutput(batch.batch_id, sampled, {"forward_s": cost}, accepted=accepted)
         for send in batch.kv_sends:
             self._send_kv(send, out)
@@ -194,7 +197,7 @@ def sim_engine(policy: str = "sarathi", *, token_budget: int = 512, block_size: 
                watermark: float = 0.0, tile_size: int = 0, eos_token_ids: tuple = (0,),
                vocab_size: int = 32000, verify_kv: bool = True, clock=None,
                adaptive_tbt_slo_s: float = 0.0, speculative: str = "off",
-               num_speculative_tokens: int = 4, **executor_kw):
+               num_speculative_tokens: int = 4, async_scheduling: bool = False, **executor_kw):
     """An EngineLoop over a Scheduler and a SimExecutor, configured in one call (tests,
     benchmarks). Extra keyword arguments go to SimExecutor (scripts, cost_model,
     spec_acceptance). With speculative decoding on and spec_acceptance given, drafts come from
@@ -208,7 +211,8 @@ def sim_engine(policy: str = "sarathi", *, token_budget: int = 512, block_size: 
                         max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
                         watermark=watermark, tile_size=tile_size,
                         adaptive_tbt_slo_s=adaptive_tbt_slo_s, speculative=speculative,
-                        num_speculative_tokens=num_speculative_tokens),
+                        num_speculative_tokens=num_speculative_tokens,
+                        async_scheduling=async_scheduling),
         CacheConfig(block_size=block_size, num_blocks=num_blocks),
         ModelInfo("sim", max_model_len, vocab_size, list(eos_token_ids), block_size=block_size,
                   num_blocks=num_blocks),

@@ -45,6 +45,15 @@ class SchedulerConfig:
         served model's tokenizer), run by the scheduler's process.
     kv_events_config: None, or JSON of the KV-cache event publisher (scheduler_svc/kv_events.py:
         endpoint, replay_endpoint, topic, hash_seed, connect), as vLLM's --kv-events-config.
+    async_scheduling: plan batch n + 1 while batch n runs on the worker (one worker or one TP
+        group; not with pipeline stages or speculative decoding): a request whose chunk in
+        batch n samples a token gets its next decode in batch n + 1 with that token still
+        pending (shared.messages.PENDING_TOKEN), so the worker finds its next batch waiting
+        when it finishes one, and scheduling, the wire and the worker's input preparation
+        overlap the forward pass. Outputs are the same as without it: a request that finishes
+        in batch n drops the token batch n + 1 computed for it. Requests with a grammar or
+        penalties need each token on the host before their next step: while one is in flight
+        the loop plans one batch at a time.
     """
 
     policy: str = "sarathi"
@@ -60,12 +69,17 @@ class SchedulerConfig:
     num_speculative_tokens: int = 4
     draft_model: str | None = None
     kv_events_config: str | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("token_budget, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.adaptive_tbt_slo_s < 0:
             raise ValueError(f"the adaptive token budget's TBT SLO must be > 0 s, got {self.adaptive_tbt_slo_s}")
+        if self.async_scheduling and self.speculative != "off":
+            raise ValueError("async scheduling does not combine with speculative decoding: a draft "
+                             "is proposed from the token before it, which async scheduling has not "
+                             "seen yet; choose one")
 
     @property
     def max_tokens_per_iteration(self) -> int:

@@ -16,7 +16,7 @@ clock, as documented at the field).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from shared.sampling import SamplingParams
@@ -25,6 +25,9 @@ from shared.sampling import SamplingParams
 # ---------------------------------------------------------------------------------------------
 # scheduler -> worker: one iteration
 # ---------------------------------------------------------------------------------------------
+PENDING_TOKEN = -1   # a decode's token id before it is known: the one its previous chunk samples
+
+
 @dataclass
 class SeqChunk:
     """One sequence's share of an iteration.
@@ -52,6 +55,11 @@ class SeqChunk:
       under greedy, by rejection sampling otherwise) and samples one token after it
       (BatchOutput.accepted). K/V written for rejected drafts are garbage the scheduler rolls
       back: their positions are computed again before anything attends to them.
+    * A decode scheduled ahead (async scheduling: the scheduler plans batch n + 1 while batch n
+      runs) has token_ids == [PENDING_TOKEN]: its token is the one this request's chunk in the
+      batch before samples, which the scheduler does not know yet. The executor that ran that
+      batch fills it in before anything reads it (the wire decoder from its mirror, the model
+      runner from its last outputs); output_index already counts it.
     """
 
     req_id: str
@@ -70,6 +78,11 @@ class SeqChunk:
         models count these apart from prefill and recompute tokens)."""
         return self.sample and self.output_index > 0 and len(self.token_ids) == 1
 
+    @property
+    def is_ahead(self) -> bool:
+        """A decode scheduled ahead, whose token is still PENDING_TOKEN (see the invariants)."""
+        return len(self.token_ids) == 1 and self.token_ids[0] == PENDING_TOKEN
+
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
         d["sampling"] = self.sampling.to_dict()
@@ -80,6 +93,24 @@ class SeqChunk:
         d = dict(d)
         d["sampling"] = SamplingParams.from_dict(d["sampling"])
         return cls(**d)
+
+
+def fill_pending(batch: "Batch", last_sampled: dict[str, int]) -> "Batch":
+    """`batch` with the token of each decode planned ahead (SeqChunk.is_ahead) filled in from
+    `last_sampled`, the tokens the executor sampled in the batch before (a copy; `batch` itself
+    when it has none). Raises ValueError naming the request whose token is not there."""
+    if not any(s.token_ids and s.token_ids[0] == PENDING_TOKEN for s in batch.seqs):
+        return batch
+    seqs = []
+    for s in batch.seqs:
+        if s.token_ids and s.token_ids[0] == PENDING_TOKEN:
+            if not s.is_ahead or s.req_id not in last_sampled:
+                raise ValueError(f"request {s.req_id}: a pending token this worker did not sample "
+                                 "in the batch before (a decode planned ahead must follow its "
+                                 "request's sampling chunk on the same worker)")
+            s = replace(s, token_ids=[last_sampled[s.req_id]])
+        seqs.append(s)
+    return replace(batch, seqs=seqs)
 
 
 @dataclass

@@ -22,7 +22,14 @@ start position, block table, output index) or a *diff* against the mirror:
   "o": output index (omitted when it is the expected one),
   "h" (full entries only): the tokens before the start position (SeqChunk.prior_token_ids, set
        for requests with penalties; a diff needs none, the worker already holds them),
-  "k": the chunk's draft tokens (SeqChunk.num_draft_tokens; omitted when 0).
+  "k": the chunk's draft tokens (SeqChunk.num_draft_tokens; omitted when 0),
+  "a": 1 for a decode planned ahead (async scheduling: SeqChunk.is_ahead): its one token is
+       the one the worker samples for the request in the batch before, so no "t" carries it
+       (a full entry has "t": []); the decoder fills it in from its mirror, where the worker
+       recorded that batch's output, or leaves PENDING_TOKEN for the runner to fill.
+
+A chunk planned ahead adds no token to a mirror (its token arrives with the output of the batch
+before, in order); a mirror installed by one starts past it.
 
 Draft tokens are never recorded as known: a chunk with k drafts advances the mirror by its
 tokens before the drafts, and the output's accepted drafts (BatchOutput.accepted) are recorded
@@ -42,7 +49,7 @@ from typing import Any
 
 import msgpack
 
-from shared.messages import Batch, BatchOutput, KvSend, SeqChunk
+from shared.messages import PENDING_TOKEN, Batch, BatchOutput, KvSend, SeqChunk
 from shared.sampling import SamplingParams
 
 
@@ -80,16 +87,19 @@ class SeqState:
         """Record that `chunk` was sent (tokens beyond the known ones are appended; draft
         tokens are not: see the module doc)."""
         n = len(chunk.token_ids) - chunk.num_draft_tokens
-        have = self.known(chunk.start_pos, n)
-        self.tokens.extend(chunk.token_ids[have:n])
+        if not chunk.is_ahead:     # its token comes with the batch before's output
+            have = self.known(chunk.start_pos, n)
+            self.tokens.extend(chunk.token_ids[have:n])
         self.block_table = list(chunk.block_table)
         self.next_pos = chunk.start_pos + n
 
 
 def _full(chunk: SeqChunk) -> dict[str, Any]:
-    d = {"r": chunk.req_id, "t": list(chunk.token_ids), "p": chunk.start_pos,
+    d = {"r": chunk.req_id, "t": [] if chunk.is_ahead else list(chunk.token_ids), "p": chunk.start_pos,
          "b": list(chunk.block_table), "s": chunk.sample, "sp": chunk.sampling.to_dict(),
          "o": chunk.output_index}
+    if chunk.is_ahead:
+        d["a"] = 1
     if chunk.prior_token_ids is not None:
         d["h"] = list(chunk.prior_token_ids)
     if chunk.num_draft_tokens:
@@ -100,14 +110,20 @@ def _full(chunk: SeqChunk) -> dict[str, Any]:
 def _diff(st: SeqState, chunk: SeqChunk) -> dict[str, Any] | None:
     """The diff of `chunk` against `st`, or None when only a full entry can express it."""
     n = len(chunk.token_ids)
-    have = st.known(chunk.start_pos, n)
-    if have < 0 or st.tokens_at(chunk.start_pos, have) != chunk.token_ids[:have]:
-        return None
-    if have < n and chunk.start_pos + have != st.base + len(st.tokens):
-        return None  # new tokens would leave a hole after the known ones
     d: dict[str, Any] = {"r": chunk.req_id, "n": n, "s": chunk.sample}
-    if have < n:
-        d["t"] = list(chunk.token_ids[have:])
+    if chunk.is_ahead:
+        have = st.known(chunk.start_pos, 1)
+        if have < 0 or (have == 0 and chunk.start_pos != st.base + len(st.tokens)):
+            return None   # not right after the known tokens: the pending one would leave a hole
+        d["a"] = 1
+    else:
+        have = st.known(chunk.start_pos, n)
+        if have < 0 or st.tokens_at(chunk.start_pos, have) != chunk.token_ids[:have]:
+            return None
+        if have < n and chunk.start_pos + have != st.base + len(st.tokens):
+            return None  # new tokens would leave a hole after the known ones
+        if have < n:
+            d["t"] = list(chunk.token_ids[have:])
     if chunk.start_pos != st.next_pos:
         d["p"] = chunk.start_pos
     old, new = st.block_table, chunk.block_table
@@ -148,7 +164,10 @@ class _Mirror:
                 st.output_index += 1
 
     def _install(self, chunk: SeqChunk) -> None:
-        st = SeqState(chunk.sampling, base=chunk.start_pos, output_index=chunk.output_index)
+        # planned ahead: the pending token is not this mirror's to learn; the next one it learns
+        # (this chunk's output) sits one position later
+        base = chunk.start_pos + 1 if chunk.is_ahead else chunk.start_pos
+        st = SeqState(chunk.sampling, base=base, output_index=chunk.output_index)
         st.advance(chunk)
         self.states[chunk.req_id] = st
 
@@ -221,14 +240,18 @@ class BatchDecoder(_Mirror):
 
     def _chunk(self, d: dict[str, Any]) -> SeqChunk:
         if "sp" in d:
-            chunk = SeqChunk(d["r"], list(d["t"]), d["p"], list(d["b"]), d["s"],
+            tokens = [PENDING_TOKEN] if d.get("a") else list(d["t"])
+            chunk = SeqChunk(d["r"], tokens, d["p"], list(d["b"]), d["s"],
                              SamplingParams.from_dict(d["sp"]), d["o"], d.get("h"), d.get("k", 0))
             self._install(chunk)
             return chunk
         st = self.states[d["r"]]
         start, n = d.get("p", st.next_pos), d["n"]
         have = st.known(start, n)
-        tokens = st.tokens_at(start, have) + list(d.get("t", []))
+        if d.get("a"):   # planned ahead: the worker's own last token, if it was recorded yet
+            tokens = st.tokens_at(start, 1) if have == 1 else [PENDING_TOKEN]
+        else:
+            tokens = st.tokens_at(start, have) + list(d.get("t", []))
         table = list(d["b"]) if "b" in d else st.block_table + list(d.get("b+", []))
         chunk = SeqChunk(d["r"], tokens, start, table, d["s"], st.sampling,
                          d.get("o", st.output_index), d.get("h"), d.get("k", 0))

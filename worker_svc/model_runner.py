@@ -19,7 +19,7 @@ import time
 import torch
 
 from shared.config import ModelInfo, WorkerConfig, cdiv, single_rank_layout
-from shared.messages import Batch, BatchOutput, SeqChunk
+from shared.messages import Batch, BatchOutput, SeqChunk, fill_pending
 from shared.model_source import resolve_model
 from shared.tokenizer import load_tokenizer
 from worker_svc.backends import parse_dtype, parse_kv_cache_dtype, select_backend
@@ -63,6 +63,7 @@ class ModelRunner:
         dev = self.backend.device
         self.parallel = None
         self._recv_wait_s = 0.0     # seconds the last batch waited for the previous stage
+        self._last_sampled: dict[str, int] = {}   # the last batch's tokens: what decodes planned ahead read
         if weights is None:
             source = resolve_model(config.model)
             name = source.name
@@ -142,8 +143,10 @@ class ModelRunner:
         """Run one iteration; sampled holds a token exactly for the seqs with sample=True (and
         logprobs for those that asked). A seq with draft tokens (SeqChunk.num_draft_tokens) is
         verified instead of sampled: its accepted drafts go to accepted, the token after them to
-        sampled (worker_svc.sampling.speculative)."""
+        sampled (worker_svc.sampling.speculative). A decode planned ahead reads its token from
+        the last batch's output (_fill_pending)."""
         t0 = time.perf_counter()
+        batch = self._fill_pending(batch)
         self.free(batch.freed_req_ids)
         par = self.parallel
         if par is None or par.is_last:   # token histories (penalties) only where tokens are drawn
@@ -166,9 +169,19 @@ class ModelRunner:
             # time.time() seconds: busy = [start, end] minus the wait for the previous stage
             timings.update(rank=par.rank, stage=par.stage, start=wall0,
                            end=wall0 + (t3 - t0), recv_wait_s=self._recv_wait_s)
-        return BatchOutput(batch.batch_id, {s.req_id: tok for s, tok in zip(due, out.tokens)}, timings,
+        sampled = {s.req_id: tok for s, tok in zip(due, out.tokens)}
+        self._last_sampled = sampled
+        return BatchOutput(batch.batch_id, sampled, timings,
                            {due[i].req_id: lp for i, lp in out.logprobs.items()},
                            accepted=accepted, accepted_logprobs=accepted_lps)
+
+    def _fill_pending(self, batch: Batch) -> Batch:
+        """Decodes planned ahead (async scheduling) carry PENDING_TOKEN; their token is the one
+        this runner sampled for the request in the batch before (shared.messages.fill_pending)."""
+        try:
+            return fill_pending(batch, self._last_sampled)
+        except ValueError as e:
+            raise BatchError(str(e)) from None
 
     def _verify(self, due: list[SeqChunk], logits: torch.Tensor, accepted: dict, accepted_lps: dict,
                 par) -> tuple[list[SeqChunk], SamplerOutput]:
@@ -231,7 +244,7 @@ class ModelRunner:
     def compute_logits(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Like execute (K/V are written) but return the float32 logits [V] of each seq with
         sample=True instead of sampling (tests, scoring); [k + 1, V] for a seq with k drafts."""
-        due, logits, _, _ = self._forward(batch)
+        due, logits, _, _ = self._forward(self._fill_pending(batch))
         if logits is None:
             return {}
         logits, got, row = logits.cpu(), {}, 0

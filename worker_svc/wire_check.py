@@ -121,12 +121,20 @@ def _check_chunk(d: dict, st: SeqState | None, limits: WireLimits) -> list[int]:
         except (TypeError, ValueError) as e:
             raise WireCheckError(f"request {rid!r}: bad sampling parameters: {e}") from None
         n = len(tokens)
+        if d.get("a"):   # a decode planned ahead: its one token is pending
+            if tokens:
+                raise WireCheckError(f"request {rid!r}: a decode planned ahead carries no token")
+            n = 1
     else:
         n = _count(d.get("n"), f"request {rid!r}: chunk length", 1)
         start = _count(d.get("p", st.next_pos), f"request {rid!r}: start position")
         new = _ids(d.get("t", []), f"request {rid!r}: tokens", vocab)
         have = st.known(start, n)
-        if (have < 0 or have + len(new) != n
+        if d.get("a"):   # a decode planned ahead: one pending token, right after the known ones
+            if n != 1 or new or have < 0 or (have == 0 and start != st.base + len(st.tokens)):
+                raise WireCheckError(f"request {rid!r}: a decode planned ahead must be one pending "
+                                     "token right after the tokens the worker holds")
+        elif (have < 0 or have + len(new) != n
                 or (new and start + have != st.base + len(st.tokens))):   # new tokens after a hole
             raise WireCheckError(f"request {rid!r}: the diff's tokens do not continue what the worker holds")
         if "b" in d:

@@ -55,3 +55,37 @@ def test_remote_worker_samples_the_same_tokens_as_the_in_process_model_runner(ru
         assert remote.model_info.name == runner.model_info.name
         assert generate(remote.execute) == local
         remote.close()
+
+
+def _engine_run(executor, info, tag: str, async_scheduling: bool) -> dict[str, list]:
+    """Six requests (greedy, seeded sampled, with logprobs; prompts longer than the budget, so
+    prefills are chunked next to decodes) through the real scheduler; {name: (tokens, logprobs)}."""
+    from scheduler_svc.engine_loop import EngineLoop
+    from scheduler_svc.scheduler import Scheduler
+    from shared.config import CacheConfig, SchedulerConfig
+    sched = Scheduler(SchedulerConfig(token_budget=24, max_model_len=256,
+                                      async_scheduling=async_scheduling),
+                      CacheConfig(BLOCK, info.num_blocks), info)
+    loop = EngineLoop(sched, executor, record=True)
+    sps = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+           SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True),
+           SamplingParams(temperature=0.0, max_tokens=7, logprobs=2, ignore_eos=True)] * 2
+    reqs = [loop.add_request(f"{tag}-{i}", list(range(100 + 40 * i, 130 + 41 * i)), sp)
+            for i, sp in enumerate(sps)]
+    loop.run_until_done()
+    planned_ahead = sum(1 for t in loop.trace if t["in_flight"])   # submitted behind another
+    assert (planned_ahead > 0) == async_scheduling
+    return {r.req_id.split("-")[1]: (r.output_token_ids, r.logprobs) for r in reqs}
+
+
+def test_async_scheduling_gives_the_same_tokens_in_process_and_over_the_wire(runner, tmp_path):
+    """Decodes planned ahead: the in-process runner fills their token from its last output, the
+    worker service's mirror from the token it sampled; both give the tokens (and logprobs) of
+    the synchronous loop."""
+    info = runner.model_info
+    want = _engine_run(runner, info, "sync", False)
+    assert _engine_run(runner, info, "local", True) == want
+    with serving() as run:
+        remote = RemoteExecutor(run(WorkerServer(runner, f"ipc://{tmp_path}/worker.sock")), timeout_s=60)
+        assert _engine_run(remote, remote.model_info, "remote", True) == want
+        remote.close()
