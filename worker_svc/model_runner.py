@@ -12,17 +12,20 @@ worker service.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from dataclasses import dataclass, field
 import logging
 import time
 
 import torch
 
 from shared.config import ModelInfo, WorkerConfig, cdiv, single_rank_layout
-from shared.messages import Batch, BatchOutput, SeqChunk, fill_pending
+from shared.messages import PENDING_TOKEN, Batch, BatchOutput, SeqChunk, fill_pending
 from shared.model_source import resolve_model
 from shared.tokenizer import load_tokenizer
 from worker_svc.backends import parse_dtype, parse_kv_cache_dtype, select_backend
+from worker_svc.backends.base import Readback
 from worker_svc.kv_cache import PagedKVCache
 from worker_svc.loader import load_weights, read_config
 from worker_svc.model.linear import TensorParallel
@@ -34,6 +37,30 @@ log = logging.getLogger("sarathi.worker")
 
 class BatchError(ValueError):
     """A batch the worker cannot execute as sent; names the request and the problem."""
+
+
+@dataclass(eq=False)
+class Launched:
+    """A batch ModelRunner.launch() started (its output: ModelRunner.finish()). due: the seqs
+    that get a token, in row order; tokens: those tokens on the device, read back by `read`
+    (drawn on the device) or None; sampled: req_id -> token once known on the host; out: the
+    sampler's output then; timings: seconds (prepare_s, forward_s, sample_s)."""
+
+    batch_id: int
+    due: list[SeqChunk]
+    t0: float                     # time.perf_counter() at launch
+    wall0: float                  # time.time() at the forward pass
+    timings: dict[str, float]
+    tokens: torch.Tensor | None = None
+    read: Readback | None = None
+    out: SamplerOutput | None = None
+    sampled: dict[str, int] | None = None
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list] = field(default_factory=dict)
+
+    def ready(self) -> bool:
+        """True when finish() would not wait for the device."""
+        return self.sampled is not None or self.read.ready()
 
 
 class ModelRunner:
@@ -63,7 +90,8 @@ class ModelRunner:
         dev = self.backend.device
         self.parallel = None
         self._recv_wait_s = 0.0     # seconds the last batch waited for the previous stage
-        self._last_sampled: dict[str, int] = {}   # the last batch's tokens: what decodes planned ahead read
+        self._latest: Launched | None = None       # the last batch launched: what decodes planned ahead read
+        self._unfinished: Launched | None = None   # launched, tokens still on the device
         if weights is None:
             source = resolve_model(config.model)
             name = source.name
@@ -143,10 +171,23 @@ class ModelRunner:
         """Run one iteration; sampled holds a token exactly for the seqs with sample=True (and
         logprobs for those that asked). A seq with draft tokens (SeqChunk.num_draft_tokens) is
         verified instead of sampled: its accepted drafts go to accepted, the token after them to
-        sampled (worker_svc.sampling.speculative). A decode planned ahead reads its token from
-        the last batch's output (_fill_pending)."""
+        sampled (worker_svc.sampling.speculative). A decode planned ahead (async scheduling)
+        computes the token its request's chunk in the batch before sampled. = finish(launch())."""
+        return self.finish(self.launch(batch))
+
+    def launch(self, batch: Batch) -> "Launched":
+        """Start one iteration; finish() returns its output. Where the tokens are drawn on the
+        device (the CUDA backend, requests without host-only parameters, no TP or drafts) this
+        returns once the work is queued there, tokens not read back, so the caller can launch
+        the next batch first: launch(n + 1) may come before finish(n) (the worker service does
+        that with async scheduling), and then batch n + 1's decodes planned ahead take batch n's
+        tokens on the device. One batch at most may wait to be finished when the next is
+        launched; finish() in launch order."""
         t0 = time.perf_counter()
-        batch = self._fill_pending(batch)
+        prev = self._latest
+        if prev is not None and prev.sampled is None and prev is not self._unfinished:
+            raise RuntimeError("launch() with two batches not finished: finish() the older first")
+        batch, pending = self._pending_tokens(batch, prev)
         self.free(batch.freed_req_ids)
         par = self.parallel
         if par is None or par.is_last:   # token histories (penalties) only where tokens are drawn
@@ -154,34 +195,75 @@ class ModelRunner:
             # grammar masks are filled on a host thread while the forward pass runs
             self.sampler.prepare([s for s in batch.seqs if s.sample and not s.num_draft_tokens])
         wall0 = time.time()
-        due, logits, t1, t2 = self._forward(batch)
-        accepted: dict[str, list[int]] = {}
-        accepted_lps: dict[str, list] = {}
+        due, logits, t1, t2 = self._forward(batch, pending)
+        run = Launched(batch.batch_id, due, t0, wall0, {"prepare_s": t1 - t0, "forward_s": t2 - t1})
         if logits is None:       # a pipeline stage before the last: its activations were sent
-            due, out = [], SamplerOutput([])
+            run.due, run.out = [], SamplerOutput([])
         elif any(s.num_draft_tokens for s in due):
-            due, out = self._verify(due, logits, accepted, accepted_lps, par)
+            run.due, run.out = self._verify(due, logits, run.accepted, run.accepted_logprobs, par)
+        elif par is None and (draw := getattr(self.sampler, "draw_on_device", None)) is not None \
+                and (tokens := draw(logits, due)) is not None:
+            run.tokens = tokens
+            run.read = self.backend.read_back(tokens)
         else:   # TP: every rank of the last stage draws, TP rank 0's tokens are kept (broadcast)
-            out = self.sampler.sample_chunks(logits, due, agree=par.broadcast_tokens if par is not None else None)
+            run.out = self.sampler.sample_chunks(logits, due, agree=par.broadcast_tokens if par is not None else None)
+        if run.out is not None:
+            run.sampled = {s.req_id: tok for s, tok in zip(run.due, run.out.tokens)}
+        run.timings["sample_s"] = time.perf_counter() - t2
+        self._latest = run
+        self._unfinished = run if run.sampled is None else None
+        return run
+
+    def finish(self, run: "Launched") -> BatchOutput:
+        """The output of a launched batch (waits for its tokens if they are still on the device)."""
+        if run.sampled is None:
+            tokens = run.read.wait()
+            run.out = SamplerOutput(tokens)
+            run.sampled = {s.req_id: tok for s, tok in zip(run.due, tokens)}
+            self.sampler.guides.advance(run.due, tokens)
+            if self._unfinished is run:
+                self._unfinished = None
         t3 = time.perf_counter()
-        timings = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2, "total_s": t3 - t0}
+        timings = dict(run.timings, total_s=t3 - run.t0)
+        par = self.parallel
         if par is not None:
             # time.time() seconds: busy = [start, end] minus the wait for the previous stage
-            timings.update(rank=par.rank, stage=par.stage, start=wall0,
-                           end=wall0 + (t3 - t0), recv_wait_s=self._recv_wait_s)
-        sampled = {s.req_id: tok for s, tok in zip(due, out.tokens)}
-        self._last_sampled = sampled
-        return BatchOutput(batch.batch_id, sampled, timings,
-                           {due[i].req_id: lp for i, lp in out.logprobs.items()},
-                           accepted=accepted, accepted_logprobs=accepted_lps)
+            timings.update(rank=par.rank, stage=par.stage, start=run.wall0,
+                           end=run.wall0 + (t3 - run.t0), recv_wait_s=self._recv_wait_s)
+        return BatchOutput(run.batch_id, dict(run.sampled), timings,
+                           {run.due[i].req_id: lp for i, lp in run.out.logprobs.items()},
+                           accepted=run.accepted, accepted_logprobs=run.accepted_logprobs)
 
-    def _fill_pending(self, batch: Batch) -> Batch:
-        """Decodes planned ahead (async scheduling) carry PENDING_TOKEN; their token is the one
-        this runner sampled for the request in the batch before (shared.messages.fill_pending)."""
+    def _pending_tokens(self, batch: Batch, prev: "Launched | None"):
+        """(batch, pending): decodes planned ahead carry PENDING_TOKEN (async scheduling); their
+        token is the one `prev`, the batch launched before, sampled for their request. Known on
+        the host: filled in (a copy of the batch). Still on the device: the token becomes 0 here
+        and pending = (rows of the batch's flat token ids, prev's tokens at those rows), which
+        _forward copies in on the device."""
+        if not any(s.token_ids and s.token_ids[0] == PENDING_TOKEN for s in batch.seqs):
+            return batch, None
         try:
-            return fill_pending(batch, self._last_sampled)
+            if prev is None:
+                raise ValueError("no batch ran before it on this worker")
+            if prev.sampled is not None:
+                return fill_pending(batch, prev.sampled), None
+            rows_of = {s.req_id: i for i, s in enumerate(prev.due)}
+            seqs, dst, src, row = [], [], [], 0
+            for s in batch.seqs:
+                if s.is_ahead:
+                    if s.req_id not in rows_of:
+                        raise ValueError(f"request {s.req_id}: a pending token the batch before did "
+                                         "not sample")
+                    dst.append(row)
+                    src.append(rows_of[s.req_id])
+                    s = dataclasses.replace(s, token_ids=[0])
+                seqs.append(s)
+                row += len(s.token_ids)
         except ValueError as e:
-            raise BatchError(str(e)) from None
+            raise BatchError(f"{e} (a decode planned ahead must follow its request's sampling "
+                             "chunk on the same worker)") from None
+        src_t = self.backend.to_device(torch.tensor(src, dtype=torch.int64))
+        return dataclasses.replace(batch, seqs=seqs), (dst, prev.tokens.index_select(0, src_t))
 
     def _verify(self, due: list[SeqChunk], logits: torch.Tensor, accepted: dict, accepted_lps: dict,
                 par) -> tuple[list[SeqChunk], SamplerOutput]:
@@ -244,7 +326,7 @@ class ModelRunner:
     def compute_logits(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Like execute (K/V are written) but return the float32 logits [V] of each seq with
         sample=True instead of sampling (tests, scoring); [k + 1, V] for a seq with k drafts."""
-        due, logits, _, _ = self._forward(self._fill_pending(batch))
+        due, logits, _, _ = self._forward(*self._pending_tokens(batch, self._latest))
         if logits is None:
             return {}
         logits, got, row = logits.cpu(), {}, 0
@@ -254,10 +336,11 @@ class ModelRunner:
             row += k + 1
         return got
 
-    def _forward(self, batch: Batch):
+    def _forward(self, batch: Batch, pending=None):
         """(the due seqs, their logits [S, V] float32 on the device or None on a pipeline stage
         before the last, start of the forward pass, end): checks the batch first. A seq with k
-        draft tokens has k + 1 rows, in position order."""
+        draft tokens has k + 1 rows, in position order. pending: (rows, tokens on the device)
+        to put into the flat token ids on the device (_pending_tokens)."""
         t0 = time.perf_counter()
         due = [s for s in batch.seqs if s.sample]
         self._recv_wait_s = 0.0
@@ -278,15 +361,25 @@ class ModelRunner:
                 specs.extend((s.start_pos + i, 1, s.block_table) for i in range(len(s.token_ids)))
             else:
                 specs.append((s.start_pos, len(s.token_ids), s.block_table))
+        patch = None
+        if pending is not None:
+            dst = self.backend.to_device(torch.tensor(pending[0], dtype=torch.int64))
+
+            def patch(input_ids: torch.Tensor, dst=dst, tokens=pending[1]) -> None:
+                input_ids.index_copy_(0, dst, tokens)
         if self.graphs is not None and not any(s.num_draft_tokens for s in batch.seqs):
-            logits = self.graphs.run(specs, ids, pos)     # None: no graph for this batch
+            logits = self.graphs.run(specs, ids, pos, patch)     # None: no graph for this batch
             if logits is not None:
                 if len(due) < len(specs):
                     keep = [i for i, s in enumerate(batch.seqs) if s.sample]
-                    logits = logits.index_select(0, torch.tensor(keep, device=logits.device))
+                    logits = logits.index_select(0, self.backend.to_device(torch.tensor(keep)))
                 return due, logits, t0, time.perf_counter()
         dev = self.backend.device
-        input_ids, positions = torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64)
+        to_dev = self.backend.to_device
+        input_ids = to_dev(torch.tensor(ids, dtype=torch.int64))
+        positions = to_dev(torch.tensor(pos, dtype=torch.int64))
+        if patch is not None:
+            patch(input_ids)
         meta = self.backend.attention.build_metadata(specs, self.block_size, dev)
         rows, row = [], 0
         for s in batch.seqs:
@@ -300,8 +393,8 @@ class ModelRunner:
         if par is not None and not par.is_first:
             hidden, self._recv_wait_s = par.recv_hidden(batch.batch_id, len(ids),
                                                         self.model_cfg.hidden_size, self.dtype)
-        out = self.model(input_ids.to(dev), positions.to(dev), self.cache, meta,
-                         torch.tensor(rows, dtype=torch.int64, device=dev), hidden)
+        out = self.model(input_ids, positions, self.cache, meta,
+                         to_dev(torch.tensor(rows, dtype=torch.int64)), hidden)
         if par is not None and not par.is_last:
             par.send_hidden(out, batch.batch_id)
             return due, None, t1, time.perf_counter()

@@ -57,6 +57,27 @@ MAX_BATCH_MSG_BYTES = 256 << 20
 QUEUED_MSGS = 64    # per peer and direction: the scheduler keeps pp batches (and a ping) in flight
 
 
+HELD_POLL_S = 50e-6   # while a launched batch runs: how often to look for the next message
+
+
+@dataclasses.dataclass(eq=False)
+class _Started:
+    """A batch message decoded and launched: run is the runner's launch() handle (launched) or
+    execute()'s output; seq: the message's sequence number; t0, t1: perf_counter() at the
+    message and after decoding it."""
+
+    batch: Batch
+    run: Any
+    launched: bool
+    t0: float
+    t1: float
+    seq: int | None = None
+
+    def ready(self) -> bool:
+        """True when answering it would not wait for the device."""
+        return not self.launched or self.run.ready()
+
+
 class ServedRunner(Protocol):
     """What a WorkerServer serves: the service's view of a ModelRunner
     (worker_svc.model_runner), or of a stand-in that answers the same calls (tests' simulated
@@ -111,14 +132,41 @@ class WorkerServer:
         self.kv_link = kv_link
 
     def serve_forever(self, stop: threading.Event | None = None, poll_ms: int = 100) -> None:
-        """Answer requests until `stop` is set (checked every poll_ms milliseconds)."""
+        """Answer requests until `stop` is set (checked every poll_ms milliseconds).
+
+        A batch whose tokens stay on the device a while (ModelRunner.launch: the CUDA backend)
+        is held, not waited for: if the next message arrives while it runs (the scheduler plans
+        one batch ahead: async scheduling), that batch is launched first, queued behind it on
+        the device, and only then is the held one answered. So the device finds its next batch
+        queued when it finishes one, and this process prepares it while the device works.
+        Replies go out in arrival order."""
         stop = stop or threading.Event()
+        held = None   # (frames, _Started): launched, not answered yet
         while not stop.is_set() and self.fatal is None:
-            if self.sock.poll(poll_ms, zmq.POLLIN):
-                frames = self.sock.recv_multipart()
-                # frames: [client identity, (envelope...), payload]; reply on the same envelope
-                # (a ROUTER drops a reply to a peer whose queue is full: never blocks)
-                self.sock.send_multipart(frames[:-1] + [pack(self.handle_bytes(frames[-1]))])
+            if held is not None and held[1].ready():
+                self._reply(held[0], self._end(held[1]))
+                held = None
+                continue
+            if not self.sock.poll(0 if held is not None else poll_ms, zmq.POLLIN):
+                if held is not None:
+                    time.sleep(HELD_POLL_S)
+                continue
+            # frames: [client identity, (envelope...), payload]; reply on the same envelope
+            frames = self.sock.recv_multipart()
+            started = self.begin_bytes(frames[-1])
+            if held is not None:
+                self._reply(held[0], self._end(held[1]))
+                held = None
+            if isinstance(started, dict):
+                self._reply(frames, started)
+            else:
+                held = (frames, started)
+        if held is not None:
+            self._reply(held[0], self._end(held[1]))
+
+    def _reply(self, frames: list[bytes], reply: dict[str, Any]) -> None:
+        # a ROUTER drops a reply to a peer whose queue is full: never blocks
+        self.sock.send_multipart(frames[:-1] + [pack(reply)])
 
     def close(self) -> None:
         if self.kv_link is not None:
@@ -132,17 +180,35 @@ class WorkerServer:
 
     def handle_bytes(self, payload: bytes) -> dict[str, Any]:
         """The reply to one message; never raises (a worker outlives any message)."""
+        started = self.begin_bytes(payload)
+        return started if isinstance(started, dict) else self._end(started)
+
+    def begin_bytes(self, payload: bytes) -> "dict[str, Any] | _Started":
+        """The reply to one message, or for a batch its start (answered by _end); never raises."""
         try:
             msg = unpack(payload)
             seq = msg.get("seq")
         except Exception as e:  # not msgpack, or not a map
             return error_reply("bad_request", f"cannot decode message: {e!r}")
+        seq = seq if isinstance(seq, int) else None
         try:
-            reply = self.handle(msg)
+            reply = self._batch_begin(msg) if msg.get("op") == "batch" else self.handle(msg)
         except Exception as e:  # noqa: BLE001 - a bug's message is an error reply, not a dead worker
             log.exception("message %r failed", msg.get("op"))
             reply = error_reply("bad_request", f"{type(e).__name__}: {e}")
-        reply.update(seq=seq if isinstance(seq, int) else None, instance=self.instance)
+        if isinstance(reply, _Started):
+            reply.seq = seq
+            return reply
+        reply.update(seq=seq, instance=self.instance)
+        return reply
+
+    def _end(self, st: "_Started") -> dict[str, Any]:
+        try:
+            reply = self._batch_end(st)
+        except Exception as e:  # noqa: BLE001 - as in begin_bytes
+            log.exception("batch %s failed", st.batch.batch_id)
+            reply = error_reply("bad_request", f"{type(e).__name__}: {e}")
+        reply.update(seq=st.seq, instance=self.instance)
         return reply
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -158,6 +224,12 @@ class WorkerServer:
         return error_reply("unknown_op", f"unknown op {op!r}; expected ping, info or batch")
 
     def _batch(self, msg: dict[str, Any]) -> dict[str, Any]:
+        started = self._batch_begin(msg)
+        return started if isinstance(started, dict) else self._batch_end(started)
+
+    def _batch_begin(self, msg: dict[str, Any]) -> "dict[str, Any] | _Started":
+        """Check, decode and launch a batch: an error reply, or the batch started (answered by
+        _batch_end once its tokens are back)."""
         t0 = time.perf_counter()
         try:   # whole message first: a malformed one changes nothing
             mirror = self.decoder.states if msg.get("epoch") == self.decoder.epoch else {}
@@ -175,24 +247,36 @@ class WorkerServer:
         except (KeyError, TypeError, ValueError) as e:
             return error_reply("bad_request", f"malformed batch message: {e!r}")
         t1 = time.perf_counter()
+        launch = getattr(self.runner, "launch", None)
         try:
-            output = self.runner.execute(batch)
+            run = launch(batch) if launch is not None else self.runner.execute(batch)
         except Exception as e:
-            if getattr(e, "fatal", False):
-                log.error("batch %s: %s; stopping this rank", batch.batch_id, e)
-                self.fatal = str(e)
-                return error_reply("rank_lost", str(e))
-            log.exception("executor failed on batch %s", batch.batch_id)
-            self._forget_all()
-            return error_reply("execute_failed", f"{type(e).__name__}: {e}")
+            return self._failed(batch, e)
+        return _Started(batch, run, launch is not None, t0, t1)
+
+    def _batch_end(self, st: "_Started") -> dict[str, Any]:
+        """The reply to a started batch (waits for its tokens)."""
+        try:
+            output = self.runner.finish(st.run) if st.launched else st.run
+        except Exception as e:
+            return self._failed(st.batch, e)
         self.decoder.on_output(output)
-        if batch.kv_sends:
-            self._send_kv(batch, output)
+        if st.batch.kv_sends:
+            self._send_kv(st.batch, output)
         timings = dict(output.timings)
-        timings.update(decode_s=t1 - t0, worker_total_s=time.perf_counter() - t0)
+        timings.update(decode_s=st.t1 - st.t0, worker_total_s=time.perf_counter() - st.t0)
         return output_reply(BatchOutput(output.batch_id, dict(output.sampled), timings, output.logprobs,
                                         output.kv_sent, output.kv_failed, output.accepted,
                                         output.accepted_logprobs))
+
+    def _failed(self, batch: Batch, e: Exception) -> dict[str, Any]:
+        if getattr(e, "fatal", False):
+            log.error("batch %s: %s; stopping this rank", batch.batch_id, e)
+            self.fatal = str(e)
+            return error_reply("rank_lost", str(e))
+        log.exception("executor failed on batch %s", batch.batch_id, exc_info=e)
+        self._forget_all()
+        return error_reply("execute_failed", f"{type(e).__name__}: {e}")
 
     def _send_kv(self, batch: Batch, output: BatchOutput) -> None:
         """After the forward pass: send each KvSend's blocks to its receiver, synchronously (the

@@ -251,3 +251,103 @@ def test_gpu_benchmark_splits_a_replayed_decode_step_into_host_and_graph(fake_ba
     text = prof.read_text()
     assert "build_paged_batch" in text and "execute" in text and str(Path.cwd()) not in text
     assert ex.graphs.replays == before
+
+
+def _scheduled_run(executor, info, tag: str, asy: bool, record=None) -> dict:
+    """Six requests (greedy, seeded sampled, with logit_bias; prompts over the budget, so chunks
+    ride beside decodes) through the real scheduler; {index: output tokens}."""
+    from scheduler_svc.engine_loop import EngineLoop
+    from scheduler_svc.scheduler import Scheduler
+    from shared.config import CacheConfig, SchedulerConfig
+    from shared.sampling import SamplingParams
+    sched = Scheduler(SchedulerConfig(token_budget=24, max_num_seqs=8, max_model_len=256,
+                                      async_scheduling=asy), CacheConfig(BS, NUM_BLOCKS), info)
+    loop = EngineLoop(sched, executor, record=True)
+    sps = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+           SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=14, ignore_eos=True),
+           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias=((7, 5.0),))] * 2
+    reqs = [loop.add_request(f"{tag}{i}", prompt(9 + 13 * i, 40 + i), sp) for i, sp in enumerate(sps)]
+    loop.run_until_done()
+    if record is not None:
+        record.extend(loop.trace)
+    return {i: r.output_token_ids for i, r in enumerate(reqs)}
+
+
+class LaunchAhead:
+    """An executor that launches each batch when it is submitted and reads its tokens back when
+    it is collected, as the worker service does on a GPU: batch n + 1 is launched before batch
+    n is finished, so its decodes planned ahead take batch n's tokens on the device."""
+
+    def __init__(self, runner):
+        from collections import deque
+        self.runner, self.runs = runner, deque()
+        self.launched_behind = 0      # launches while the batch before was not finished
+
+    def submit(self, batch):
+        self.launched_behind += bool(self.runs)
+        self.runs.append((batch, self.runner.launch(batch)))
+
+    def collect(self):
+        batch, run = self.runs.popleft()
+        return batch, self.runner.finish(run)
+
+
+def test_batches_launched_before_the_previous_is_read_back_give_the_same_tokens(fake_backend, ckpt):
+    """Async scheduling on the CUDA backend's path (device sampling, graphs, hybrid batches):
+    a decode planned ahead is launched while the batch that samples its token is not read back,
+    its token copied in on the device; every request's tokens equal the synchronous loop's."""
+    flash = flash_runner(ckpt)
+    want = _scheduled_run(flash, flash.model_info, "s", False)
+    ahead = LaunchAhead(flash)
+    trace = []
+    assert _scheduled_run(ahead, flash.model_info, "a", True, trace) == want
+    assert ahead.launched_behind > 10 and sum(1 for t in trace if t["in_flight"]) > 10
+    assert flash.graphs.wrappers[8].runs + flash.graphs.wrappers[4].runs > 0   # graphs replayed
+
+
+def test_a_pending_token_the_batch_before_did_not_sample_is_refused(fake_backend, ckpt):
+    from shared.messages import PENDING_TOKEN
+    flash = flash_runner(ckpt)
+    table = BlockPool(NUM_BLOCKS, shuffle_seed=3).take(2)
+    first = flash.launch(Batch(0, [chunk("a", prompt(5, 1), 0, table, True)]))
+    with pytest.raises(BatchError, match="request b"):
+        flash.launch(Batch(1, [chunk("b", [PENDING_TOKEN], 5, table, True, output_index=1)]))
+    token = flash.finish(first).sampled["a"]
+    # the same pending token once batch 0 is read back: filled in on the host; it computes the
+    # position-5 token the real token would
+    ahead = flash.compute_logits(Batch(2, [chunk("a", [PENDING_TOKEN], 5, table, True, output_index=1)]))
+    real = flash.compute_logits(Batch(3, [chunk("a", [token], 5, table, True, output_index=1)]))
+    assert torch.equal(ahead["a"], real["a"])
+
+
+def test_the_worker_service_launches_the_next_batch_before_answering_the_one_running(fake_backend, ckpt, tmp_path):
+    """Over ZeroMQ: the device takes 30 ms to hand a batch's tokens back (a stand-in readback),
+    the scheduler plans ahead, so the next message arrives while a batch runs: the worker
+    launches it, then answers; the outputs are the synchronous loop's."""
+    import time as _time
+
+    from scheduler_svc.remote_executor import RemoteExecutor
+    from tests.support.worker_threads import serving
+    from worker_svc.backends.base import Readback
+    from worker_svc.service import WorkerServer
+
+    flash = flash_runner(ckpt)
+    want = _scheduled_run(flash, flash.model_info, "s", False)
+    read_back = flash.backend.read_back
+
+    def slow_read_back(t):
+        rb, until = read_back(t), _time.monotonic() + 0.03
+        return Readback(rb.wait, lambda: _time.monotonic() > until)
+    flash.backend.read_back = slow_read_back
+    launched_behind = []
+    launch = flash.launch
+
+    def counting_launch(batch):
+        launched_behind.append(flash._unfinished is not None)
+        return launch(batch)
+    flash.launch = counting_launch
+    with serving() as run:
+        remote = RemoteExecutor(run(WorkerServer(flash, f"ipc://{tmp_path}/w.sock", keys=None)), timeout_s=60)
+        assert _scheduled_run(remote, remote.model_info, "r", True) == want
+        remote.close()
+    assert sum(launched_behind) > 5

@@ -28,7 +28,7 @@ worker_svc/backends/ (tests/test_layering.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -127,15 +127,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+class Readback:
+    """A device -> host copy started by DeviceBackend.read_back: wait() gives the values
+    (blocking until the copy has run), ready() says, without waiting, whether wait() would
+    return at once."""
+
+    def __init__(self, wait: Callable[[], list], ready: Callable[[], bool] = lambda: True):
+        self.wait, self.ready = wait, ready
+
+
 class GraphRunner(Protocol):
     """Replays captured graphs of the model for the batches it can run (CUDA graphs for
     decode-only batches). It builds the attention metadata of a batch itself."""
 
-    def run(self, seqs: list[SeqSpec], token_ids: list[int],
-            positions: list[int]) -> torch.Tensor | None:
+    def run(self, seqs: list[SeqSpec], token_ids: list[int], positions: list[int],
+            patch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
         """Logits [len(seqs), V] float32 on the device of every sequence's last token, or None
         when it cannot run this batch (the caller runs it eagerly). token_ids, positions: the
-        batch's flat rows [T]. The result may be overwritten by the next run()."""
+        batch's flat rows [T]. patch(ids): called with the device row of token ids once they
+        are in place, before the replay (tokens still on the device: async scheduling). The
+        result may be overwritten by the next run()."""
 
 
 @dataclass
@@ -183,6 +194,17 @@ class DeviceBackend:
         """Graphs of `model` over `cache` (allocated with scratch_blocks on top of the
         scheduler's blocks) for batches of up to max_num_seqs sequences, or None (run eagerly)."""
         return None
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on this backend's device, copied without waiting for the work already
+        queued there (the model runner prepares batch n + 1 while batch n runs: async
+        scheduling). The host tensor may be changed or dropped once this returns."""
+        return t.to(self.device)
+
+    def read_back(self, t: torch.Tensor) -> "Readback":
+        """Start copying the device tensor t to the host; its Readback waits for that copy alone
+        (not for work queued after it) and gives t.tolist()."""
+        return Readback(t.tolist)
 
     def layer_stack(self, layers: torch.nn.ModuleList):
         """A callable that runs a batch through all of `layers` (a single rank's DecoderLayers)

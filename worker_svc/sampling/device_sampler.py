@@ -56,12 +56,20 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _on(device: torch.device | str, t: torch.Tensor) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the work queued there (pinned,
+    non-blocking on CUDA): sampling batch n + 1 may be launched while batch n runs."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def uniform_noise(seeds: list[int], output_indices: list[int], vocab_size: int,
                   device: torch.device | str) -> torch.Tensor:
     """u [S, V] float64 in (0, 1): row s, column t is a pure function of (seeds[s],
     output_indices[s], t)."""
-    keys = torch.tensor([[s & _M32, (s >> 32) & _M32, i & _M32]
-                         for s, i in zip(seeds, output_indices)], dtype=torch.int64, device=device)
+    keys = _on(device, torch.tensor([[s & _M32, (s >> 32) & _M32, i & _M32]
+                                     for s, i in zip(seeds, output_indices)], dtype=torch.int64))
     row = hash32(hash32(hash32(keys[:, 0]) ^ keys[:, 1]) ^ keys[:, 2])            # [S]
     col = hash32((torch.arange(vocab_size, dtype=torch.int64, device=device) + 0x9E3779B9) & _M32)
     bits = hash32(row[:, None] ^ col[None, :])                                     # [S, V]
@@ -93,10 +101,15 @@ class DeviceSampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_indices: list[int]) -> list[int]:
+        return self.draw(logits, params, output_indices).tolist()   # the one device -> host copy
+
+    def draw(self, logits: torch.Tensor, params: list[SamplingParams],
+             output_indices: list[int]) -> torch.Tensor:
+        """The tokens [S] int64, left on the device (nothing here waits for the device)."""
         tokens = logits.argmax(dim=-1)
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
-            rows = torch.tensor(drawn, device=logits.device)
+            rows = _on(logits.device, torch.tensor(drawn))
             ps = [params[i] for i in drawn]
             seeds = [p.seed if p.seed is not None else
                      int(torch.randint(0, 2 ** 62, (1,), generator=self.host_generator)) for p in ps]
@@ -104,7 +117,7 @@ class DeviceSampler:
             u = uniform_noise(seeds, [output_indices[i] for i in drawn], logits.shape[-1], logits.device)
             scores = x.double() - torch.log(-torch.log(u))
             tokens = tokens.index_copy(0, rows, scores.argmax(dim=-1))
-        return tokens.tolist()      # the one device -> host copy: S token ids
+        return tokens
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,3 +169,15 @@ class DeviceFirstSampler:
             guides.advance(due, tokens)
             return SamplerOutput(tokens)
         return self.host.sample_chunks(logits.cpu(), due, agree=agree)
+
+    def draw_on_device(self, logits: torch.Tensor, due: list[SeqChunk]) -> torch.Tensor | None:
+        """The tokens [S] of a batch drawn on the device and left there (the caller reads them
+        back later: async scheduling), or None when the host must take part (a parameter
+        DeviceSampler lacks, or a grammar: its matcher advances with each token on the host)."""
+        ds = self.device_sampler
+        if not all(ds.supports(s.sampling) and s.sampling.constraint is None for s in due):
+            return None
+        if any(s.sampling.logit_bias for s in due):
+            logits = logits.float().clone()
+            apply_logit_bias(logits, due)
+        return ds.draw(logits, [s.sampling for s in due], [s.output_index for s in due])

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from worker_svc.backends.base import DeviceBackend, LinearMethod, Ops
+from worker_svc.backends.base import DeviceBackend, LinearMethod, Ops, Readback
 from worker_svc.backends.cuda import kv_sizing
 from worker_svc.backends.cuda.cuda_graphs import CudaGraphRunner, capture_sizes
 from worker_svc.backends.cuda.flashinfer_meta import PagedBatch, build_paged_batch
@@ -203,6 +203,29 @@ class CudaBackend(DeviceBackend):
     def sampler(self, seed: int | None, eos_token_ids: list[int] | tuple) -> DeviceFirstSampler:
         """On the device where every due request's parameters allow it, else on the host."""
         return DeviceFirstSampler(seed, eos_token_ids)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Through pinned memory, non-blocking: a copy from pageable memory may wait for the
+        work queued on the stream, which would serialize batch n + 1's preparation behind batch
+        n. PyTorch's pinned-memory cache keeps the staging block until the copy has run."""
+        if self.device.type != "cuda":        # the CPU harness of this backend (tests)
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def read_back(self, t: torch.Tensor):
+        """A non-blocking copy into pinned memory and an event after it: the returned call
+        waits for this copy (and what was queued before it), not for a batch launched after."""
+        if self.device.type != "cuda":
+            return Readback(t.tolist)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait() -> list:
+            done.synchronize()
+            return host.tolist()
+        return Readback(wait, done.query)
 
     def graph_runner(self, model, cache, max_num_seqs: int) -> CudaGraphRunner | None:
         """Graphs for decode batches of 1, 2, 4, ... up to max_num_seqs sequences (capture_sizes);
