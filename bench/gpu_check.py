@@ -21,7 +21,8 @@ Steps, in order (each a subprocess from the repository root, its output in bench
     and again with the reference elementwise ops (SARATHI_CUDA_OPS=torch:
     gpu_engine_iteration_torch_ops.*);
  7. `sarathi serve --device cuda` answering the openai client (gpu_serve_check.*);
- 8. one load point per policy, real engine vs the simulator's H100 model (gpu_load_point.*).
+ 8. one load point per policy (and sarathi with async scheduling), real engine vs the
+    simulator's H100 model (gpu_load_point.*).
 
 Each step's timeout is what is left of --budget (and at most its own cap); a step that does not
 fit is skipped and says so. After every step the results folder and the step logs are packed
@@ -208,7 +209,8 @@ def steps(args: argparse.Namespace, python: str = sys.executable) -> list[Step]:
         Step("serve", lambda ctx: [python, "-m", "bench.gpu_serve_check", "--model-files",
                                    str(args.bundle / "model"), "--out", out + "gpu_serve_check"],
              "gpu_serve_check.log", 150, need=45),
-        Step("load", lambda ctx: [python, "-m", "bench.gpu_load_point", "--out", out + "gpu_load_point"],
+        Step("load", lambda ctx: [python, "-m", "bench.gpu_load_point", "--policies", "sarathi,vllm,sarathi+async",
+                                  "--out", out + "gpu_load_point"],
              "gpu_load_point.log", 200, need=60),
     ]
     skip = {s for s in args.skip.split(",") if s}

@@ -150,12 +150,38 @@ def measure(ex: ModelRunner, tiny: bool, rounds: int) -> dict:
     return times
 
 
+AHEAD_STEPS = 8   # decode steps per chain launched ahead (positions ctx .. ctx + 8 fit the blocks)
+
+
+def ahead_step_s(ex: ModelRunner, b: Batch, steps: int = AHEAD_STEPS) -> float:
+    """Seconds per decode step when each step is launched before the one before it is read
+    back, its tokens taken on the device (async scheduling's worker path): the same decodes
+    at positions ctx, ctx + 1, ..., the GPU's next step queued while the host prepares it."""
+    import dataclasses
+
+    from shared.messages import PENDING_TOKEN
+
+    def step(k: int) -> Batch:
+        return Batch(k, [dataclasses.replace(s, token_ids=[PENDING_TOKEN], start_pos=s.start_pos + k,
+                                             output_index=s.output_index + k) for s in b.seqs])
+    t0 = time.perf_counter()
+    run = ex.launch(b)
+    for k in range(1, steps + 1):
+        nxt = ex.launch(step(k))
+        ex.finish(run)
+        run = nxt
+    ex.finish(run)
+    return (time.perf_counter() - t0) / (steps + 1)
+
+
 def decode_split(ex: ModelRunner, tiny: bool, rounds: int) -> dict:
     """Where a graph-replayed decode step's time goes: "decode:B" -> step_s (execute, as
     measured), graph_s (the captured graph replayed back to back: the GPU's part) and host_s
     (execute with the replay left out: metadata, FlashInfer's plan, input copies, sampling
     launches, the token ids' copy back; the GPU idles meanwhile). step - graph is what the host
-    adds to a step; {} without graphs. Medians over rounds."""
+    adds to a step; ahead_s: a step launched before the previous one is read back
+    (ahead_step_s), what overlapping the host's work with the GPU's leaves. {} without graphs.
+    Medians over rounds."""
     g = ex.graphs
     if g is None:
         return {}
@@ -166,8 +192,9 @@ def decode_split(ex: ModelRunner, tiny: bool, rounds: int) -> dict:
             continue
         b, size = make_batch(s, n, ctx, tiny), next(z for z in g.sizes if z >= n)
         replay = g.replays[size]
-        step, graph, host = [], [], []
+        step, graph, host, ahead = [], [], [], []
         ex.execute(b)
+        ahead_step_s(ex, b)
         for _ in range(rounds):
             sync()
             t0 = time.perf_counter()
@@ -187,8 +214,10 @@ def decode_split(ex: ModelRunner, tiny: bool, rounds: int) -> dict:
                 host.append(time.perf_counter() - t0)
             finally:
                 g.replays[size] = replay
+            sync()
+            ahead.append(ahead_step_s(ex, b))
         out[f"decode:{n}"] = {"step_s": statistics.median(step), "graph_s": statistics.median(graph),
-                              "host_s": statistics.median(host)}
+                              "host_s": statistics.median(host), "ahead_s": statistics.median(ahead)}
     return out
 
 
@@ -239,16 +268,21 @@ def summarize(times: dict, cfg: ModelConfig, tiny: bool, kv_bytes_per_token: int
     return out
 
 
-def against_goals(summary: dict, tiny: bool, hbm_bytes_per_s: float = HBM_BYTES_PER_S) -> dict:
+def against_goals(summary: dict, tiny: bool, hbm_bytes_per_s: float = HBM_BYTES_PER_S,
+                  split: dict | None = None) -> dict:
     """Each goal with the best variant's median next to it and the bound. The goals are set for
     an H100 (3.0 TB/s copy): the memory-bound ones (decodes) scale by hbm_bytes_per_s, so a GPU
-    with faster memory (an H200) is held to the same fraction of its bound."""
+    with faster memory (an H200) is held to the same fraction of its bound. split: decode_split's
+    result; its steps launched ahead (async scheduling) count as the variant "graphs, ahead"."""
     best = {}
     for v, pts in summary.items():
         for p in pts:
             key = f"{p['series']}:{p['size']}"
             if key not in best or p["median_s"] < best[key]["median_s"]:
                 best[key] = dict(p, variant=v)
+    for key, v in (split or {}).items():
+        if key in best and v.get("ahead_s") is not None and v["ahead_s"] < best[key]["median_s"]:
+            best[key] = dict(best[key], median_s=v["ahead_s"], variant="graphs, ahead")
     goals = {}
     for key, goal in GOALS.items():
         if key.startswith("decode"):
@@ -290,6 +324,9 @@ def plot(summary: dict, path: Path, split: dict | None = None) -> None:
         host = [max(0.0, split[k]["step_s"] - split[k]["graph_s"]) * 1e3 for k in keys]
         ax.bar(range(len(keys)), gpu, label="graph replay (GPU)")
         ax.bar(range(len(keys)), host, bottom=gpu, label="added by the host")
+        if all("ahead_s" in split[k] for k in keys):
+            ax.plot(range(len(keys)), [split[k]["ahead_s"] * 1e3 for k in keys], "k_", markersize=22,
+                    markeredgewidth=2.5, label="step launched ahead (async scheduling)")
         ax.set_xticks(range(len(keys)), [k.split(":")[1] for k in keys])
         ax.set(xlabel="decodes (CUDA graph)", ylabel="step (ms, median)", title="decode step: GPU vs host")
         ax.legend()
@@ -380,9 +417,10 @@ def main(argv: list[str] | None = None) -> dict:
         "model": "random-init " + ("tiny Llama" if args.tiny else "Llama-3-8B shapes (vocab 49152)"),
         "dtype": str(ex.dtype), "block_size": BLOCK_SIZE, "rounds": args.rounds,
         "bounds": f"weights+KV bytes / {hbm / 1e12:.2f} TB/s, or FLOPs / {flops / 1e12:.0f} TFLOP/s",
-        "goals": against_goals(summary, args.tiny, hbm), "results": summary,
-        "decode_split": decode_split(ex, args.tiny, args.rounds),
+        "results": summary,
     }
+    result["decode_split"] = split = decode_split(ex, args.tiny, args.rounds)
+    result["goals"] = against_goals(summary, args.tiny, hbm, split)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
@@ -393,7 +431,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(result["goals"], indent=1))
     for key, v in result["decode_split"].items():
         print(f"{key}: step {v['step_s'] * 1e3:.2f} ms = graph replay {v['graph_s'] * 1e3:.2f} ms "
-              f"+ {(v['step_s'] - v['graph_s']) * 1e3:.2f} ms of host (host work alone {v['host_s'] * 1e3:.2f} ms)")
+              f"+ {(v['step_s'] - v['graph_s']) * 1e3:.2f} ms of host (host work alone {v['host_s'] * 1e3:.2f} ms); "
+              f"launched ahead {v['ahead_s'] * 1e3:.2f} ms")
     return result
 
 

@@ -59,13 +59,19 @@ def build(args) -> tuple[ModelRunner, object]:
 
 
 def sched_config(args, policy: str) -> SchedulerConfig:
-    return SchedulerConfig(policy=policy, token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
-                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=MAX_LEN)
+    """policy: a policy name, with "+async" for async scheduling (e.g. sarathi+async)."""
+    name, _, extra = policy.partition("+")
+    if extra not in ("", "async"):
+        raise SystemExit(f"unknown policy option {extra!r} in {policy!r} (only +async)")
+    return SchedulerConfig(policy=name, token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=MAX_LEN,
+                           async_scheduling=extra == "async")
 
 
 class Recording:
     """The executor, recording each batch's shapes (start, new tokens, is_decode per sequence)
-    and the seconds execute() took (synchronous: it ends with token ids on the host)."""
+    and the seconds execute() took (synchronous: it ends with token ids on the host). With async
+    scheduling the loop calls launch()/finish() instead (passed through): nothing is recorded."""
 
     def __init__(self, ex: ModelRunner):
         self.ex, self.log = ex, []
@@ -124,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--qps", type=float, default=8.0)
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--policies", default="sarathi,vllm")
+    ap.add_argument("--policies", default="sarathi,vllm",
+                    help="comma-separated; a name with +async runs it with async scheduling (sarathi+async)")
     ap.add_argument("--token-budget", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -157,14 +164,16 @@ def main(argv: list[str] | None = None) -> dict:
         rec = Recording(ex)
 
         def make(pol: str, tau: int, policy=policy, rec=rec) -> EngineLoop:
-            sc = dataclasses.replace(sched_config(args, policy), policy=pol, token_budget=tau)
+            sc = dataclasses.replace(sched_config(args, policy), token_budget=tau)
             return EngineLoop(Scheduler(sc, CacheConfig(BLOCK_SIZE, info.num_blocks), info), rec)
+        name = policy.partition("+")[0]
         real = run_once(Target("real", make_engine=make, max_model_len=MAX_LEN, vocab_size=info.vocab_size),
-                        w, args.qps, policy=policy, token_budget=args.token_budget, progress=False)
+                        w, args.qps, policy=name, token_budget=args.token_budget, progress=False)
         sim_target = simulated_target(cost, block_size=BLOCK_SIZE, num_blocks=info.num_blocks,
                                       max_model_len=MAX_LEN, vocab_size=info.vocab_size,
-                                      sched_config=sched_config(args, policy))
-        sim = run_once(sim_target, w, args.qps, policy=policy, token_budget=args.token_budget, progress=False,
+                                      sched_config=dataclasses.replace(sched_config(args, policy),
+                                                                       async_scheduling=False))
+        sim = run_once(sim_target, w, args.qps, policy=name, token_budget=args.token_budget, progress=False,
                        keep_requests=False)
         entry = {"real": {"summary": real["summary"], "iterations": real["iterations"],
                           "batches": [[shapes, round(dt, 6)] for shapes, dt in rec.log]},

@@ -79,8 +79,13 @@ def _api_key(a: argparse.Namespace) -> str | None:
 
 
 def scheduler(a: argparse.Namespace) -> int:
+    import logging
+
     from scheduler_svc.service import run_scheduler
 
+    # INFO: the start-up line (policy, budget, model, KV cache, workers) is for operators
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not a.redis_url:
         raise ValueError("the scheduler service needs --redis-url (or SARATHI_REDIS_URL)")
     def addrs(value: str) -> list[str]:

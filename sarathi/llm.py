@@ -49,6 +49,8 @@ class LLM:
     0 = auto: 2048 on CPU, sized from free memory on CUDA).
     device: "cpu" or "cuda[:n]"; gpu_memory_utilization, cuda_graphs: see WorkerConfig.
     kv_cache_dtype / weight_quant: see shared.config.WorkerConfig ("auto": the device's choice).
+    async_scheduling: plan each batch while the one before runs (SchedulerConfig; on a GPU the
+    next batch is launched before the previous one's tokens are read back).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", threads: int = 0,
@@ -56,7 +58,8 @@ class LLM:
                  token_budget: int = 512, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False,
                  device: str = "cpu", gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
-                 kv_cache_dtype: str = "auto", weight_quant: str = "auto"):
+                 kv_cache_dtype: str = "auto", weight_quant: str = "auto",
+                 async_scheduling: bool = False):
         self._start(
             WorkerConfig(model=model, dtype=dtype, num_threads=threads, device=device,
                          cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
@@ -64,7 +67,8 @@ class LLM:
                          kv_cache_dtype=kv_cache_dtype, weight_quant=weight_quant),
             SchedulerConfig(policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
-                            enable_prefix_caching=enable_prefix_caching))
+                            enable_prefix_caching=enable_prefix_caching,
+                            async_scheduling=async_scheduling))
 
     @classmethod
     def from_config(cls, worker: WorkerConfig, scheduler: SchedulerConfig) -> "LLM":

@@ -22,7 +22,9 @@ The executor is injected. The scheduler's executors are one family: Executor (th
 protocol: `execute(batch) -> BatchOutput`; the worker's ModelRunner in process,
 sim_executor.SimExecutor), which the loop runs when a batch is collected, and PipelineExecutor
 (`submit(batch)` and `collect() -> (batch, output)`; remote_executor.RemoteExecutor, a client of
-remote workers). Nothing here imports torch.
+remote workers). With async scheduling an executor that also has `launch(batch)` and
+`finish(handle)` (the ModelRunner) is launched when a batch is submitted and finished when it
+is collected. Nothing here imports torch.
 
 An EngineLoop is an engine (scheduler_svc.engine): the scheduler service runs it for one worker
 or replica, with the fault rules of the "worker faults" methods below (a lost worker's requests
@@ -103,6 +105,27 @@ class _ExecuteOnCollect:
         self._queue.clear()
 
 
+class _LaunchOnSubmit:
+    """submit/collect over an executor with launch(batch) -> handle and finish(handle) ->
+    BatchOutput (the model runner in process): a batch is launched when submitted and finished
+    when collected, so with async scheduling batch n + 1 is launched before batch n's tokens are
+    read back (on a GPU it is queued behind batch n while the host goes on)."""
+
+    def __init__(self, executor):
+        self.executor = executor
+        self._queue: deque = deque()
+
+    def submit(self, batch: Batch) -> None:
+        self._queue.append((batch, self.executor.launch(batch)))
+
+    def collect(self) -> tuple[Batch, BatchOutput]:
+        batch, run = self._queue.popleft()
+        return batch, self.executor.finish(run)
+
+    def abandon(self) -> None:
+        self._queue.clear()
+
+
 class EngineLoop:
     """schedule -> submit (up to depth in flight) -> collect oldest -> update, per step().
 
@@ -129,7 +152,12 @@ class EngineLoop:
                              "the stages already overlap consecutive batches")
         self.scheduler = scheduler
         self.executor = executor
-        self._pipe = executor if hasattr(executor, "submit") else _ExecuteOnCollect(executor)
+        if hasattr(executor, "submit"):
+            self._pipe = executor
+        elif scheduler.config.async_scheduling and hasattr(executor, "launch"):
+            self._pipe = _LaunchOnSubmit(executor)
+        else:
+            self._pipe = _ExecuteOnCollect(executor)
         self.depth = depth
         self.on_batch = on_batch
         self.in_flight: deque[Batch] = deque()   # submitted, not yet collected; oldest first

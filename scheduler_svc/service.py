@@ -378,9 +378,10 @@ def _run_single(c: SchedulerServiceConfig, queue, executor, metrics, services, s
         queue = _queue(c, queue)
         service = SchedulerService(loop_engine(scheduler, executor, metrics, c.worker_restart_timeout_s),
                                    queue, metrics, stall_timeout_s=stall_timeout(c))
-        log.info("scheduler ready: policy=%s tau=%d model=%s max_model_len=%d kv=%dx%d worker=%s",
+        log.info("scheduler ready: policy=%s tau=%d model=%s max_model_len=%d kv=%dx%d worker=%s%s",
                  cfg.policy, cfg.token_budget, info.name, scheduler.max_model_len, info.num_blocks,
-                 info.block_size, info.backend)
+                 info.block_size, info.backend,
+                 "; async scheduling (one batch planned ahead)" if cfg.async_scheduling else "")
         _serve(service, queue, services, server, stop, on_ready)
     finally:
         if owned is not None:

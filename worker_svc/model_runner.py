@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,8 +24,7 @@ from shared.config import ModelInfo, WorkerConfig, cdiv, single_rank_layout
 from shared.messages import PENDING_TOKEN, Batch, BatchOutput, SeqChunk, fill_pending
 from shared.model_source import resolve_model
 from shared.tokenizer import load_tokenizer
-from worker_svc.backends import parse_dtype, parse_kv_cache_dtype, select_backend
-from worker_svc.backends.base import Readback
+from worker_svc.backends import Readback, parse_dtype, parse_kv_cache_dtype, select_backend
 from worker_svc.kv_cache import PagedKVCache
 from worker_svc.loader import load_weights, read_config
 from worker_svc.model.linear import TensorParallel
@@ -61,6 +60,11 @@ class Launched:
     def ready(self) -> bool:
         """True when finish() would not wait for the device."""
         return self.sampled is not None or self.read.ready()
+
+    def block(self) -> None:
+        """Wait until ready() (a waiter thread's call: it reads nothing)."""
+        if self.sampled is None:
+            self.read.block()
 
 
 class ModelRunner:

@@ -57,9 +57,6 @@ MAX_BATCH_MSG_BYTES = 256 << 20
 QUEUED_MSGS = 64    # per peer and direction: the scheduler keeps pp batches (and a ping) in flight
 
 
-HELD_POLL_S = 50e-6   # while a launched batch runs: how often to look for the next message
-
-
 @dataclasses.dataclass(eq=False)
 class _Started:
     """A batch message decoded and launched: run is the runner's launch() handle (launched) or
@@ -76,6 +73,44 @@ class _Started:
     def ready(self) -> bool:
         """True when answering it would not wait for the device."""
         return not self.launched or self.run.ready()
+
+    def block(self) -> None:
+        if self.launched:
+            self.run.block()
+
+
+class _Waker:
+    """Tells the server loop when a held batch's tokens are back: one thread blocks on each
+    watched batch (a CUDA event's wait releases the GIL) and then sends an empty message on an
+    inproc PAIR socket the loop polls beside its ROUTER. One wake-up per watched batch."""
+
+    def __init__(self, ctx: zmq.Context):
+        import queue
+        addr = f"inproc://worker-waker-{uuid.uuid4().hex}"
+        self.rx = ctx.socket(zmq.PAIR)
+        self.rx.bind(addr)
+        self._tx = ctx.socket(zmq.PAIR)
+        self._tx.connect(addr)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="worker-waker", daemon=True)
+        self._thread.start()
+
+    def watch(self, started: _Started) -> None:
+        self._queue.put(started)
+
+    def _run(self) -> None:
+        while (started := self._queue.get()) is not None:
+            try:
+                started.block()
+            except Exception:   # noqa: BLE001 - the loop's own finish() reports the error
+                pass
+            self._tx.send(b"")
+        self._tx.close(0)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)
+        self.rx.close(0)
 
 
 class ServedRunner(Protocol):
@@ -128,6 +163,7 @@ class WorkerServer:
         # the address actually bound (resolves tcp://*:0 to a real port)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.fatal: str | None = None   # set when a fatal runner error stopped the server
+        self._waker: _Waker | None = None   # made when a batch is first held (a GPU runner)
         # disaggregation: KV blocks in (the link's receiver thread) and out (after a forward pass)
         self.kv_link = kv_link
 
@@ -137,19 +173,24 @@ class WorkerServer:
         A batch whose tokens stay on the device a while (ModelRunner.launch: the CUDA backend)
         is held, not waited for: if the next message arrives while it runs (the scheduler plans
         one batch ahead: async scheduling), that batch is launched first, queued behind it on
-        the device, and only then is the held one answered. So the device finds its next batch
+        the device, and only then is the held one answered; otherwise it is answered as soon as
+        its tokens are back (a _Waker thread waits for them). So the device finds its next batch
         queued when it finishes one, and this process prepares it while the device works.
         Replies go out in arrival order."""
         stop = stop or threading.Event()
         held = None   # (frames, _Started): launched, not answered yet
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        if self._waker is not None:
+            poller.register(self._waker.rx, zmq.POLLIN)
         while not stop.is_set() and self.fatal is None:
-            if held is not None and held[1].ready():
-                self._reply(held[0], self._end(held[1]))
-                held = None
-                continue
-            if not self.sock.poll(0 if held is not None else poll_ms, zmq.POLLIN):
-                if held is not None:
-                    time.sleep(HELD_POLL_S)
+            ready = dict(poller.poll(poll_ms))
+            if self._waker is not None and self._waker.rx in ready:
+                self._waker.rx.recv()
+                if held is not None and held[1].ready():
+                    self._reply(held[0], self._end(held[1]))
+                    held = None
+            if self.sock not in ready:
                 continue
             # frames: [client identity, (envelope...), payload]; reply on the same envelope
             frames = self.sock.recv_multipart()
@@ -159,7 +200,13 @@ class WorkerServer:
                 held = None
             if isinstance(started, dict):
                 self._reply(frames, started)
+            elif started.ready():
+                self._reply(frames, self._end(started))
             else:
+                if self._waker is None:
+                    self._waker = _Waker(self.ctx)
+                    poller.register(self._waker.rx, zmq.POLLIN)
+                self._waker.watch(started)
                 held = (frames, started)
         if held is not None:
             self._reply(held[0], self._end(held[1]))
@@ -171,6 +218,8 @@ class WorkerServer:
     def close(self) -> None:
         if self.kv_link is not None:
             self.kv_link.close()
+        if self._waker is not None:
+            self._waker.close()
         self.sock.close(0)
         link_auth.release_domain(self.ctx, self._zap_domain)
 

@@ -55,16 +55,21 @@ def offline():
     return ref
 
 
-@pytest.fixture(scope="module", params=["embedded", "embedded-redis", "distributed-redis"])
+@pytest.fixture(scope="module", params=["embedded", "embedded-redis", "distributed-redis", "embedded-async"])
 def stack(request, tmp_path_factory, redis_server_url):
     """embedded: in-process queue. embedded-redis: the same command given a Redis URL.
-    distributed-redis: worker, scheduler and gateway as separate processes (as in compose/k8s)."""
+    distributed-redis: worker, scheduler and gateway as separate processes (as in compose/k8s).
+    embedded-async: `sarathi serve --async-scheduling` (every answer must still be the offline
+    engine's)."""
     tmp = tmp_path_factory.mktemp(request.param)
     prefix = f"test:e2e:{uuid.uuid4().hex[:8]}:"
     if request.param == "distributed-redis":
         s = DistributedStack(tmp, redis_server_url, prefix)
+    elif request.param == "embedded-async":
+        s = EmbeddedStack(tmp, None, prefix, async_scheduling=True)
     else:
         s = EmbeddedStack(tmp, redis_server_url if request.param == "embedded-redis" else None, prefix)
+    s.plans_ahead = request.param == "embedded-async"
     yield s
     s.close()
     r = redis.Redis.from_url(redis_server_url)
@@ -91,6 +96,12 @@ def test_the_worker_log_says_which_backend_and_kernels_run(stack):
     assert line is not None, stack.logs[0].read_text()[-2000:]
     if native.available():
         assert "attention native" in line and "kernels:" in line and native.build_note() in line
+
+
+def test_the_scheduler_log_says_whether_it_plans_batches_ahead(stack):
+    lines = [ln for log in stack.logs if log.exists() for ln in log.read_text().splitlines()
+             if "scheduler ready:" in ln]
+    assert lines and all(("async scheduling" in ln) == stack.plans_ahead for ln in lines)
 
 
 def test_greedy_completion_equals_the_offline_engine(stack, offline):

@@ -233,13 +233,19 @@ def test_gpu_load_point_and_its_calibration_run_on_a_tiny_model(tmp_path):
     from sarathi.measure.gpu_costmodel import GPUCostModel
 
     out = tmp_path / "lp"
-    result = gpu_load_point.main(["--tiny", "--qps", "20", "--num-requests", "4", "--out", str(out)])
+    result = gpu_load_point.main(["--tiny", "--qps", "20", "--num-requests", "4", "--out", str(out),
+                                  "--policies", "sarathi,vllm,sarathi+async"])
     saved = json.loads(out.with_suffix(".json").read_text())
-    assert set(saved["policies"]) == {"sarathi", "vllm"} and out.with_suffix(".png").stat().st_size > 0
-    for entry in saved["policies"].values():
+    assert set(saved["policies"]) == {"sarathi", "vllm", "sarathi+async"}
+    assert out.with_suffix(".png").stat().st_size > 0
+    for name, entry in saved["policies"].items():
         assert entry["real"]["summary"]["finished"] == 4 and entry["simulated"]["summary"]["finished"] == 4
-        assert len(entry["real"]["batches"]) == entry["real"]["summary"]["iterations"] > 0
+        if name == "sarathi+async":   # launched and finished by the loop: no per-iteration record
+            assert entry["real"]["batches"] == [] and entry["real"]["summary"]["iterations"] > 0
+        else:
+            assert len(entry["real"]["batches"]) == entry["real"]["summary"]["iterations"] > 0
     assert result["policies"]["sarathi"]["cost_model_per_iteration"]["iterations"] > 0
+    assert [r["policy"] for r in gpu_sim_calibration.load_runs([out.with_suffix(".json")])] == ["sarathi", "vllm"]
     # a synthetic run whose times are the 8B model's GPU terms + a known host term
     model = GPUCostModel("llama-3-8b", "h200")
     shapes = [[[1000 + i, 1, True] for i in range(n)] + ([[0, 256, False]] if n % 2 else []) for n in range(1, 40)]

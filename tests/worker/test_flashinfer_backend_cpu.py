@@ -233,8 +233,9 @@ def test_bf16_model_on_the_fused_ops_gives_the_torch_paths_logits(fake_backend, 
 
 def test_gpu_benchmark_splits_a_replayed_decode_step_into_host_and_graph(fake_backend, ckpt, tmp_path):
     """bench.gpu_engine_iteration's decode split on the graph runner (eager replay here): every
-    captured decode size gets the step, the replay alone and the step without the replay; the
-    step without its replay is the cheaper one, and the real replays are back in place. The host
+    captured decode size gets the step, the replay alone, the step without the replay and the
+    step launched ahead of the previous one's readback; the step without its replay is the
+    cheaper one, and the real replays are back in place. The host
     profile of such a step names the engine's functions without the machine's paths."""
     from bench import gpu_engine_iteration as g
 
@@ -243,7 +244,7 @@ def test_gpu_benchmark_splits_a_replayed_decode_step_into_host_and_graph(fake_ba
     split = g.decode_split(ex, tiny=True, rounds=3)
     assert set(split) == {"decode:1", "decode:2", "decode:4"}
     for v in split.values():
-        assert v["graph_s"] > 0 and v["host_s"] < v["step_s"]
+        assert v["graph_s"] > 0 and v["host_s"] < v["step_s"] and v["ahead_s"] > 0
     assert ex.graphs.replays == before
     assert g.decode_split(flash_runner(ckpt, graphs=False), tiny=True, rounds=1) == {}
     prof = tmp_path / "host.txt"
@@ -349,5 +350,11 @@ def test_the_worker_service_launches_the_next_batch_before_answering_the_one_run
     with serving() as run:
         remote = RemoteExecutor(run(WorkerServer(flash, f"ipc://{tmp_path}/w.sock", keys=None)), timeout_s=60)
         assert _scheduled_run(remote, remote.model_info, "r", True) == want
+        assert sum(launched_behind) > 5
+        # a scheduler that does not plan ahead sends nothing while a batch runs: each held
+        # batch is answered once its tokens are back
+        del launched_behind[:]
+        t0 = _time.monotonic()
+        assert _scheduled_run(remote, remote.model_info, "q", False) == want
+        assert not any(launched_behind) and _time.monotonic() - t0 < 30
         remote.close()
-    assert sum(launched_behind) > 5

@@ -18,10 +18,11 @@ from worker_svc.backends.base import (
     GraphRunner,
     LinearMethod,
     Ops,
+    Readback,
     SeqSpec,
 )
 
-__all__ = ["AttentionBackend", "DeviceBackend", "GraphRunner", "LinearMethod", "Ops", "SeqSpec",
+__all__ = ["AttentionBackend", "DeviceBackend", "GraphRunner", "LinearMethod", "Ops", "Readback", "SeqSpec",
            "parse_dtype", "parse_kv_cache_dtype", "select_backend"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -27,6 +27,7 @@ worker_svc/backends/ (tests/test_layering.py).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Protocol
 
@@ -130,10 +131,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Readback:
     """A device -> host copy started by DeviceBackend.read_back: wait() gives the values
     (blocking until the copy has run), ready() says, without waiting, whether wait() would
-    return at once."""
+    return at once, block() waits for that without reading (a waiter thread: the CUDA event's
+    wait releases the GIL; the default polls ready())."""
 
-    def __init__(self, wait: Callable[[], list], ready: Callable[[], bool] = lambda: True):
+    def __init__(self, wait: Callable[[], list], ready: Callable[[], bool] = lambda: True,
+                 block: Callable[[], None] | None = None):
         self.wait, self.ready = wait, ready
+        self._block = block
+
+    def block(self) -> None:
+        if self._block is not None:
+            self._block()
+            return
+        while not self.ready():
+            time.sleep(0.0005)
 
 
 class GraphRunner(Protocol):

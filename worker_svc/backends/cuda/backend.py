@@ -29,6 +29,7 @@ FlashInfer only), and ranks talk over NCCL.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -83,6 +84,8 @@ class FlashInferAttention:
                                                                     use_tensor_cores=True)
         self.shapes: dict[str, Any] | None = None
         self._graph_indices: torch.Tensor | None = None
+        self._cuda = torch.device(device).type == "cuda"    # False: the CPU harness (tests)
+        self._planned = None   # CUDA: an event after the last plan()'s copies
 
     def bind(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype,
              scale: float, max_pages: int) -> None:
@@ -104,10 +107,30 @@ class FlashInferAttention:
             paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=self.device))
 
     def plan(self, wrapper, pb: PagedBatch) -> None:
-        """Once per batch: the host-side schedule of `wrapper` for the batch pb (CPU tensors)."""
+        """Once per batch: the host-side schedule of `wrapper` for the batch pb (CPU tensors).
+
+        Nothing here waits for the work queued on the GPU, so batch n + 1 can be planned while
+        batch n runs (async scheduling): the index arrays go from pinned memory with
+        non-blocking copies (the page list to the device first: a graph wrapper copies a host
+        page list with a blocking copy), and a plan starts only once the previous plan's copy
+        out of FlashInfer's pinned buffer has run (it is queued before that batch's kernels,
+        so this wait is short)."""
         s = self.shapes
         if s is None:
             raise RuntimeError("FlashInferAttention.bind() was not called before the first batch")
+        if self._cuda:
+            if self._planned is not None:
+                self._planned.synchronize()
+            pb = dataclasses.replace(
+                pb, qo_indptr=pb.qo_indptr.pin_memory(), kv_indptr=pb.kv_indptr.pin_memory(),
+                kv_last_page_len=pb.kv_last_page_len.pin_memory(),
+                kv_indices=pb.kv_indices.pin_memory().to(self.device, non_blocking=True))
+        self._plan(wrapper, pb, s)
+        if self._cuda:
+            self._planned = torch.cuda.Event()
+            self._planned.record()
+
+    def _plan(self, wrapper, pb: PagedBatch, s: dict) -> None:
         common = dict(q_data_type=s["q_dtype"], kv_data_type=self.kv_cache_dtype, sm_scale=s["scale"])
         if wrapper is self.prefill:
             wrapper.plan(pb.qo_indptr, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len,
@@ -130,7 +153,8 @@ class FlashInferAttention:
         two kernels' time (bench/results/gpu/README.md). Any other order takes the prefill
         kernel for every row."""
         pb = build_paged_batch(seqs, block_size)
-        slots = pb.slot_mapping.to(device, non_blocking=True)
+        slot_mapping = pb.slot_mapping.pin_memory() if self._cuda else pb.slot_mapping
+        slots = slot_mapping.to(device, non_blocking=True)
         if pb.decode_only:
             self.plan(self.decode, pb)
             return self.metadata(self.decode, slots)
@@ -225,7 +249,7 @@ class CudaBackend(DeviceBackend):
         def wait() -> list:
             done.synchronize()
             return host.tolist()
-        return Readback(wait, done.query)
+        return Readback(wait, done.query, done.synchronize)
 
     def graph_runner(self, model, cache, max_num_seqs: int) -> CudaGraphRunner | None:
         """Graphs for decode batches of 1, 2, 4, ... up to max_num_seqs sequences (capture_sizes);

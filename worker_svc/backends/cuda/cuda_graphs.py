@@ -15,7 +15,6 @@ decode wrappers (backend.py's FlashInferAttention).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -87,7 +86,6 @@ class CudaGraphRunner:
         self._graphs: list = []
         self._pool = None
         self._cuda = torch.device(device).type == "cuda"   # False: the CPU harness (tests)
-        self._planned = None   # an event after the last plan()'s copies (CUDA)
         t0 = time.perf_counter()
         for b in reversed(self.sizes):          # largest first: the smaller ones reuse its pool
             wrapper = attention.decode_wrapper(b)
@@ -119,9 +117,8 @@ class CudaGraphRunner:
         patch(ids): edits the device row of token ids before the replay (GraphRunner.run).
 
         Nothing here waits for the work already queued on the device, so batch n + 1 can be
-        prepared while batch n runs: inputs and page indices go to the device from pinned memory
-        without blocking (FlashInfer copies a host page list with a blocking copy), and the
-        previous plan's own pinned buffer is reused only after the copy out of it has run."""
+        prepared while batch n runs: the inputs go to the device from pinned memory without
+        blocking, and so does the plan (FlashInferAttention.plan)."""
         # every sequence has at least one new token: one row per sequence means decode-only
         b = bucket_for(len(seqs), self.sizes) if len(token_ids) == len(seqs) else None
         if b is None:
@@ -130,19 +127,10 @@ class CudaGraphRunner:
         padded = pad_decode_batch(pb, b, self.scratch_block)
         inputs = pad_decode_inputs(token_ids, positions, padded.slot_mapping, b)
         if self._cuda:
-            padded = dataclasses.replace(
-                padded, kv_indptr=padded.kv_indptr.pin_memory(),
-                kv_last_page_len=padded.kv_last_page_len.pin_memory(),
-                kv_indices=padded.kv_indices.pin_memory().to(self.inputs.device, non_blocking=True))
             inputs = inputs.pin_memory()
         self.inputs[:, :b].copy_(inputs, non_blocking=self._cuda)
         if patch is not None:
             patch(self.inputs[0, :b])
-        if self._planned is not None:      # FlashInfer's plan() rewrites one pinned buffer
-            self._planned.synchronize()
         self.attention.plan(self.wrappers[b], padded)
-        if self._cuda:
-            self._planned = torch.cuda.Event()
-            self._planned.record()
         self.replays[b]()
         return self.outputs[b][:pb.num_seqs]
