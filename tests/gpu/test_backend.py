@@ -14,7 +14,7 @@ import torch
 from shared.config import CacheConfig, WorkerConfig
 from shared.messages import Batch
 from shared.sampling import SamplingParams
-from tests.support.engine_helpers import BlockPool, blocks_for, chunk
+from tests.support.engine_helpers import BlockPool, LaunchAhead, blocks_for, chunk, scheduled_run
 from worker_svc.model_runner import ModelRunner
 
 pytestmark = [pytest.mark.gpu,
@@ -278,3 +278,50 @@ def test_fused_ops_are_as_close_to_fp32_as_the_reference_ops(ckpt, flash, fused)
         fused.graphs = graphs
     for r in eager:
         assert rel_err(replayed[r], eager[r]) < 1e-2, r
+
+
+def test_batches_launched_ahead_give_the_synchronous_tokens(ckpt, fused):
+    """Async scheduling on the GPU: each batch launched before the one before it is read back
+    (inputs, page lists and plans through pinned memory without waiting, the decodes' tokens
+    copied in on the device, the tokens read back by a non-blocking copy and an event) gives the
+    synchronous loop's tokens: greedy, seeded sampled and logit_bias, graphs and hybrid batches."""
+    want = scheduled_run(fused, "s", False, same_length=True)
+    ahead, trace = LaunchAhead(fused), []
+    assert scheduled_run(ahead, "a", True, trace, same_length=True) == want
+    assert ahead.launched_behind > 5 and sum(1 for t in trace if t["in_flight"]) > 5
+
+
+def test_the_worker_service_holds_a_running_batch_and_launches_the_next_behind_it(ckpt, fused, tmp_path):
+    """Over ZeroMQ on the GPU: with async scheduling the worker launches the next batch while one
+    runs and answers in order; without it, each batch is answered when its tokens are back. A
+    tiny model's step is shorter than the scheduler's round trip, so each readback is held
+    not-ready for 20 ms more (the real CUDA event and copy underneath)."""
+    import time
+
+    from scheduler_svc.remote_executor import RemoteExecutor
+    from tests.support.worker_threads import serving
+    from worker_svc.backends import Readback
+    from worker_svc.service import WorkerServer
+
+    want = scheduled_run(fused, "s", False, same_length=True)
+    behind = []
+    launch, read_back = fused.launch, fused.backend.read_back
+
+    def counting(batch):
+        behind.append(fused._unfinished is not None)
+        return launch(batch)
+
+    def slow_read_back(t):
+        rb, until = read_back(t), time.monotonic() + 0.02
+        return Readback(rb.wait, lambda: time.monotonic() > until and rb.ready())
+    fused.launch, fused.backend.read_back = counting, slow_read_back
+    try:
+        with serving() as run:
+            remote = RemoteExecutor(run(WorkerServer(fused, f"ipc://{tmp_path}/w.sock", keys=None)), timeout_s=60)
+            assert scheduled_run(remote, "r", True, same_length=True) == want
+            launched_behind = sum(behind)
+            assert scheduled_run(remote, "q", False, same_length=True) == want
+            remote.close()
+    finally:
+        del fused.launch, fused.backend.read_back
+    assert launched_behind > 5

@@ -2,6 +2,7 @@
 minimal driver that runs prompts through a ModelRunner the way a scheduler would."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -130,3 +131,58 @@ def use_threads(n: int):
 PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
 
 
+
+
+def scheduled_run(executor, tag: str, asy: bool, record: list | None = None, info=None,
+                  same_length: bool = False) -> dict:
+    """Six requests (greedy, seeded sampled, with logit_bias; prompts over the budget of 24, so
+    chunks ride beside decodes) through the real scheduler over `executor` (its model_info, or
+    `info`), with or without async scheduling; {index: output tokens}. record: gets the loop's
+    trace (which batches were submitted behind another). same_length: every request makes 12
+    tokens, so none ends before the others and the batches are those of the synchronous loop
+    row for row (the decode planned past a request's end would otherwise take a budget token
+    from a chunk: other shapes, which bf16 GPU kernels may round differently)."""
+    from scheduler_svc.engine_loop import EngineLoop
+    from scheduler_svc.scheduler import Scheduler
+    from shared.config import SchedulerConfig
+
+    info = info or executor.model_info
+    sched = Scheduler(SchedulerConfig(token_budget=24, max_num_seqs=8, max_model_len=256,
+                                      async_scheduling=asy),
+                      CacheConfig(info.block_size, info.num_blocks), info)
+    loop = EngineLoop(sched, executor, record=True)
+    sps = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+           SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=14, ignore_eos=True),
+           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias=((7, 5.0),))] * 2
+    if same_length:
+        sps = [dataclasses.replace(sp, max_tokens=12) for sp in sps]
+    gen = torch.Generator().manual_seed(40)
+    reqs = [loop.add_request(f"{tag}{i}", torch.randint(2, 256, (9 + 13 * i,), generator=gen).tolist(), sp)
+            for i, sp in enumerate(sps)]
+    loop.run_until_done()
+    if record is not None:
+        record.extend(loop.trace)
+    return {i: r.output_token_ids for i, r in enumerate(reqs)}
+
+
+class LaunchAhead:
+    """An executor that launches each batch when it is submitted and reads its tokens back when
+    it is collected, as the worker service does on a GPU: batch n + 1 is launched before batch
+    n is finished, so its decodes planned ahead take batch n's tokens on the device."""
+
+    def __init__(self, runner: ModelRunner):
+        from collections import deque
+        self.runner, self.runs = runner, deque()
+        self.launched_behind = 0      # launches while the batch before was not finished
+
+    @property
+    def model_info(self):
+        return self.runner.model_info
+
+    def submit(self, batch: Batch) -> None:
+        self.launched_behind += bool(self.runs)
+        self.runs.append((batch, self.runner.launch(batch)))
+
+    def collect(self):
+        batch, run = self.runs.popleft()
+        return batch, self.runner.finish(run)

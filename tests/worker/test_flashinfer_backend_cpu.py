@@ -16,11 +16,13 @@ from shared.messages import Batch
 from tests.support import fake_flashinfer
 from tests.support.engine_helpers import (
     BlockPool,
+    LaunchAhead,
     blocks_for,
     chunk,
     greedy_generate,
     make_executor,
     make_tiny_checkpoint,
+    scheduled_run,
     use_threads,
 )
 from worker_svc import model_runner as model_runner_mod
@@ -254,54 +256,15 @@ def test_gpu_benchmark_splits_a_replayed_decode_step_into_host_and_graph(fake_ba
     assert ex.graphs.replays == before
 
 
-def _scheduled_run(executor, info, tag: str, asy: bool, record=None) -> dict:
-    """Six requests (greedy, seeded sampled, with logit_bias; prompts over the budget, so chunks
-    ride beside decodes) through the real scheduler; {index: output tokens}."""
-    from scheduler_svc.engine_loop import EngineLoop
-    from scheduler_svc.scheduler import Scheduler
-    from shared.config import CacheConfig, SchedulerConfig
-    from shared.sampling import SamplingParams
-    sched = Scheduler(SchedulerConfig(token_budget=24, max_num_seqs=8, max_model_len=256,
-                                      async_scheduling=asy), CacheConfig(BS, NUM_BLOCKS), info)
-    loop = EngineLoop(sched, executor, record=True)
-    sps = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-           SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=14, ignore_eos=True),
-           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias=((7, 5.0),))] * 2
-    reqs = [loop.add_request(f"{tag}{i}", prompt(9 + 13 * i, 40 + i), sp) for i, sp in enumerate(sps)]
-    loop.run_until_done()
-    if record is not None:
-        record.extend(loop.trace)
-    return {i: r.output_token_ids for i, r in enumerate(reqs)}
-
-
-class LaunchAhead:
-    """An executor that launches each batch when it is submitted and reads its tokens back when
-    it is collected, as the worker service does on a GPU: batch n + 1 is launched before batch
-    n is finished, so its decodes planned ahead take batch n's tokens on the device."""
-
-    def __init__(self, runner):
-        from collections import deque
-        self.runner, self.runs = runner, deque()
-        self.launched_behind = 0      # launches while the batch before was not finished
-
-    def submit(self, batch):
-        self.launched_behind += bool(self.runs)
-        self.runs.append((batch, self.runner.launch(batch)))
-
-    def collect(self):
-        batch, run = self.runs.popleft()
-        return batch, self.runner.finish(run)
-
-
 def test_batches_launched_before_the_previous_is_read_back_give_the_same_tokens(fake_backend, ckpt):
     """Async scheduling on the CUDA backend's path (device sampling, graphs, hybrid batches):
     a decode planned ahead is launched while the batch that samples its token is not read back,
     its token copied in on the device; every request's tokens equal the synchronous loop's."""
     flash = flash_runner(ckpt)
-    want = _scheduled_run(flash, flash.model_info, "s", False)
+    want = scheduled_run(flash, "s", False)
     ahead = LaunchAhead(flash)
     trace = []
-    assert _scheduled_run(ahead, flash.model_info, "a", True, trace) == want
+    assert scheduled_run(ahead, "a", True, trace) == want
     assert ahead.launched_behind > 10 and sum(1 for t in trace if t["in_flight"]) > 10
     assert flash.graphs.wrappers[8].runs + flash.graphs.wrappers[4].runs > 0   # graphs replayed
 
@@ -333,7 +296,7 @@ def test_the_worker_service_launches_the_next_batch_before_answering_the_one_run
     from worker_svc.service import WorkerServer
 
     flash = flash_runner(ckpt)
-    want = _scheduled_run(flash, flash.model_info, "s", False)
+    want = scheduled_run(flash, "s", False)
     read_back = flash.backend.read_back
 
     def slow_read_back(t):
@@ -349,12 +312,12 @@ def test_the_worker_service_launches_the_next_batch_before_answering_the_one_run
     flash.launch = counting_launch
     with serving() as run:
         remote = RemoteExecutor(run(WorkerServer(flash, f"ipc://{tmp_path}/w.sock", keys=None)), timeout_s=60)
-        assert _scheduled_run(remote, remote.model_info, "r", True) == want
+        assert scheduled_run(remote, "r", True) == want
         assert sum(launched_behind) > 5
         # a scheduler that does not plan ahead sends nothing while a batch runs: each held
         # batch is answered once its tokens are back
         del launched_behind[:]
         t0 = _time.monotonic()
-        assert _scheduled_run(remote, remote.model_info, "q", False) == want
+        assert scheduled_run(remote, "q", False) == want
         assert not any(launched_behind) and _time.monotonic() - t0 < 30
         remote.close()
