@@ -86,12 +86,12 @@ def shown(cmd: list[str], gguf: str) -> str:
 class Server:
     """A server process on 127.0.0.1:port; ready when /v1/models answers."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log: Path, gguf: str):
+    def __init__(self, name: str, cmd: list[str], port: int, log: Path, gguf: str, cwd: str | None = None):
         self.name, self.cmd, self.port = name, cmd, port
         self.url = f"http://127.0.0.1:{port}"
         self.recorded = shown(cmd, gguf)
         self.log = log
-        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=cwd)
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         end = time.monotonic() + timeout_s

@@ -26,6 +26,10 @@ Worker faults, for the service only (each engine applies its own rules; the serv
   ask back);
 * recover(error): step() raised `error`; what becomes of the requests it touched (preempted to
   be recomputed, ended with an "error" event); returns the events ready now.
+
+Optional: fill() submits the next batch(es) now, without waiting for one, and take_events() returns
+what that produced (aborts); EngineLoop has both. The service calls them right after a step, so
+that the worker computes while the service publishes.
 """
 from __future__ import annotations
 

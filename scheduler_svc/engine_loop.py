@@ -273,6 +273,11 @@ class EngineLoop:
             self._pipe.submit(batch)
             self.in_flight.append(batch)
 
+    def take_events(self) -> list[TokenEvent]:
+        """Events produced outside a step (aborts taken when fill() scheduled), for the caller
+        that fills between steps (the scheduler service)."""
+        return self.scheduler.take_events()
+
     def take_in_flight(self) -> list[Batch]:
         """Forget the batches in flight (their outputs will never come: a worker failed) and
         return them, oldest first. The executor forgets them too, where it can (`abandon()`)."""

@@ -192,7 +192,9 @@ class SchedulerService:
                 self._publish(events)
         elif self.engine.has_work():
             idle = not self.engine.has_unfinished()   # stepped only to ask lost workers back
-            self._publish(self._step())
+            events = self._step()
+            events += self._send_next()
+            self._publish(events)
             if idle and not self.worker_up:
                 time.sleep(0.2)                       # nothing pulled (no worker): do not spin
         elif self._queue_down:
@@ -246,6 +248,32 @@ class SchedulerService:
                 self._admit(self.queue.replay_pending())  # claims a dead replica's requests
         elif idle:
             time.sleep(self.idle_block_ms / 1000)
+
+    def _send_next(self) -> list[TokenEvent]:
+        """Right after a step: take the aborts and requests that came meanwhile, then submit the
+        next batch at once (Engine.fill), so that the worker computes it while this process
+        publishes the step's events, updates its metrics and talks to the queue, instead of
+        waiting for all that. The batches are the ones the next step would have sent. Returns
+        the events that came of it: aborts taken, or a failed submission (the engine's fault
+        rules)."""
+        fill = getattr(self.engine, "fill", None)
+        if fill is None or not self.worker_up or not self.engine.has_unfinished():
+            return []
+        try:
+            for req_id in self.queue.poll_aborts():
+                self.engine.abort(req_id)
+            self._pull()
+        except QueueUnavailableError as e:
+            self._set_queue_down(True, e)
+        except Exception as e:  # noqa: BLE001 - as in run_once
+            log.exception("queue operation failed")
+            self._set_queue_down(True, e)
+        try:
+            fill()
+        except Exception as e:  # noqa: BLE001 - as in _step
+            self.metrics.failed_iterations.inc()
+            return self.engine.recover(e)
+        return self.engine.take_events()   # aborts that scheduling took
 
     def _step(self) -> list[TokenEvent]:
         try:

@@ -271,3 +271,33 @@ def test_events_wait_in_order_while_the_queue_is_down_and_nothing_is_lost():
     service.run_once()
     assert [i for r, i, _ in published if r == "r"] == list(range(6))
     assert published[-1][2] == "length" and acked == ["r"]
+
+
+def test_the_next_batch_goes_to_the_worker_before_the_step_s_tokens_are_published(stack):
+    """The worker computes batch n + 1 while the service publishes batch n's tokens: for a
+    request decoding alone, token k is the output of batch k, and batch k + 1 reaches the worker
+    before token k is handed to the queue (the publish made slow here, 30 ms)."""
+    started = {}
+
+    class Timed(SimWorker):
+        def execute(self, batch):
+            started[batch.batch_id] = time.monotonic()
+            return super().execute(batch)
+
+    s = stack(Timed(delay_s=0.01))
+    published = {}
+    publish = s.sq.publish
+
+    def slow_publish(events, reply_to):
+        for e in events:
+            if e.token_id is not None:
+                published[e.index] = time.monotonic()
+        time.sleep(0.03)
+        return publish(events, reply_to)
+    s.sq.publish = slow_publish
+    events = asyncio.run(collect(s.gq, [request("solo", prompt_len=5, max_tokens=8)]))
+    assert [e.index for e in events["solo"]] == list(range(8))
+    # batch 0 is the prompt (token 0); batch k + 1 computes token k + 1 from token k, and starts
+    # on the worker while token k's 30 ms publish is under way (before: only after it)
+    ahead = [k for k in range(7) if started[k + 1] < published[k] + 0.015]
+    assert len(ahead) == 7, (started, published)
