@@ -144,7 +144,7 @@ class Scheduler:
         now = self.clock()
         drafts = ctx.drafts
         seqs = [self._schedule_chunk(req, n, now, drafts.get(req.req_id)) for req, n in ctx.chunks]
-        batch = Batch(self._next_batch_id, seqs, self._freed_ids)
+        batch = Batch(self._next_batch_id, seqs, self._freed_ids, ahead=self.config.async_scheduling)
         self._scheduled_at[batch.batch_id] = now
         self._next_batch_id += 1
         self._freed_ids = []

@@ -145,12 +145,16 @@ class Batch:
     in the scheduler's block manager).
     kv_sends: KV blocks to send to another worker once this batch's forward pass is done (the
     prompt KV of requests whose last prompt chunk is in this batch; disaggregation only).
+    ahead: the scheduler plans each batch while the one before runs (async scheduling), so the
+    next batch may arrive before this one's tokens are back: a worker may hold this one,
+    launched, and take the next first (worker_svc.service). False: answer as soon as possible.
     """
 
     batch_id: int
     seqs: list[SeqChunk]
     freed_req_ids: list[str] = field(default_factory=list)
     kv_sends: list[KvSend] = field(default_factory=list)
+    ahead: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -161,12 +165,14 @@ class Batch:
              "freed_req_ids": list(self.freed_req_ids)}
         if self.kv_sends:
             d["kv_sends"] = [k.to_wire() for k in self.kv_sends]
+        if self.ahead:
+            d["ahead"] = True
         return d
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "Batch":
         return cls(d["batch_id"], [SeqChunk.from_wire(s) for s in d["seqs"]], list(d["freed_req_ids"]),
-                   [KvSend.from_wire(k) for k in d.get("kv_sends") or ()])
+                   [KvSend.from_wire(k) for k in d.get("kv_sends") or ()], bool(d.get("ahead", False)))
 
 
 @dataclass

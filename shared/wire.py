@@ -201,6 +201,8 @@ class BatchEncoder(_Mirror):
                "seqs": seqs, "freed": list(batch.freed_req_ids)}
         if batch.kv_sends:
             msg["kv_sends"] = [k.to_wire() for k in batch.kv_sends]
+        if batch.ahead:
+            msg["ahead"] = True
         return msg
 
 
@@ -236,7 +238,7 @@ class BatchDecoder(_Mirror):
                 raise UnknownRequestError(d["r"])
         self.free(msg["freed"])
         return Batch(msg["batch_id"], [self._chunk(d) for d in msg["seqs"]], list(msg["freed"]),
-                     [KvSend.from_wire(k) for k in msg.get("kv_sends") or ()])
+                     [KvSend.from_wire(k) for k in msg.get("kv_sends") or ()], bool(msg.get("ahead", False)))
 
     def _chunk(self, d: dict[str, Any]) -> SeqChunk:
         if "sp" in d:

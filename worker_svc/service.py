@@ -170,8 +170,8 @@ class WorkerServer:
     def serve_forever(self, stop: threading.Event | None = None, poll_ms: int = 100) -> None:
         """Answer requests until `stop` is set (checked every poll_ms milliseconds).
 
-        A batch whose tokens stay on the device a while (ModelRunner.launch: the CUDA backend)
-        is held, not waited for: if the next message arrives while it runs (the scheduler plans
+        A batch from a scheduler that plans ahead (Batch.ahead: async scheduling) whose tokens
+        stay on the device a while (ModelRunner.launch: the CUDA backend) is held, not waited for: if the next message arrives while it runs (the scheduler plans
         one batch ahead: async scheduling), that batch is launched first, queued behind it on
         the device, and only then is the held one answered; otherwise it is answered as soon as
         its tokens are back (a _Waker thread waits for them). So the device finds its next batch
@@ -296,7 +296,9 @@ class WorkerServer:
         except (KeyError, TypeError, ValueError) as e:
             return error_reply("bad_request", f"malformed batch message: {e!r}")
         t1 = time.perf_counter()
-        launch = getattr(self.runner, "launch", None)
+        # launched and held only for a scheduler that plans ahead: for one that waits for each
+        # reply, holding would only add the hand-off from the waker to the reply
+        launch = getattr(self.runner, "launch", None) if batch.ahead else None
         try:
             run = launch(batch) if launch is not None else self.runner.execute(batch)
         except Exception as e:

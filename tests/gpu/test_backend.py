@@ -293,7 +293,7 @@ def test_batches_launched_ahead_give_the_synchronous_tokens(ckpt, fused):
 
 def test_the_worker_service_holds_a_running_batch_and_launches_the_next_behind_it(ckpt, fused, tmp_path):
     """Over ZeroMQ on the GPU: with async scheduling the worker launches the next batch while one
-    runs and answers in order; without it, each batch is answered when its tokens are back. A
+    runs and answers in order; without it, each batch runs to its end and is answered. A
     tiny model's step is shorter than the scheduler's round trip, so each readback is held
     not-ready for 20 ms more (the real CUDA event and copy underneath)."""
     import time
@@ -320,7 +320,9 @@ def test_the_worker_service_holds_a_running_batch_and_launches_the_next_behind_i
             remote = RemoteExecutor(run(WorkerServer(fused, f"ipc://{tmp_path}/w.sock", keys=None)), timeout_s=60)
             assert scheduled_run(remote, "r", True, same_length=True) == want
             launched_behind = sum(behind)
+            del behind[:]
             assert scheduled_run(remote, "q", False, same_length=True) == want
+            assert behind and not any(behind)    # not planned ahead: each batch run to its end
             remote.close()
     finally:
         del fused.launch, fused.backend.read_back

@@ -259,3 +259,15 @@ def test_disaggregation_refuses_async_scheduling():
     from shared.config import SchedulerConfig
     with pytest.raises(ValueError, match="disaggregation"):
         make_pool("p0", "prefill", object(), SchedulerConfig(async_scheduling=True), None)
+
+
+def test_batches_say_whether_the_scheduler_plans_ahead_and_the_wire_keeps_it():
+    """A worker holds a launched batch only for a scheduler that plans ahead (Batch.ahead)."""
+    from shared.wire import BatchDecoder, BatchEncoder, pack, unpack
+    for asy in (False, True):
+        loop = sim_engine(async_scheduling=asy)
+        loop.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+        batch = loop.scheduler.schedule()
+        assert batch.ahead is asy
+        assert Batch.from_wire(unpack(pack(batch.to_wire()))).ahead is asy
+        assert BatchDecoder().decode(unpack(pack(BatchEncoder().encode(batch)))).ahead is asy
