@@ -171,10 +171,10 @@ class WorkerServer:
         """Answer requests until `stop` is set (checked every poll_ms milliseconds).
 
         A batch from a scheduler that plans ahead (Batch.ahead: async scheduling) whose tokens
-        stay on the device a while (ModelRunner.launch: the CUDA backend) is held, not waited for: if the next message arrives while it runs (the scheduler plans
-        one batch ahead: async scheduling), that batch is launched first, queued behind it on
-        the device, and only then is the held one answered; otherwise it is answered as soon as
-        its tokens are back (a _Waker thread waits for them). So the device finds its next batch
+        stay on the device a while (ModelRunner.launch: the CUDA backend) is held, not waited
+        for: if the next message arrives while it runs, that batch is launched first, queued
+        behind it on the device, and only then is the held one answered; otherwise it is
+        answered as soon as its tokens are back (a _Waker thread waits for them). So the device finds its next batch
         queued when it finishes one, and this process prepares it while the device works.
         Replies go out in arrival order."""
         stop = stop or threading.Event()
