@@ -171,8 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
                         w, args.qps, policy=name, token_budget=args.token_budget, progress=False)
         sim_target = simulated_target(cost, block_size=BLOCK_SIZE, num_blocks=info.num_blocks,
                                       max_model_len=MAX_LEN, vocab_size=info.vocab_size,
-                                      sched_config=dataclasses.replace(sched_config(args, policy),
-                                                                       async_scheduling=False))
+                                      sched_config=sched_config(args, policy))
         sim = run_once(sim_target, w, args.qps, policy=name, token_budget=args.token_budget, progress=False,
                        keep_requests=False)
         entry = {"real": {"summary": real["summary"], "iterations": real["iterations"],

@@ -348,6 +348,12 @@ class GPUCostModel:
         terms["total"] = sum(stages)
         return terms
 
+    def host_s(self, batch: Batch) -> float:
+        """The host's share of the batch's first stage (the "cpu" term: scheduling, input
+        preparation, sampling launches), seconds; the simulator overlaps it with the batch before
+        under async scheduling (SimulatedWorker's overlap_host)."""
+        return self.cpu_fixed_s + self.cpu_per_seq_s * len(batch.seqs)
+
     def stage_times(self, batch: Batch) -> list[float]:
         shapes = [(s.start_pos, len(s.token_ids), s.is_decode) for s in batch.seqs]
         return self.breakdown(shapes, sum(1 for s in batch.seqs if s.sample))["stages"]

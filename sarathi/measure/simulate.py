@@ -50,12 +50,18 @@ class SimulatedWorker:
     z standard normal from a generator seeded with `seed` (mean 1; deterministic for a run).
     Keeps busy / bubble seconds per stage. spec_acceptance: speculative decoding's acceptance
     parameter: each draft token is accepted with this probability given the ones before it
-    (seeded), so a decode with k drafts emits 1 + a geometric number of them, at most k."""
+    (seeded), so a decode with k drafts emits 1 + a geometric number of them, at most k.
+    overlap_host (async scheduling): the host's share of a batch's first stage (the cost's
+    host_s(batch): scheduling, input preparation, sampling launches) runs from when the batch is
+    submitted, beside the batch before it, and only the rest occupies the device; without it
+    (or with a cost that has no host_s) the whole stage time does, after the batch before."""
 
     def __init__(self, cost, clock: SimClock, block_size: int, vocab_size: int,
                  noise_sigma: float = 0.0, seed: int = 0, kv_bytes_per_token: int = 0,
-                 kv_link_gbs: float = 25.0, spec_acceptance: float = 0.0):
+                 kv_link_gbs: float = 25.0, spec_acceptance: float = 0.0, overlap_host: bool = False):
         self.cost, self.clock = cost, clock
+        self.host_s: Callable[[Batch], float] | None = (
+            cost.host_s if overlap_host and hasattr(cost, "host_s") else None)
         self.spec_acceptance = spec_acceptance
         self._spec_rng = np.random.default_rng(seed + 7919)
         self.block_size = block_size
@@ -76,15 +82,21 @@ class SimulatedWorker:
 
     def submit(self, batch: Batch) -> None:
         times = self.stage_times(batch)
+        host = self.host_s(batch) if self.host_s is not None else 0.0
         if self.noise_sigma > 0:   # iteration-to-iteration variation: lognormal, mean 1, seeded
             f = math.exp(self.noise_sigma * self._rng.standard_normal() - self.noise_sigma ** 2 / 2)
             times = [t * f for t in times]
+            host *= f
         if self.stage_free is None:
             self.stage_free = [0.0] * len(times)
             self.busy, self.bubble = [0.0] * len(times), [0.0] * len(times)
         submitted = t = self.clock.now
         for s, dt in enumerate(times):
-            start = max(t, self.stage_free[s])
+            if s == 0 and host:     # prepared on the host from the submit on, beside the batch before
+                start, dt = max(t + host, self.stage_free[0]), dt - host
+                self.busy[0] += host
+            else:
+                start = max(t, self.stage_free[s])
             if s > 0 and self.stage_free[s] > submitted:
                 # the stage finished its last batch after this one entered the pipeline and then
                 # waited for an earlier stage to hand it over (pipeline fill after idle is not a bubble)
@@ -154,7 +166,8 @@ class Replica:
                                    ModelInfo("sim", max_model_len, vocab_size, [0], block_size=block_size,
                                              num_blocks=num_blocks), clock=self.clock)
         self.worker = SimulatedWorker(cost, self.clock, block_size, vocab_size, noise_sigma, seed,
-                                      spec_acceptance=spec_acceptance)
+                                      spec_acceptance=spec_acceptance,
+                                      overlap_host=sched_config.async_scheduling)
         if self.scheduler.speculator is not None:   # simulated tokens: acceptance is the parameter
             from scheduler_svc.speculative.synthetic import SyntheticProposer
             self.scheduler.speculator.proposer = SyntheticProposer()
