@@ -37,13 +37,14 @@ class LosableSim(SimExecutor):
 
 def make_pools(roles, mode="off", *, threshold=16, num_blocks=64, token_budget=16,
                prefix_caching=False, failure="recompute", margin=2048, max_num_seqs=32,
-               backlog_margin=None, scripts=None):
+               backlog_margin=None, scripts=None, async_scheduling=False):
     """A PoolSet with one simulated worker per role (e.g. ["prefill", "decode"]), named p0, p1..."""
     clock, fabric, pools = SimClock(), {}, []
     for i, role in enumerate(roles):
         info = ModelInfo("sim", 256, 500, [0], block_size=BLOCK, num_blocks=num_blocks)
         sched = Scheduler(SchedulerConfig(token_budget=token_budget, max_model_len=256, watermark=0.0,
-                                          max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching),
+                                          max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching,
+                                          async_scheduling=async_scheduling),
                           CacheConfig(BLOCK, num_blocks), info, clock=clock)
         ex = LosableSim(BLOCK, vocab_size=500, scripts=scripts, clock=clock).join_fabric(fabric, f"sim://p{i}")
         pools.append(Pool(f"p{i}", role, sched, ex, kv_address=ex.kv_address))
