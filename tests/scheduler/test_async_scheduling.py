@@ -271,3 +271,49 @@ def test_batches_say_whether_the_scheduler_plans_ahead_and_the_wire_keeps_it():
         assert batch.ahead is asy
         assert Batch.from_wire(unpack(pack(batch.to_wire()))).ahead is asy
         assert BatchDecoder().decode(unpack(pack(BatchEncoder().encode(batch)))).ahead is asy
+
+
+def test_a_worker_lost_with_a_batch_planned_ahead_loses_no_token():
+    """The worker dies with two batches in flight (one planned ahead, its decodes' tokens still
+    pending): the engine's fault rules preempt every request, which is recomputed with the
+    tokens it had once the worker answers again; every token comes once, as without the loss."""
+    from scheduler_svc.remote_executor import WorkerLostError
+    from tests.support.sim_pools import LosableSim
+
+    prompts, sps = _workload(seed=4, n=12)
+
+    def engine(asy):
+        loop = sim_engine("sarathi", token_budget=32, num_blocks=256, async_scheduling=asy)
+        ex = LosableSim(loop.executor.block_size, loop.executor.vocab_size)
+        loop.executor = loop._pipe.executor = ex
+        for i, (p, sp) in enumerate(zip(prompts, sps)):
+            loop.add_request(f"r{i}", p, sp)
+        return loop, ex
+
+    def tokens(events):
+        out = {}
+        for e in events:
+            if e.token_id is not None:
+                assert e.index == len(out.setdefault(e.req_id, [])), e
+                out[e.req_id].append(e.token_id)
+        return out
+
+    ref, _ = engine(False)
+    want = []
+    ref.run_until_done(on_event=want.append)
+    loop, ex = engine(True)
+    events = []
+    for _ in range(6):
+        events += loop.step()
+    assert len(loop.in_flight) == 1        # the batch planned ahead
+    ex.lose()
+    with pytest.raises(WorkerLostError):
+        loop.step()
+    events += loop.recover(WorkerLostError("simulated worker death"))
+    assert not loop.in_flight and not loop.worker_up
+    ex.down = False
+    events += loop.wait_for_worker()
+    assert loop.worker_up
+    loop.run_until_done(on_event=events.append)
+    assert tokens(events) == tokens(want)
+    assert loop.scheduler.block_manager.num_used_blocks == 0
