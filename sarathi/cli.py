@@ -77,8 +77,7 @@ def _sched_args(p: argparse.ArgumentParser) -> None:
          "JSON: endpoint (default tcp://127.0.0.1:5557), replay_endpoint (tcp://127.0.0.1:5558), topic, "
          "hash_seed (\"0\"), connect (false: bind); see docs/scale-out.md")
     _add(p, "async-scheduling", False, "plan the next batch while the worker runs this one (outputs "
-         "unchanged; one worker per scheduler, not with --speculative, pipeline stages or "
-         "disaggregation); see docs/architecture.md")
+         "unchanged; not with pipeline stages or disaggregation); see docs/architecture.md")
 
 
 def _net_args(p: argparse.ArgumentParser, gateway: bool) -> None:

@@ -67,6 +67,7 @@ class Scheduler:
         self._last_update_at = float("-inf")        # clock at the end of the last update()
         self.ahead = False                          # the schedule() running plans a batch ahead
         self._aborting: set[str] = set()            # aborts waiting for a batch in flight
+        self.spec_room = False   # speculation's rules left room for drafts in the last batch planned
         self.reserved: dict[str, Request] = {}   # blocks held for requests prefilled elsewhere
         self._counters = dict(num_preemptions=0, prefix_cache_hit_tokens=0,
                               prefix_cache_query_tokens=0, num_finished=0, num_aborted=0,
@@ -134,6 +135,7 @@ class Scheduler:
         if ahead and not self.config.async_scheduling:
             raise ValueError("schedule(ahead=True) needs SchedulerConfig.async_scheduling")
         self.ahead = ahead
+        self.spec_room = False        # the policy's take_drafts says otherwise
         ctx = StepContext(self)
         try:
             self.policy.plan(ctx)
@@ -184,11 +186,15 @@ class Scheduler:
         return not sampling.reads_history
 
     def can_schedule_ahead(self) -> bool:
-        """The engine loop may plan a batch while one is in flight: async scheduling is on and
-        every request in flight samples without reading its earlier tokens on the host (one
-        that does would otherwise run only every other batch)."""
-        return self.config.async_scheduling and all(
-            self._ahead_capable(r.sampling) for r in self.running if r.in_flight)
+        """The engine loop may plan a batch while one is in flight: async scheduling is on, every
+        request in flight samples without reading its earlier tokens on the host and carries no
+        drafts to verify (one that does would otherwise run only every other batch), and, with
+        speculative decoding on, the last batch planned left no room for drafts (spec_room:
+        where it does, a decode planned ahead could not be given any)."""
+        if not self.config.async_scheduling or (self.speculator is not None and self.spec_room):
+            return False    # with speculation on, low load (room for drafts) is speculation's
+        return all(self._ahead_capable(r.sampling) and not r.draft_token_ids
+                   for r in self.running if r.in_flight)
 
     def can_run_ahead(self, req: Request) -> bool:
         """In a batch planned ahead: req's chunk in flight samples a token and its next decode
@@ -196,7 +202,7 @@ class Scheduler:
         while an abort waits for it)."""
         return (req.in_flight == 1 and req.num_computed_tokens == len(req.token_ids)
                 and req.status is RequestStatus.RUNNING and req.req_id not in self._aborting
-                and self._ahead_capable(req.sampling)
+                and self._ahead_capable(req.sampling) and not req.draft_token_ids
                 and req.num_output_tokens + 1 < req.sampling.max_tokens
                 and len(req.token_ids) + 1 < self.max_model_len)
 

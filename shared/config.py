@@ -46,14 +46,16 @@ class SchedulerConfig:
     kv_events_config: None, or JSON of the KV-cache event publisher (scheduler_svc/kv_events.py:
         endpoint, replay_endpoint, topic, hash_seed, connect), as vLLM's --kv-events-config.
     async_scheduling: plan batch n + 1 while batch n runs on the worker (one worker or one TP
-        group; not with pipeline stages or speculative decoding): a request whose chunk in
+        group; not with pipeline stages or disaggregation): a request whose chunk in
         batch n samples a token gets its next decode in batch n + 1 with that token still
         pending (shared.messages.PENDING_TOKEN), so the worker finds its next batch waiting
         when it finishes one, and scheduling, the wire and the worker's input preparation
         overlap the forward pass. Outputs are the same as without it: a request that finishes
         in batch n drops the token batch n + 1 computed for it. Requests with a grammar or
-        penalties need each token on the host before their next step: while one is in flight
-        the loop plans one batch at a time.
+        penalties need each token on the host before their next step, and a decode with draft
+        tokens (speculative decoding) must be verified before the next: while one is in
+        flight the loop plans one batch at a time (speculation drafts at low load, where
+        budget is left over; planning ahead takes over as drafts give way).
     """
 
     policy: str = "sarathi"
@@ -76,10 +78,6 @@ class SchedulerConfig:
             raise ValueError("token_budget, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.adaptive_tbt_slo_s < 0:
             raise ValueError(f"the adaptive token budget's TBT SLO must be > 0 s, got {self.adaptive_tbt_slo_s}")
-        if self.async_scheduling and self.speculative != "off":
-            raise ValueError("async scheduling does not combine with speculative decoding: a draft "
-                             "is proposed from the token before it, which async scheduling has not "
-                             "seen yet; choose one")
 
     @property
     def max_tokens_per_iteration(self) -> int:

@@ -131,17 +131,20 @@ class Policy:
            now and then gets none: Speculator.needs_baseline);
         4. drafts take KV blocks only while the watermark stays free, and never preempt.
         As load rises the leftover shrinks to 0 (rules 1-2), so k -> 0 and the batches are the
-        ones without speculation: capacity never drops below it."""
+        ones without speculation: capacity never drops below it. Whether rules 1-2 left room is
+        kept (Scheduler.spec_room): with async scheduling too, the loop plans ahead only where
+        they did not (speculation has the low load, planning ahead the rest)."""
         sched = ctx._sched
         spec = sched.speculator
-        if spec is None or ctx.has_waiting or ctx.num_tokens >= budget:
+        if spec is None:
             return
+        cut = any(n < req.num_new_tokens for req, n in ctx.chunks)      # a prefill cut short
+        sched.spec_room = not (ctx.has_waiting or ctx.num_tokens >= budget or cut)
+        if not sched.spec_room:
+            return                                                        # rules 1-2
         from scheduler_svc.speculative import eligible
         decodes = [req for req, n in ctx.chunks if n == 1 and req.is_decode]
-        if len(decodes) < len(ctx.chunks):
-            if any(n < req.num_new_tokens for req, n in ctx.chunks):
-                return                                       # rule 1: a prefill was cut short
-        elif spec.needs_baseline(len(decodes)):
+        if len(decodes) == len(ctx.chunks) and spec.needs_baseline(len(decodes)):
             return       # a decode-only batch without drafts: the baseline a draft's cost is measured by
         wants = []
         for req in decodes:

@@ -162,9 +162,37 @@ def test_iteration_times_count_from_the_previous_batch_end():
     assert set(seen[True]) == {0.01}
 
 
-def test_async_scheduling_refuses_speculation_and_pipeline_stages():
-    with pytest.raises(ValueError, match="speculative"):
-        sim_engine(async_scheduling=True, speculative="ngram")
+def test_speculation_drafts_where_budget_is_left_and_planning_ahead_takes_over_between():
+    """Both on: while prompts wait or fill the budget (no room for drafts) the loop plans ahead;
+    once only decodes are left and budget is over, speculation drafts and the loop plans one
+    batch at a time (a decode with drafts must be verified before its next step). Drafts are
+    judged as a greedy model would (accepted iff they are the next tokens), so every output
+    equals the run without either; both occurred."""
+    cycle = [5, 6, 7, 8, 9]
+    prompts = ([[1, 2, 3] + cycle * 3 + [i + 20] for i in range(4)]
+               + [[30 + i] * (40 + 9 * i) for i in range(12)])
+    sps = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 4 + \
+          [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)] * 12
+    scripts = {f"gen-{i}": cycle * 6 for i in range(4)}     # answers that repeat the prompt
+
+    def run(asy, spec):
+        loop = _engine(asy, token_budget=64, speculative=spec)
+        loop.executor.scripts.update(scripts)
+        if spec != "off":    # the untimed sim measures no cost: what a draft is taken to cost
+            loop.scheduler.speculator.default_cost = 0.1
+        return loop, [o.output_token_ids for o in loop.generate(prompts, sps)]
+    want = run(False, "off")[1]
+    for asy in (False, True):
+        loop, got = run(asy, "ngram")
+        assert got == want
+        seqs = [s for b in loop.executor.batches for s in b.seqs]
+        assert sum(s.num_draft_tokens for s in seqs) > 0 and loop.scheduler.stats()["spec_accepted_tokens"] > 0, loop.scheduler.stats()
+        assert any(s.is_ahead for s in seqs) == asy
+        # no batch holds a draft-carrying decode of a request planned ahead in the same batch
+        assert not any(s.is_ahead and s.num_draft_tokens for s in seqs)
+
+
+def test_async_scheduling_refuses_pipeline_stages():
     loop = sim_engine(async_scheduling=True)
     with pytest.raises(ValueError, match="pipeline"):
         EngineLoop(loop.scheduler, loop.executor, depth=2)
