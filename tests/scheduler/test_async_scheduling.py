@@ -186,7 +186,8 @@ def test_speculation_drafts_where_budget_is_left_and_planning_ahead_takes_over_b
         loop, got = run(asy, "ngram")
         assert got == want
         seqs = [s for b in loop.executor.batches for s in b.seqs]
-        assert sum(s.num_draft_tokens for s in seqs) > 0 and loop.scheduler.stats()["spec_accepted_tokens"] > 0, loop.scheduler.stats()
+        stats = loop.scheduler.stats()
+        assert sum(s.num_draft_tokens for s in seqs) > 0 and stats["spec_accepted_tokens"] > 0, stats
         assert any(s.is_ahead for s in seqs) == asy
         # no batch holds a draft-carrying decode of a request planned ahead in the same batch
         assert not any(s.is_ahead and s.num_draft_tokens for s in seqs)
