@@ -89,3 +89,30 @@ def test_async_scheduling_gives_the_same_tokens_in_process_and_over_the_wire(run
         remote = RemoteExecutor(run(WorkerServer(runner, f"ipc://{tmp_path}/worker.sock")), timeout_s=60)
         assert _engine_run(remote, remote.model_info, "remote", True) == want
         remote.close()
+
+
+def test_async_scheduling_with_ngram_drafts_gives_the_same_greedy_tokens(runner):
+    """SmolLM2 in process, both on: a long prompt chunked under a 24-token budget while others
+    decode (no room for drafts: planned ahead), then decodes of prompts that repeat themselves
+    with n-gram drafts verified (one batch at a time); the greedy tokens equal the run with
+    neither, and both happened."""
+    from scheduler_svc.engine_loop import EngineLoop
+    from scheduler_svc.scheduler import Scheduler
+    from shared.config import CacheConfig, SchedulerConfig
+
+    info = runner.model_info
+    prompts = [list(range(300 + 30 * i, 320 + 30 * i)) * 3 for i in range(3)] + [list(range(600, 700))]
+
+    def run(tag, asy, spec):
+        sched = Scheduler(SchedulerConfig(token_budget=24, max_model_len=256, async_scheduling=asy,
+                                          speculative=spec), CacheConfig(BLOCK, info.num_blocks), info)
+        loop = EngineLoop(sched, runner, record=True)
+        reqs = [loop.add_request(f"{tag}-{i}", p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+        loop.run_until_done()
+        ahead = sum(1 for t in loop.trace if t["in_flight"])
+        return [r.output_token_ids for r in reqs], ahead, sched.stats().get("spec_proposed_tokens", 0)
+
+    want, _, _ = run("plain", False, "off")
+    got, ahead, proposed = run("both", True, "ngram")
+    assert got == want and ahead > 0 and proposed > 0
