@@ -22,7 +22,8 @@ Steps, in order (each a subprocess from the repository root, its output in bench
     gpu_engine_iteration_torch_ops.*);
  7. `sarathi serve --device cuda` answering the openai client (gpu_serve_check.*);
  8. one load point per policy (and sarathi with async scheduling), real engine vs the
-    simulator's H100 model (gpu_load_point.*).
+    simulator's H100 model (gpu_load_point.*);
+ 9. step 7 again with `sarathi serve --async-scheduling` (gpu_serve_check_async.*).
 
 Each step's timeout is what is left of --budget (and at most its own cap); a step that does not
 fit is skipped and says so. After every step the results folder and the step logs are packed
@@ -212,6 +213,10 @@ def steps(args: argparse.Namespace, python: str = sys.executable) -> list[Step]:
         Step("load", lambda ctx: [python, "-m", "bench.gpu_load_point", "--policies", "sarathi,vllm,sarathi+async",
                                   "--out", out + "gpu_load_point"],
              "gpu_load_point.log", 200, need=60),
+        Step("serve-async", lambda ctx: [python, "-m", "bench.gpu_serve_check", "--model-files",
+                                         str(args.bundle / "model"), "--async-scheduling",
+                                         "--out", out + "gpu_serve_check_async"],
+             "gpu_serve_check_async.log", 120, need=45),
     ]
     skip = {s for s in args.skip.split(",") if s}
     unknown = skip - {s.name for s in all_steps}

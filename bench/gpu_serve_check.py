@@ -1,6 +1,7 @@
 """End to end on a GPU: `sarathi serve --device cuda` answering the `openai` client.
 
     python -m bench.gpu_serve_check --model-files .gpu_bundle/model [--out bench/results/gpu/gpu_serve_check]
+        [--async-scheduling]
 
 The model: the default model's tokenizer, vocabulary, layer count and widths (the files
 bench.gpu_bundle writes from its GGUF) with random bf16 weights made here, at attention head_dim
@@ -15,7 +16,7 @@ Checks, each recorded in <out>.json with pass/fail:
 - 32 concurrent streamed completions all finish with their max_tokens (ignore_eos): the hybrid
   batches under load; TTFT and inter-token gaps as the client sees them;
 - structured outputs: guided_choice, a regex, and a JSON schema with an enum answer valid.
-Exit status 1 if any check fails.
+Exit status 1 if any check fails. --async-scheduling serves with it (bench.gpu_check runs both).
 """
 from __future__ import annotations
 
@@ -142,7 +143,7 @@ def run_checks(base: str, log_text) -> dict:
     text = full.choices[0].message.content
     check("chat_greedy", full.usage.completion_tokens > 0 and text is not None,
           completion_tokens=full.usage.completion_tokens, finish=full.choices[0].finish_reason,
-          latency_s=round(latency, 3))
+          latency_s=round(latency, 3), text=text)
     parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=model, messages=msgs, max_tokens=24, temperature=0, stream=True) if c.choices]
     check("stream_equals_non_stream", "".join(parts) == text, streamed_chunks=len(parts))
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/gpu/gpu_serve_check")
     ap.add_argument("--ready-timeout", type=float, default=240.0)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="serve with --async-scheduling (the worker launches each batch behind the running one)")
     args = ap.parse_args(argv)
     from bench.gpu_engine_iteration import gpu_info
 
@@ -190,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     log_path = tmp / "serve.log"
     cmd = [sys.executable, "-m", "sarathi.cli", "serve", "--model", str(model_dir), "--device", args.device,
            "--port", str(port), "--gpu-memory-utilization", "0.4", "--max-num-seqs", "64"]
+    if args.async_scheduling:
+        cmd.append("--async-scheduling")
     print("$ " + " ".join(cmd), flush=True)
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ,

@@ -113,7 +113,10 @@ def test_gpu_check_plans_every_step_from_the_bundle(tmp_path, capsys):
     args = gpu_check.parse_args(["--bundle", str(bundle), "--rounds", "3"])
     plan = gpu_check.steps(args, python="py")
     assert [s.name for s in plan] == ["install", "environment", "imports", "flashinfer-jit", "baseline",
-                                      "tests", "benchmark", "benchmark-torch-ops", "serve", "load"]
+                                      "tests", "benchmark", "benchmark-torch-ops", "serve", "load", "serve-async"]
+    serve_async = next(s for s in plan if s.name == "serve-async").argv({})
+    assert "--async-scheduling" in serve_async and "--async-scheduling" not in next(
+        s for s in plan if s.name == "serve").argv({})
     install = plan[0].argv({})
     assert {"--no-index", "--no-deps", "--target"} <= set(install) and install[-1].endswith(".whl")
     tests = next(s for s in plan if s.name == "tests").argv({})
