@@ -154,7 +154,7 @@ class EngineLoop:
         self.executor = executor
         if hasattr(executor, "submit"):
             self._pipe = executor
-        elif scheduler.config.async_scheduling and hasattr(executor, "launch"):
+        elif self.ahead and hasattr(executor, "launch"):
             self._pipe = _LaunchOnSubmit(executor)
         else:
             self._pipe = _ExecuteOnCollect(executor)

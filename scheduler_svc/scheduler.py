@@ -65,7 +65,6 @@ class Scheduler:
         self._next_batch_id = 0
         self._scheduled_at: dict[int, float] = {}   # batch id -> clock at schedule(), until update()
         self._last_update_at = float("-inf")        # clock at the end of the last update()
-        self.ahead = False                          # the schedule() running plans a batch ahead
         self._aborting: set[str] = set()            # aborts waiting for a batch in flight
         self.spec_room = False   # speculation's rules left room for drafts in the last batch planned
         self.reserved: dict[str, Request] = {}   # blocks held for requests prefilled elsewhere
@@ -134,13 +133,9 @@ class Scheduler:
         self._process_aborts()
         if ahead and not self.config.async_scheduling:
             raise ValueError("schedule(ahead=True) needs SchedulerConfig.async_scheduling")
-        self.ahead = ahead
         self.spec_room = False        # the policy's take_drafts says otherwise
-        ctx = StepContext(self)
-        try:
-            self.policy.plan(ctx)
-        finally:
-            self.ahead = False
+        ctx = StepContext(self, ahead)
+        self.policy.plan(ctx)
         if not ctx.chunks:
             return None
         now = self.clock()

@@ -55,6 +55,7 @@ import logging
 import threading
 import time
 import zlib
+from typing import Callable
 
 from scheduler_svc.engine import Engine
 from scheduler_svc.engine_loop import EngineLoop
@@ -172,20 +173,7 @@ class SchedulerService:
         return self.snapshot if transfers is None else {**self.snapshot, "kv_transfers": transfers()}
 
     def run_once(self) -> None:
-        try:
-            self._flush()
-            self._drop_lost()
-            for req_id in self.queue.poll_aborts():
-                self.engine.abort(req_id)  # unknown ids are ignored by the engine
-            self._check_gateways()
-            if self.worker_up:
-                self._pull()
-            self._set_queue_down(False)
-        except QueueUnavailableError as e:
-            self._set_queue_down(True, e)
-        except Exception as e:  # noqa: BLE001 - a queue bug must not stop the loop: log, retry
-            log.exception("queue operation failed")
-            self._set_queue_down(True, e)
+        self._talk_to_queue(self._flush, self._drop_lost, self._check_gateways, self._take_in)
         if not self.engine.check_worker():
             events = self.engine.wait_for_worker()   # briefly; the requests past the restart timeout end
             if events:
@@ -206,6 +194,26 @@ class SchedulerService:
         self.metrics.worker_up.set(1 if self.worker_up else 0)
         self._busy = self.engine.has_unfinished()
         self._progress_at = time.monotonic()
+
+    def _talk_to_queue(self, *ops: Callable[[], None]) -> None:
+        """Run the queue operations in order; an unreachable queue (or a queue bug) is logged
+        and marks the queue down, to be retried on the next turn, never stopping the loop."""
+        try:
+            for op in ops:
+                op()
+            self._set_queue_down(False)
+        except QueueUnavailableError as e:
+            self._set_queue_down(True, e)
+        except Exception as e:  # noqa: BLE001 - a queue bug must not stop the loop: log, retry
+            log.exception("queue operation failed")
+            self._set_queue_down(True, e)
+
+    def _take_in(self) -> None:
+        """Aborts, then new requests (when a worker can run them)."""
+        for req_id in self.queue.poll_aborts():
+            self.engine.abort(req_id)  # unknown ids are ignored by the engine
+        if self.worker_up:
+            self._pull()
 
     def _drop_lost(self) -> None:
         """Stop the requests another replica claimed from this one (see the module doc)."""
@@ -259,15 +267,7 @@ class SchedulerService:
         fill = getattr(self.engine, "fill", None)
         if fill is None or not self.worker_up or not self.engine.has_unfinished():
             return []
-        try:
-            for req_id in self.queue.poll_aborts():
-                self.engine.abort(req_id)
-            self._pull()
-        except QueueUnavailableError as e:
-            self._set_queue_down(True, e)
-        except Exception as e:  # noqa: BLE001 - as in run_once
-            log.exception("queue operation failed")
-            self._set_queue_down(True, e)
+        self._talk_to_queue(self._take_in)
         try:
             fill()
         except Exception as e:  # noqa: BLE001 - as in _step

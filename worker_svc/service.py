@@ -174,9 +174,9 @@ class WorkerServer:
         stay on the device a while (ModelRunner.launch: the CUDA backend) is held, not waited
         for: if the next message arrives while it runs, that batch is launched first, queued
         behind it on the device, and only then is the held one answered; otherwise it is
-        answered as soon as its tokens are back (a _Waker thread waits for them). So the device finds its next batch
-        queued when it finishes one, and this process prepares it while the device works.
-        Replies go out in arrival order."""
+        answered as soon as its tokens are back (a _Waker thread waits for them). So the device
+        finds its next batch queued when it finishes one, and this process prepares it while the
+        device works. Replies go out in arrival order."""
         stop = stop or threading.Event()
         held = None   # (frames, _Started): launched, not answered yet
         poller = zmq.Poller()
@@ -241,7 +241,7 @@ class WorkerServer:
             return error_reply("bad_request", f"cannot decode message: {e!r}")
         seq = seq if isinstance(seq, int) else None
         try:
-            reply = self._batch_begin(msg) if msg.get("op") == "batch" else self.handle(msg)
+            reply = self.handle(msg)
         except Exception as e:  # noqa: BLE001 - a bug's message is an error reply, not a dead worker
             log.exception("message %r failed", msg.get("op"))
             reply = error_reply("bad_request", f"{type(e).__name__}: {e}")
@@ -260,7 +260,8 @@ class WorkerServer:
         reply.update(seq=st.seq, instance=self.instance)
         return reply
 
-    def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def handle(self, msg: dict[str, Any]) -> "dict[str, Any] | _Started":
+        """The reply to one decoded message; for a batch, its start (begin_bytes)."""
         op = msg.get("op")
         if op == "ping":
             return {"ok": True}
@@ -269,12 +270,8 @@ class WorkerServer:
                     "parallel": getattr(self.runner, "parallel_info", None) or single_rank_layout(),
                     "role": self.role, "kv_address": self.kv_address}
         if op == "batch":
-            return self._batch(msg)
+            return self._batch_begin(msg)
         return error_reply("unknown_op", f"unknown op {op!r}; expected ping, info or batch")
-
-    def _batch(self, msg: dict[str, Any]) -> dict[str, Any]:
-        started = self._batch_begin(msg)
-        return started if isinstance(started, dict) else self._batch_end(started)
 
     def _batch_begin(self, msg: dict[str, Any]) -> "dict[str, Any] | _Started":
         """Check, decode and launch a batch: an error reply, or the batch started (answered by

@@ -22,14 +22,15 @@ class StepContext:
     chunks: (request, number of tokens) in batch order; num_tokens: their sum plus the draft
     tokens (speculative decoding: `drafts`, given by Policy.take_drafts), in tokens.
     Requests in flight (in a batch not yet updated) are invisible: a request is in at most
-    one in-flight batch. In a batch planned ahead (async scheduling: Scheduler.ahead) the
+    one in-flight batch. In a batch planned ahead (`ahead`: async scheduling) the
     requests of the one batch in flight are visible again: a partial prefill as a prefill, one
     whose chunk samples as a decode (Scheduler.can_run_ahead), so a policy plans as if that
     batch were done.
     """
 
-    def __init__(self, sched: "Scheduler"):
+    def __init__(self, sched: "Scheduler", ahead: bool = False):
         self._sched = sched
+        self.ahead = ahead
         self.chunks: list[list] = []       # [request, num_tokens]; a list so shrink can edit
         self.num_tokens = 0                # tokens, draft tokens included
         self._planned: set[str] = set()
@@ -38,16 +39,14 @@ class StepContext:
     # -- what there is ------------------------------------------------------------------------
     def decodes(self) -> list[Request]:
         """Running requests whose next step is one decode token, oldest admitted first."""
-        sched = self._sched
-        if sched.ahead:
-            return [r for r in sched.running
-                    if (r.is_decode and not r.in_flight) or sched.can_run_ahead(r)]
-        return [r for r in sched.running if r.is_decode and not r.in_flight]
+        sched, ahead = self._sched, self.ahead
+        return [r for r in sched.running
+                if (r.is_decode and not r.in_flight) or (ahead and sched.can_run_ahead(r))]
 
     def prefills(self) -> list[Request]:
         """Running requests with prompt (or recompute) tokens left, not yet in this batch."""
         planned = self._planned  # checked first: after take_all_decodes most requests are in it
-        busy = 2 if self._sched.ahead else 1   # ahead: a chunk in flight may be followed by the next
+        busy = 2 if self.ahead else 1   # ahead: a chunk in flight may be followed by the next
         return [r for r in self._sched.running
                 if r.req_id not in planned and r.in_flight < busy and r.num_new_tokens > 0
                 and not r.is_decode]
