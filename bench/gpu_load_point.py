@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         def make(pol: str, tau: int, policy=policy, rec=rec) -> EngineLoop:
             sc = dataclasses.replace(sched_config(args, policy), token_budget=tau)
             return EngineLoop(Scheduler(sc, CacheConfig(BLOCK_SIZE, info.num_blocks), info), rec)
-        name = policy.partition("+")[0]
+        name = sched_config(args, policy).policy
         real = run_once(Target("real", make_engine=make, max_model_len=MAX_LEN, vocab_size=info.vocab_size),
                         w, args.qps, policy=name, token_budget=args.token_budget, progress=False)
         sim_target = simulated_target(cost, block_size=BLOCK_SIZE, num_blocks=info.num_blocks,
