@@ -327,3 +327,23 @@ def test_the_worker_service_holds_a_running_batch_and_launches_the_next_behind_i
     finally:
         del fused.launch, fused.backend.read_back
     assert launched_behind > 5
+
+
+def test_a_hybrid_batch_launches_while_the_batch_before_it_still_runs(ckpt, fused):
+    """Async scheduling's point on a hybrid batch (decodes on the decode kernel, chunks on the
+    prefill kernel: two FlashInfer plans): its launch returns while the GPU is still busy with
+    the work queued before it (a 1 s sleep kernel stands in for the batch running), and its
+    tokens are the synchronous run's. A launch that waits for the GPU serializes the host's
+    preparation with the batch before it, and delays that batch's tokens by this launch."""
+    first, second = hybrid_batches()
+    fused.execute(first)
+    want = fused.execute(second).sampled
+    fused.execute(first)                     # the same K/V again for the run launched behind
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)         # ~1 s of the GPU at ~2 GHz
+    busy = torch.cuda.Event()
+    busy.record()
+    launched = fused.launch(second)
+    still_busy = not busy.query()
+    assert fused.finish(launched).sampled == want
+    assert still_busy, "the hybrid batch's launch waited for the GPU to finish the work before it"

@@ -321,3 +321,47 @@ def test_the_worker_service_launches_the_next_batch_before_answering_the_one_run
         assert scheduled_run(remote, "q", False) == want
         assert launched_behind and not any(launched_behind)
         remote.close()
+
+
+def test_planning_the_next_hybrid_batch_waits_only_for_each_wrappers_own_last_plan(monkeypatch):
+    """On CUDA a plan() overwrites its wrapper's pinned buffer, so it waits for the event after
+    that wrapper's previous plan (queued before that batch's kernels: already passed when the next
+    batch is planned). A hybrid batch plans two wrappers; its second plan must not wait for the
+    event its first one just recorded, which sits behind the batch running on the GPU: with async
+    scheduling that wait held every hybrid batch's launch until the batch before it had ended.
+    The stream is modelled: an event is passed once the GPU has run what was queued before it."""
+    from worker_svc.backends.cuda import FlashInferAttention
+
+    monkeypatch.setitem(__import__("sys").modules, "flashinfer", fake_flashinfer)
+    monkeypatch.setattr(FlashInferAttention, "workspace_bytes", 1024)
+    stream = {"queued": 0, "done": 0}
+    waits: list[tuple[str, bool]] = []     # (event's wrapper, whether it was behind running work)
+
+    class Event:
+        def record(self):
+            self.position, self.wrapper = stream["queued"], planning[-1]
+
+        def synchronize(self):
+            waits.append((self.wrapper, self.position > stream["done"]))
+
+    planning: list[str] = []
+    att = FlashInferAttention(torch.device("cpu"), torch.float32)
+    att.bind(4, 2, 16, torch.float32, 0.25, max_pages=64)
+    plan = att.plan
+
+    def named_plan(wrapper, pb):
+        planning.append("decode" if wrapper is att.decode else "prefill")
+        plan(wrapper, pb)
+    monkeypatch.setattr(att, "plan", named_plan)
+    monkeypatch.setattr(att, "_cuda", True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    hybrid = [(40, 1, [0, 1, 2]), (17, 1, [3, 4]), (0, 24, [5, 6])]   # two decodes, then a chunk
+
+    att.build_metadata(hybrid, BS, "cpu")      # batch n - 1, planned on an idle GPU
+    stream["done"] = stream["queued"]          # ... and run
+    att.build_metadata(hybrid, BS, "cpu")      # batch n
+    stream["queued"] += 1                      # batch n's kernels queued: the GPU is busy with it
+    waits.clear()
+    att.build_metadata(hybrid, BS, "cpu")      # batch n + 1, planned while batch n runs
+    assert waits == [("decode", False), ("prefill", False)]   # each its own event, none behind n

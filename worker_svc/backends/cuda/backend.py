@@ -85,7 +85,8 @@ class FlashInferAttention:
         self.shapes: dict[str, Any] | None = None
         self._graph_indices: torch.Tensor | None = None
         self._cuda = torch.device(device).type == "cuda"    # False: the CPU harness (tests)
-        self._planned = None   # CUDA: an event after the last plan()'s copies
+        # CUDA: id(wrapper) -> an event after that wrapper's last plan()'s copies
+        self._planned: dict[int, Any] = {}
 
     def bind(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype,
              scale: float, max_pages: int) -> None:
@@ -112,23 +113,26 @@ class FlashInferAttention:
         Nothing here waits for the work queued on the GPU, so batch n + 1 can be planned while
         batch n runs (async scheduling): the index arrays go from pinned memory with
         non-blocking copies (the page list to the device first: a graph wrapper copies a host
-        page list with a blocking copy), and a plan starts only once the previous plan's copy
-        out of FlashInfer's pinned buffer has run (it is queued before that batch's kernels,
-        so this wait is short)."""
+        page list with a blocking copy), and a plan starts only once the same wrapper's previous
+        plan has copied its schedule out of the wrapper's own pinned buffer (that copy is queued
+        before the batch's kernels, so this wait is short). The wait is per wrapper: a hybrid
+        batch plans two, and a single event would make its second plan wait behind the first
+        one's event, which is queued after the whole batch in flight."""
         s = self.shapes
         if s is None:
             raise RuntimeError("FlashInferAttention.bind() was not called before the first batch")
         if self._cuda:
-            if self._planned is not None:
-                self._planned.synchronize()
+            before = self._planned.get(id(wrapper))
+            if before is not None:
+                before.synchronize()
             pb = dataclasses.replace(
                 pb, qo_indptr=pb.qo_indptr.pin_memory(), kv_indptr=pb.kv_indptr.pin_memory(),
                 kv_last_page_len=pb.kv_last_page_len.pin_memory(),
                 kv_indices=pb.kv_indices.pin_memory().to(self.device, non_blocking=True))
         self._plan(wrapper, pb, s)
         if self._cuda:
-            self._planned = torch.cuda.Event()
-            self._planned.record()
+            done = self._planned[id(wrapper)] = torch.cuda.Event()
+            done.record()
 
     def _plan(self, wrapper, pb: PagedBatch, s: dict) -> None:
         common = dict(q_data_type=s["q_dtype"], kv_data_type=self.kv_cache_dtype, sm_scale=s["scale"])
