@@ -79,17 +79,25 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int 
 
 def cases(tiny: bool) -> list[tuple[str, int, int]]:
     """(series, size, context): decode batches at 1k context, prefill chunks alone, and
-    32 decodes + a chunk (the hybrid batch Sarathi-Serve builds)."""
+    32 decodes + a chunk (the hybrid batch Sarathi-Serve builds). The chunk of TAU - 32 tokens is
+    the one Sarathi's budget gives beside 32 decodes (the decodes count against it): its batch
+    has as many rows as the TAU chunk alone, so the GEMMs run the same tiles."""
     ctx = 64 if tiny else 1024
+    aligned = budget_tokens(tiny) - hybrid_decodes(tiny)
     decode = [1, 2, 4] if tiny else [1, 2, 4, 8, 16, 32, 64, 128]
-    prefill = [16, 64] if tiny else [128, 512, 1024, 2048]
-    hybrid = [16, 64] if tiny else [128, 512]
+    prefill = [16, aligned, 64] if tiny else [128, aligned, 512, 1024, 2048]
+    hybrid = [16, aligned, 64] if tiny else [128, aligned, 512]
     return ([("decode", b, ctx) for b in decode] + [("prefill", n, 0) for n in prefill]
             + [("hybrid", n, ctx) for n in hybrid])
 
 
 def hybrid_decodes(tiny: bool) -> int:
     return 2 if tiny else 32
+
+
+def budget_tokens(tiny: bool) -> int:
+    """The token budget (tau) of the hybrid goal: the chunk alone is this long."""
+    return 64 if tiny else 512
 
 
 def make_batch(series: str, size: int, ctx: int, tiny: bool) -> Batch:
@@ -290,11 +298,16 @@ def against_goals(summary: dict, tiny: bool, hbm_bytes_per_s: float = HBM_BYTES_
         if key in best:
             goals[key] = {"goal_s": goal, "measured_s": best[key]["median_s"], "bound_s": best[key]["bound_s"],
                           "variant": best[key]["variant"], "met": best[key]["median_s"] <= goal}
-    chunk = 64 if tiny else 512
-    if f"hybrid:{chunk}" in best and f"prefill:{chunk}" in best:
-        ratio = best[f"hybrid:{chunk}"]["median_s"] / best[f"prefill:{chunk}"]["median_s"]
-        goals[f"hybrid:{chunk}/prefill:{chunk}"] = {"goal_ratio": HYBRID_GOAL_RATIO, "measured_ratio": ratio,
-                                                     "met": ratio <= HYBRID_GOAL_RATIO}
+    chunk = budget_tokens(tiny)
+    aligned = chunk - hybrid_decodes(tiny)
+    # the goal as set (the chunk and the decodes on top of it), then the same ratio where the
+    # decodes count against the budget (Sarathi's batch: as many rows as the chunk alone), against
+    # the chunk alone of the same length and against the budget's full chunk
+    for hyb, alone in ((chunk, chunk), (aligned, aligned), (aligned, chunk)):
+        if f"hybrid:{hyb}" in best and f"prefill:{alone}" in best:
+            ratio = best[f"hybrid:{hyb}"]["median_s"] / best[f"prefill:{alone}"]["median_s"]
+            goals[f"hybrid:{hyb}/prefill:{alone}"] = {"goal_ratio": HYBRID_GOAL_RATIO, "measured_ratio": ratio,
+                                                       "met": ratio <= HYBRID_GOAL_RATIO}
     return goals
 
 
@@ -335,7 +348,7 @@ def plot(summary: dict, path: Path, split: dict | None = None) -> None:
 
 
 def profile(ex: ModelRunner, tiny: bool, path: Path) -> None:
-    """Kernel table (CUDA time) of the decode-1, decode-32, prefill-512 and hybrid 32+512 steps:
+    """Kernel table (CUDA time) of the decode-1, decode-32, prefill-512, hybrid 32+512 and 32+480 steps:
     what remains (the hybrid step against its chunk alone)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -344,8 +357,9 @@ def profile(ex: ModelRunner, tiny: bool, path: Path) -> None:
     sort = "cuda_time_total" if ex.backend.device.type == "cuda" else "self_cpu_time_total"
     parts = [f"# python -m bench.gpu_engine_iteration --profile  ({gpu_info()}, "
              f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')})\n"]
-    picks = [("decode", 1), ("decode", 4 if tiny else 32), ("prefill", 64 if tiny else 512),
-             ("hybrid", 64 if tiny else 512)]
+    tau = budget_tokens(tiny)
+    picks = [("decode", 1), ("decode", 4 if tiny else 32), ("prefill", tau), ("hybrid", tau),
+             ("hybrid", tau - hybrid_decodes(tiny))]
     for series, size in picks:
         c = next(c for c in cases(tiny) if c[:2] == (series, size))
         b = make_batch(*c, tiny)
