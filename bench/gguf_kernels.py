@@ -261,6 +261,14 @@ def read_bandwidth(threads: int) -> float:
     return statistics.median(rates)
 
 
+def llama_build_dir() -> str:
+    """The llama.cpp build bench/build_llama_server.sh made: SARATHI_LLAMA_ISA=avx2 picks its AVX2
+    build (LLAMA_ISA=avx2 there), anything else the -march=native one."""
+    import os
+
+    return "build-11434.0.0" + ("-avx2" if os.environ.get("SARATHI_LLAMA_ISA") == "avx2" else "")
+
+
 def llama_bench_once(threads: int) -> dict:
     """One llama-bench run on the default GGUF: decode 32 tokens at depth 1024 (seconds a step)
     and prefill 512 from an empty context, and (when built) one llama-batched-bench run of 32
@@ -269,16 +277,17 @@ def llama_bench_once(threads: int) -> dict:
 
     from shared.model_source import default_gguf_path
 
-    binary = Path(os.environ.get("SARATHI_PEER_CACHE", Path.home() / ".cache/sarathi-peer")) / \
-        "build-11434.0.0/bin/llama-bench"
+    build = llama_build_dir()
+    binary = Path(os.environ.get("SARATHI_PEER_CACHE", Path.home() / ".cache/sarathi-peer")) / build / "bin/llama-bench"
     if not binary.exists():
-        raise SystemExit(f"llama-bench not built ({binary}): bench/build_llama_server.sh builds it")
+        raise SystemExit(f"llama-bench not built ({binary}): bench/build_llama_server.sh builds it"
+                         + (" (with LLAMA_ISA=avx2)" if build.endswith("-avx2") else ""))
     out = {}
     for case, args in (("decode:1", ["-p", "0", "-n", "32", "-d", "1024"]), ("prefill:512", ["-p", "512", "-n", "0"])):
         cmd = [str(binary), "-m", str(default_gguf_path()), *args, "-t", str(threads), "-r", "1", "-o", "json"]
         r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout)[0]
         out[case] = (512 if case == "prefill:512" else 1) / r["avg_ts"]
-        LLAMA_CMDS[case] = " ".join(["~/.cache/sarathi-peer/build-11434.0.0/bin/llama-bench", "-m",
+        LLAMA_CMDS[case] = " ".join([f"~/.cache/sarathi-peer/{build}/bin/llama-bench", "-m",
                                      default_gguf_path().name, *cmd[3:]])
     # 32 sequences decoding at depth 1024: llama-batched-bench with the prompt shared (-pps: one
     # 1024-token prefill instead of 32, ~5 s vs ~150 s). llama.cpp then keeps one copy of the
@@ -291,7 +300,7 @@ def llama_bench_once(threads: int) -> dict:
         res = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
         r = json.loads([line for line in res.splitlines() if line.startswith("{")][-1])
         out["decode:32"] = r["t_tg"] / r["tg"]          # seconds a step of 32 tokens
-        LLAMA_CMDS["decode:32"] = " ".join(["~/.cache/sarathi-peer/build-11434.0.0/bin/llama-batched-bench",
+        LLAMA_CMDS["decode:32"] = " ".join([f"~/.cache/sarathi-peer/{build}/bin/llama-batched-bench",
                                             "-m", default_gguf_path().name, *cmd[3:]])
     return out
 

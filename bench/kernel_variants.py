@@ -10,21 +10,26 @@ copy), and an AVX2 build here (-march=znver3) with the lanes, against which the 
 compared where no AVX2-only machine is at hand. Cases: decode 1 and 32 at 1k context, prefill 512.
 Each arm's resident memory after its last step.
 
-    python -m bench.kernel_variants [--rounds 7] [--threads 2] [--no-llama] [--arms A,B]
-                                    [--out bench/results/kernels/variants_zen4]
+    python -m bench.kernel_variants [--rounds 7] [--threads 2] [--no-llama] [--llama-isa avx2]
+                                    [--arms A,B] [--out bench/results/kernels/variants_zen4]
+
+`avx2-only` with `--llama-isa avx2` is the AVX2 comparison where no AVX2-only machine is at hand:
+both engines at AVX2 + FMA on whatever x86 CPU runs it (ours: the avx2 variant, torch's kernels
+held to AVX2; llama.cpp: its AVX2 build).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
 
 from bench.common import EngineProcess
 from bench.gguf_kernels import ENGINE_CASES as CASES
-from bench.gguf_kernels import LLAMA_CMDS, cpu_id, pressure, rss_mb, step_in_turn
+from bench.gguf_kernels import LLAMA, LLAMA_CMDS, cpu_id, pressure, rss_mb, step_in_turn
 
 # key: (what it is, its environment)
 ARMS = {
@@ -36,8 +41,12 @@ ARMS = {
                                                                "SARATHI_GGUF_LANES": "1"}),
     "znver3-lanes": ("built here -march=znver3: lanes at every T", {"SARATHI_NATIVE_MARCH": "znver3",
                                                                      "SARATHI_GGUF_LANES": "1"}),
+    # what an AVX2-only machine runs, on a newer one: the avx2 variant (lanes, its default) and
+    # torch's own kernels held to AVX2 too (ATen's dispatch, oneDNN, MKL)
+    "avx2-only": ("prebuilt avx2 + torch held to AVX2 (an AVX2 machine's engine)",
+                  {"SARATHI_NATIVE_VARIANT": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                   "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
 }
-LLAMA = "llama.cpp"
 # the ratios the results README reports: (numerator arm, denominator arm)
 RATIOS = {
     "prebuilt_over_native": ("best", "native"),
@@ -46,6 +55,7 @@ RATIOS = {
     "avx2_lanes_over_llama": ("avx2-lanes", LLAMA),
     "avx2_tiles_over_llama": ("avx2-tiles", LLAMA),
     "best_over_llama": ("best", LLAMA),
+    "avx2_only_over_llama": ("avx2-only", LLAMA),
 }
 
 
@@ -65,17 +75,23 @@ def run(rounds: int, threads: int, llama: bool, arms: list[str]) -> dict:
     rss = {name: round(rss_mb(p.proc.pid), 1) for name, p in procs.items()}
     for p in procs.values():
         p.close()
+    arms_info = {n: {"what": ARMS[n][0], "env": ARMS[n][1]} for n in procs}
+    return {**summarize(times), "rss_MB": rss, "backends": backends, "arms": arms_info,
+            "llama_bench_commands": dict(LLAMA_CMDS) if llama else {}}
+
+
+def summarize(times: dict) -> dict:
+    """times: arm (or LLAMA) -> case -> seconds per round. Medians in ms, the RATIOS of medians,
+    the same ratios round by round (both arms of a round ran minutes apart at most: their median
+    and range, the statistic to read where the machine's speed drifts between rounds), and every
+    round in ms."""
     ms = {n: {c: round(1e3 * statistics.median(ts), 2) for c, ts in d.items() if ts} for n, d in times.items()}
     ratios = {k: {c: round(ms[a][c] / ms[b][c], 3) for c in CASES if c in ms.get(a, {}) and c in ms.get(b, {})}
               for k, (a, b) in RATIOS.items() if a in ms and b in ms}
-    # the same ratios round by round (both arms of a round ran minutes apart at most): their
-    # median and range, the statistic to read where the machine's speed drifts between rounds
-    paired = {k: {c: paired_ratio(times[a][c], times[b][c]) for c in CASES if times[a][c] and times[b][c]}
+    paired = {k: {c: paired_ratio(times[a][c], times[b][c]) for c in CASES if times[a].get(c) and times[b].get(c)}
               for k, (a, b) in RATIOS.items() if a in times and b in times}
-    arms_info = {n: {"what": ARMS[n][0], "env": ARMS[n][1]} for n in procs}
     rounds_ms = {n: {c: [round(1e3 * t, 2) for t in ts] for c, ts in d.items() if ts} for n, d in times.items()}
-    return {"ms": ms, "ratios": ratios, "paired_ratios": paired, "rounds_ms": rounds_ms, "rss_MB": rss,
-            "backends": backends, "arms": arms_info, "llama_bench_commands": dict(LLAMA_CMDS) if llama else {}}
+    return {"ms": ms, "ratios": ratios, "paired_ratios": paired, "rounds_ms": rounds_ms}
 
 
 def paired_ratio(a: list[float], b: list[float]) -> dict:
@@ -111,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--llama-isa", choices=("native", "avx2"), default="native",
+                    help="which llama.cpp build to run: -march=native, or its AVX2 level "
+                         "(LLAMA_ISA=avx2 bench/build_llama_server.sh builds it)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms of {', '.join(ARMS)} (default: all)")
     ap.add_argument("--out", default="bench/results/kernels/variants")
     a = ap.parse_args(argv)
@@ -121,6 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     res = {"command": "python -m bench.kernel_variants " + " ".join(argv if argv is not None else sys.argv[1:]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": cpu_id(), "threads": a.threads, "rounds": a.rounds, "pressure_before": pressure()}
+    if a.llama_isa == "avx2":
+        os.environ["SARATHI_LLAMA_ISA"] = "avx2"     # read by bench.gguf_kernels.llama_bench_once
+    res["llama_isa"] = None if a.no_llama else a.llama_isa
     res.update(run(a.rounds, a.threads, not a.no_llama, arms))
     res["pressure_after"] = pressure()
     out = Path(a.out)

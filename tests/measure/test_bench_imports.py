@@ -29,3 +29,19 @@ def test_merge_runs_merges_points_in_qps_order(tmp_path):
     main([str(tmp_path / "out.json"), str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     out = json.loads((tmp_path / "out.json").read_text())
     assert [r["qps"] for r in out["runs"]] == [0.5, 1.0, 2.0] and out["command"] == ["a", "b"]
+
+
+def test_kernel_variants_compares_each_arm_with_llama_cpp_by_the_name_its_rounds_carry():
+    """The rounds come back keyed by bench.gguf_kernels.LLAMA; the ratios against llama.cpp must
+    be computed under that name (they were silently left out when the two names differed)."""
+    from bench import kernel_variants as kv
+    from bench.gguf_kernels import LLAMA
+
+    times = {"avx2-only": {"decode:1": [0.008, 0.010], "decode:32": [0.1, 0.12], "prefill:512": [0.8, 0.9]},
+             "best": {"decode:1": [0.007, 0.007], "decode:32": [0.08, 0.08], "prefill:512": [0.5, 0.5]},
+             LLAMA: {"decode:1": [0.016, 0.020], "decode:32": [0.25, 0.24], "prefill:512": [1.6, 1.5]}}
+    res = kv.summarize(times)
+    assert res["ratios"]["avx2_only_over_llama"]["decode:1"] == 0.5
+    assert res["ratios"]["best_over_llama"]["prefill:512"] == round(500 / 1550, 3)
+    assert res["paired_ratios"]["avx2_only_over_llama"]["decode:1"]["median"] == 0.5
+    assert res["paired_ratios"]["avx2_only_over_llama"]["prefill:512"]["rounds"] == 2
