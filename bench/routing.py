@@ -29,6 +29,8 @@ per trace row, the packaged ShareGPT length trace).
     python -m bench.routing report --out bench/results/routing     # summary JSON + PNG
     python -m bench.routing weights --replicas 4 --workloads chat --qps-list 21,23 \
         --weights-list 3:1:1,1:1:1,3:3:0 --out bench/results/routing   # the picker's weights swept
+    python -m bench.routing lowq --replicas 4 --workloads chat --qps-list 21,23 \
+        --thresholds 0,4,16 --out bench/results/routing             # the low-queue filter before mix
 """
 from __future__ import annotations
 
@@ -232,7 +234,36 @@ def weights(a: argparse.Namespace) -> None:
     _plot_weights(res, path.with_suffix(".png"))
 
 
-def _plot_weights(res: dict, png: Path) -> None:
+def lowq(a: argparse.Namespace) -> None:
+    """The picker's low-queue filter in front of the mix: mix-lowq with each threshold of
+    --thresholds at each rate of --qps-list, beside the mix without the filter, judged by the
+    capacity criterion; written to routing_{workload}_{N}r_lowq.json (+ PNG). The question: does
+    spreading a conversation off its cached replica when that replica's queue grows buy capacity?"""
+    from sarathi.measure import routing as R
+
+    wl, w, mixed = _probe_target(a, "mix")
+    _, _, filtered = _probe_target(a, "mix-lowq")
+    default = R.LOW_QUEUE_THRESHOLD
+    res = {"command": "python -m bench.routing " + " ".join(sys.argv[1:]), "machine": machine(),
+           "replicas": a.replicas, "workload": wl, "runs": []}
+    try:
+        for setting in ["none"] + a.thresholds.split(","):
+            if setting != "none":
+                R.LOW_QUEUE_THRESHOLD = int(setting)    # read when each run's picker is built
+            for q in (float(x) for x in a.qps_list.split(",")):
+                what = f"{wl} mix" + ("" if setting == "none" else f" low-queue <= {setting}")
+                ok, summ = _judged_run(a, mixed if setting == "none" else filtered, w, q, what)
+                res["runs"].append({"weights": "no filter" if setting == "none" else f"<= {setting}",
+                                    "threshold": None if setting == "none" else int(setting),
+                                    "qps": q, "ok": ok, "summary": summ})
+    finally:
+        R.LOW_QUEUE_THRESHOLD = default
+    path = Path(a.out) / f"routing_{wl}_{a.replicas}r_lowq.json"
+    path.write_text(json.dumps(json_safe(res), indent=1))
+    _plot_weights(res, path.with_suffix(".png"), xlabel="mix: low-queue filter threshold (requests waiting)")
+
+
+def _plot_weights(res: dict, png: Path, xlabel: str = "mix weights prefix:queue:kv") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -245,7 +276,7 @@ def _plot_weights(res: dict, png: Path) -> None:
         ax.bar([r["weights"] for r in runs], delays, color=["tab:green" if r["ok"] else "tab:red" for r in runs])
         ax.axhline(2.0, color="k", ls="--", lw=1, label="SLO: P50 scheduling delay 2 s")
         ax.set_title(f"{res['replicas']} replicas, {res['workload']} @ {q:g} QPS")
-        ax.set_xlabel("mix weights prefix:queue:kv")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("P50 scheduling delay (s)")
         ax.tick_params(axis="x", rotation=45)
         ax.legend(fontsize=8)
@@ -256,10 +287,11 @@ def _plot_weights(res: dict, png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", nargs="?", default="run", choices=["run", "probe", "report", "weights"])
+    p.add_argument("mode", nargs="?", default="run", choices=["run", "probe", "report", "weights", "lowq"])
     p.add_argument("--routing", default="shared-queue", help="probe: the routing")
-    p.add_argument("--qps-list", default="", help="probe, weights: comma-separated rates")
+    p.add_argument("--qps-list", default="", help="probe, weights, lowq: comma-separated rates")
     p.add_argument("--weights-list", default="3:1:1", help="weights: comma-separated prefix:queue:kv settings of mix")
+    p.add_argument("--thresholds", default="0,4,16", help="lowq: comma-separated low-queue filter thresholds")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--workloads", default="chat,sharegpt")
     p.add_argument("--capacity-routings", default="shared-queue,mix")
@@ -273,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/routing")
     a = p.parse_args(argv)
-    {"run": run, "probe": probe, "report": report, "weights": weights}[a.mode](a)
+    {"run": run, "probe": probe, "report": report, "weights": weights, "lowq": lowq}[a.mode](a)
     return 0
 
 

@@ -20,7 +20,10 @@ Two ways a request reaches a replica:
     block hashes computed the way the events' consumer does.
 
   Routings: ``least-queue`` = queue + kv (weights 1, 1: the picker's load scorers); ``prefix`` =
-  prefix alone; ``mix`` = prefix 3 + queue 1 + kv 1 (the picker's default profile's weights).
+  prefix alone; ``mix`` = prefix 3 + queue 1 + kv 1 (the picker's default profile's weights);
+  ``mix-lowq`` = mix behind the picker's low-queue filter (a decision tree: the replicas with at
+  most LOW_QUEUE_THRESHOLD requests waiting, or, when none is that short, the least queued ones;
+  the scorers then rank the survivors, the queue score normalized over them as the picker does).
 
 The scorers are one class (Scorer) over whatever state it is handed: Picker hands it the
 simulated replicas' schedulers, bench/picker_router.py (a live picker in front of real replicas)
@@ -36,9 +39,13 @@ import numpy as np
 
 from scheduler_svc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder, block_hash, root_hash
 
-ROUTINGS = ("least-unfinished", "shared-queue", "least-queue", "prefix", "mix")
+ROUTINGS = ("least-unfinished", "shared-queue", "least-queue", "prefix", "mix", "mix-lowq")
 WEIGHTS = {"least-queue": {"queue": 1.0, "kv": 1.0}, "prefix": {"prefix": 1.0},
-           "mix": {"prefix": 3.0, "queue": 1.0, "kv": 1.0}}
+           "mix": {"prefix": 3.0, "queue": 1.0, "kv": 1.0}, "mix-lowq": {"prefix": 3.0, "queue": 1.0, "kv": 1.0}}
+# requests waiting at most, for a replica to pass mix-lowq's filter (the picker's low-queue filter
+# `threshold`; its default, 128, never filters at the loads simulated here)
+LOW_QUEUE_THRESHOLD = 4
+FILTERED = {"mix-lowq"}
 
 
 class PrefixIndex:
@@ -88,6 +95,7 @@ class Scorer:
         if routing not in WEIGHTS:
             raise ValueError(f"no picker for routing {routing!r}")
         self.weights = WEIGHTS[routing]
+        self.low_queue = LOW_QUEUE_THRESHOLD if routing in FILTERED else None
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.rng = np.random.default_rng(seed)
@@ -124,12 +132,18 @@ class Scorer:
         if waiting is None or kv_usage is None:
             waiting, kv_usage = self.state()
         n = self.num_replicas
-        total = np.zeros(n)
+        q_all = np.asarray(waiting, dtype=float)
+        keep = np.ones(n, dtype=bool)
+        if self.low_queue is not None:   # the low-queue filter; none passes: the least queued
+            keep = q_all <= self.low_queue
+            if not keep.any():
+                keep = q_all <= q_all.min()
+        total = np.where(keep, 0.0, -np.inf)
         w = self.weights
         if "queue" in w:
-            q = np.asarray(waiting, dtype=float)
+            q = q_all[keep]
             span = q.max() - q.min()
-            total += w["queue"] * ((q.max() - q) / span if span > 0 else np.ones(n))
+            total[keep] += w["queue"] * ((q.max() - q) / span if span > 0 else np.ones(len(q)))
         if "kv" in w:
             total += w["kv"] * (1.0 - np.asarray(kv_usage, dtype=float))
         matched = None

@@ -124,3 +124,39 @@ def test_the_weights_sweep_runs_each_setting_and_restores_the_default(tmp_path):
     hits = {r["weights"]: r["summary"]["prefix_hit_rate"] for r in res["runs"]}
     assert hits["1:0:0"] > hits["0:1:1"]
     assert (tmp_path / "routing_chat_2r_weights.png").stat().st_size > 0
+
+
+def test_the_low_queue_filter_overrides_the_prefix_cache_above_its_threshold():
+    """mix-lowq: the replica holding the prompt's prefix wins while its queue is at most the
+    threshold; above it, the filter leaves only shorter queues (the prefix no longer counts); when
+    every queue is above it, the least queued replicas are what is left."""
+    from sarathi.measure import routing as R
+    from scheduler_svc.kv_events import BlockStored
+
+    t = R.LOW_QUEUE_THRESHOLD
+    prompt = list(range(100, 164))                      # 4 full blocks of 16
+    for routing, held_by_busy_wins in (("mix", True), ("mix-lowq", False)):
+        sc = R.Scorer(routing, 3, block_size=16, seed=0)
+        sc.index.sink(0)(BlockStored(block_hashes=sc._hashes(prompt), parent_block_hash=None,
+                                     token_ids=prompt, block_size=16))
+        assert sc.choose(prompt, waiting=[t, 0, 1], kv_usage=[0.5, 0.5, 0.5]) == 0     # at the threshold
+        got = sc.choose(prompt, waiting=[t + 1, 0, 1], kv_usage=[0.5, 0.5, 0.5])
+        assert (got == 0) is held_by_busy_wins, routing
+    sc = R.Scorer("mix-lowq", 3, block_size=16, seed=0)
+    assert sc.choose(prompt, waiting=[t + 9, t + 3, t + 5], kv_usage=[0.0, 0.9, 0.9]) == 1
+
+
+def test_the_low_queue_sweep_runs_the_mix_with_and_without_the_filter_and_restores_it(tmp_path):
+    import json
+
+    from bench.routing import main
+    from sarathi.measure import routing as R
+
+    before = R.LOW_QUEUE_THRESHOLD
+    main(["lowq", "--replicas", "2", "--workloads", "chat", "--duration", "4", "--warmup", "4",
+          "--num-requests", "60", "--qps-list", "4", "--thresholds", "0,8", "--out", str(tmp_path)])
+    assert R.LOW_QUEUE_THRESHOLD == before
+    res = json.loads((tmp_path / "routing_chat_2r_lowq.json").read_text())
+    assert [(r["threshold"], r["qps"]) for r in res["runs"]] == [(None, 4.0), (0, 4.0), (8, 4.0)]
+    assert all(r["summary"]["routing"] == ("mix" if r["threshold"] is None else "mix-lowq") for r in res["runs"])
+    assert (tmp_path / "routing_chat_2r_lowq.png").stat().st_size > 0
