@@ -338,6 +338,122 @@ static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int
 #undef RL_NT
 #undef RL_CASE
 
+#if defined(GG_TL)
+/* Two octets at once in zmm lanes (rows 0-7 in the low 256 bits, 8-15 in the high), for the formats
+ * of one run a block (Q4_0, Q4_1, Q8_0): each octet's weights and scales are loaded and transposed
+ * exactly as rl_rows does, then joined, so that one 512-bit vpdpbusd does the work of two 256-bit
+ * ones (the same instruction rate on the AVX-512 cores measured: twice the multiplies). Per (row,
+ * token) the integer dot and the fp32 steps are rl_rows's, lane for lane: the same bits. Used by
+ * rl_linear where 16 rows remain, in calls of at least RL2_MIN_TOKENS tokens: with fewer, the dots
+ * are too few for the wider vectors to pay for joining two octets' unpacked runs (measured in
+ * bench/results/kernels/README.md, "Sixteen rows a vector"); a call's last rows go through rl_rows. */
+#define RL2 16
+#define RL2_MIN_TOKENS 5
+static inline __m512i rl_join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+static inline __m512 rl_joinf(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+
+/* one octet's block: its 8 weight groups (w) and its fp16 scales' dwords (hv), as rl_rows loads them */
+static inline __attribute__((always_inline)) void rl_octet_run(const int type, const uint8_t *const *p, int bb,
+                                                               __m256i *w, __m256i *hv) {
+    if (type == T_Q8_0) {
+        rl_load8(p, 2, w);
+        for (int g = 0; g < 8; g++) w[g] = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
+    } else {
+        __m256i g4[4];
+        rl_load4(p, bb - 16, g4);
+        for (int g = 0; g < 4; g++) {
+            w[g] = nibbles(g4[g], 0);
+            w[g + 4] = nibbles(g4[g], 1);
+        }
+    }
+    *hv = _mm256_setr_epi32(ld32(p[0]), ld32(p[1]), ld32(p[2]), ld32(p[3]), ld32(p[4]), ld32(p[5]), ld32(p[6]),
+                            ld32(p[7]));
+}
+
+static inline __attribute__((always_inline)) void
+rl2_rows(const int type, const int NT, const int P, const uint8_t *const *rows, int nb, const int8_t *qa,
+         int64_t qs, int64_t lo, const float *da, const float *sa, int64_t fs, const int32_t *ST, const uint8_t *pf,
+         int64_t pfn, float *res) {
+    const int64_t pfstep = ((pfn + nb - 1) / nb + 63) & ~(int64_t)63;
+    const int SG = type == T_Q8_0;
+    const int bb = block_bytes(type);
+    __m512 acc[Q8_TILE], corr[Q8_TILE];
+    for (int t = 0; t < NT; t++) { acc[t] = _mm512_setzero_ps(); corr[t] = _mm512_setzero_ps(); }
+    for (int i = 0; i < nb; i++) {
+        for (int64_t o = i * pfstep; o < (i + 1) * pfstep && o < pfn; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
+        const uint8_t *p[RL2];
+        for (int r = 0; r < RL2; r++) p[r] = rows[r] + (int64_t)i * bb;
+        __m256i wl[8], wh[8], hl, hh;
+        rl_octet_run(type, p, bb, wl, &hl);
+        rl_octet_run(type, p + RL, bb, wh, &hh);
+        __m512i w[8];
+        for (int g = 0; g < 8; g++) w[g] = rl_join(wl[g], wh[g]);
+        const __m256 s0l = _mm256_cvtph_ps(rl_words(hl)), s0h = _mm256_cvtph_ps(rl_words(hh));
+        const __m512 s0v = rl_joinf(s0l, s0h);
+        const __m512 cwv = type == T_Q4_0 ? _mm512_mul_ps(_mm512_set1_ps(-8.0f), s0v)
+                                          : rl_joinf(_mm256_cvtph_ps(rl_words(_mm256_srli_epi32(hl, 16))),
+                                                     _mm256_cvtph_ps(rl_words(_mm256_srli_epi32(hh, 16))));
+        for (int t = 0; t < NT; t++) {
+            const int8_t *a = qa + t * qs + 32 * i;
+            __m512i h = _mm512_setzero_si512(), l = h;
+_Pragma("GCC unroll 8")
+            for (int g = 0; g < 8; g++) {
+                int32_t a4;
+                memcpy(&a4, a + 4 * g, 4);
+                h = _mm512_dpbusd_epi32(h, w[g], _mm512_set1_epi32(a4));
+                if (P == 2) {
+                    memcpy(&a4, a + lo + 4 * g, 4);
+                    l = _mm512_dpbusd_epi32(l, w[g], _mm512_set1_epi32(a4));
+                }
+            }
+            const int64_t tb = (int64_t)t * fs + i;
+            __m512i d = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(h, 7), l) : h;
+            const __m512 dav = _mm512_set1_ps(da[tb]);
+            if (SG) d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * (ST[2 * tb] + ST[2 * tb + 1])));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s0v, dav), acc[t]);
+            if (!SG) corr[t] = _mm512_add_ps(corr[t], _mm512_mul_ps(cwv, _mm512_set1_ps(sa[tb])));
+        }
+    }
+    for (int t = 0; t < NT; t++) _mm512_storeu_ps(res + t * RL2, _mm512_add_ps(acc[t], corr[t]));
+}
+
+#define RL2_NT(TY, PP)                                                                             \
+    switch (nt) {                                                                                  \
+    case 1: rl2_rows(TY, 1, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;        \
+    case 2: rl2_rows(TY, 2, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;        \
+    case 3: rl2_rows(TY, 3, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;        \
+    case 4: rl2_rows(TY, 4, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;        \
+    case 5: rl2_rows(TY, 5, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;        \
+    case 6: rl2_rows(TY, 6, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;        \
+    case 7: rl2_rows(TY, 7, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;        \
+    default: rl2_rows(TY, Q8_TILE, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break; \
+    }
+#define RL2_CASE(TY)                                                                               \
+        if (P == 2) { RL2_NT(TY, 2) } else { RL2_NT(TY, 1) }
+/* SARATHI_GGUF_ROWS16=0: octets only (for A/B measurements; the same bits either way) */
+static int rl2_enabled(void) {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("SARATHI_GGUF_ROWS16");
+        on = !(e && e[0] == '0');
+    }
+    return on;
+}
+/* the formats rl2_rows takes */
+static inline int rl2_format(int type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
+static void rl2_rows_any(int type, int nt, int P, const uint8_t *const *rows, int nb, const int8_t *qa, int64_t qs,
+                         int64_t lo, const float *da, const float *sa, int64_t fs, const int32_t *ST, const uint8_t *pf,
+                         int64_t pfn, float *res) {
+    if (type == T_Q4_0) { RL2_CASE(T_Q4_0) }
+    else if (type == T_Q4_1) { RL2_CASE(T_Q4_1) }
+    else { RL2_CASE(T_Q8_0) }
+}
+#undef RL2_NT
+#undef RL2_CASE
+#endif
+
 /* gguf_linear_q8 on the row-lane kernel (see rl_rows): calls of 1 .. RL_MAX_TOKENS tokens, in passes
  * of up to Q8_TILE tokens over each octet of rows */
 int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, int64_t qs, int64_t lo,
@@ -378,7 +494,28 @@ int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, i
         int r0, r1;
         thread_rows(N, &r0, &r1);
         float res[Q8_TILE * RL] __attribute__((aligned(32)));
-        for (int n = r0; n < r1; n += RL) {
+        int n = r0;
+#if defined(GG_TL)
+        if (rl2_format(type) && T >= RL2_MIN_TOKENS && rl2_enabled()) {   /* 16 rows at a time while 16 remain */
+            float res2[Q8_TILE * RL2] __attribute__((aligned(64)));
+            for (; r1 - n >= RL2; n += RL2) {
+                const uint8_t *rows[RL2];
+                for (int r = 0; r < RL2; r++) rows[r] = w + (int64_t)(n + r) * row_bytes;
+                const int nn = r1 - (n + RL2) < RL2 ? r1 - (n + RL2) : RL2;   /* the next rows (<= 0: none) */
+                for (int t0 = 0; t0 < T; t0 += Q8_TILE) {
+                    const int nt = T - t0 < Q8_TILE ? T - t0 : Q8_TILE;
+                    rl2_rows_any(type, nt, parts, rows, nb, qa + t0 * qs, qs, lo, da + t0 * fs, sa + t0 * fs, fs,
+                                 ST ? ST + t0 * ts : NULL, w + (int64_t)(n + RL2) * row_bytes,
+                                 nn > 0 && t0 == 0 ? nn * row_bytes : 0, res2);
+                    for (int r = 0; r < RL2; r++) {
+                        const float bb = bias ? bias[n + r] : 0.0f;
+                        for (int t = 0; t < nt; t++) out[(int64_t)(t0 + t) * os + n + r] = res2[t * RL2 + r] + bb;
+                    }
+                }
+            }
+        }
+#endif
+        for (; n < r1; n += RL) {
             const int R = r1 - n < RL ? r1 - n : RL;
             const uint8_t *rows[RL];
             for (int r = 0; r < RL; r++) rows[r] = w + (int64_t)(n + (r < R ? r : R - 1)) * row_bytes;
