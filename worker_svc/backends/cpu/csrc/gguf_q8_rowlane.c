@@ -169,6 +169,29 @@ static inline __m128i rl_words(__m256i x) {
 static inline int32_t ld32(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 static inline int32_t ld16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
+/* an octet's block of a format of one run a block (Q4_0, Q4_1, Q8_0): its 8 weight groups, transposed
+ * (w[g] dword r: row r's group g), and each row's first dword (hv: its fp16 d, and Q4_1's m) */
+static inline __attribute__((always_inline)) void rl_octet_run(const int type, const uint8_t *const *p, int bb,
+                                                               __m256i *w, __m256i *hv) {
+    if (type == T_Q8_0) {
+        rl_load8(p, 2, w);
+#if defined(GG_VNNI)
+        for (int g = 0; g < 8; g++) w[g] = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
+#endif
+    } else {
+        /* 16 bytes a row: byte l holds element l (low nibble) and l + 16 (high); dword g of the 8
+         * rows' bytes, transposed, gives groups g (low nibbles) and g + 4 (high) */
+        __m256i g4[4];
+        rl_load4(p, bb - 16, g4);
+        for (int g = 0; g < 4; g++) {
+            w[g] = nibbles(g4[g], 0);
+            w[g + 4] = nibbles(g4[g], 1);
+        }
+    }
+    *hv = _mm256_setr_epi32(ld32(p[0]), ld32(p[1]), ld32(p[2]), ld32(p[3]), ld32(p[4]), ld32(p[5]), ld32(p[6]),
+                            ld32(p[7]));
+}
+
 /* An octet of rows (rows[r]: nb native blocks each) against NT tokens (activations qa + t * qs,
  * low parts at + lo, da / sa + t * fs; ST: the activation sums of each token's runs' halves, for
  * the signed formats). res[t * RL + r]: row r, token t. */
@@ -189,25 +212,8 @@ rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, i
         const uint8_t *p[RL];   /* the octet's block i */
         for (int r = 0; r < RL; r++) p[r] = rows[r] + (int64_t)i * bb;
         if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0) {   /* one run a block */
-            __m256i w[8];
-            if (type == T_Q8_0) {
-                rl_load8(p, 2, w);
-#if defined(GG_VNNI)
-                for (int g = 0; g < 8; g++) w[g] = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
-#endif
-            } else {
-                /* 16 bytes a row: byte l holds element l (low nibble) and l + 16 (high); dword g of
-                 * the 8 rows' bytes, transposed, gives groups g (low nibbles) and g + 4 (high) */
-                __m256i g4[4];
-                rl_load4(p, bb - 16, g4);
-                for (int g = 0; g < 4; g++) {
-                    w[g] = nibbles(g4[g], 0);
-                    w[g + 4] = nibbles(g4[g], 1);
-                }
-            }
-            /* the rows' fp16 d (and Q4_1's m), as h16 converts them (exactly) */
-            const __m256i hv = _mm256_setr_epi32(ld32(p[0]), ld32(p[1]), ld32(p[2]), ld32(p[3]), ld32(p[4]), ld32(p[5]),
-                                                 ld32(p[6]), ld32(p[7]));
+            __m256i w[8], hv;
+            rl_octet_run(type, p, bb, w, &hv);
             const __m256 s0v = _mm256_cvtph_ps(rl_words(hv));
             const __m256 cwv = type == T_Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.0f), s0v)
                                               : _mm256_cvtph_ps(rl_words(_mm256_srli_epi32(hv, 16)));
@@ -316,26 +322,27 @@ _Pragma("GCC unroll 1")   /* tokens in pairs: each pair of weights loaded once f
     for (int t = 0; t < NT; t++) _mm256_storeu_ps(res + t * RL, _mm256_add_ps(acc[t], corr[t]));
 }
 
-#define RL_NT(TY, PP)                                                                              \
+/* FN(type, NT, P, ...) with the pass's token count nt a constant 1 .. Q8_TILE (compiled per count) */
+#define RL_ARGS rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res
+#define RL_NT(FN, TY, PP)                                                                          \
     switch (nt) {                                                                                  \
-    case 1: rl_rows(TY, 1, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
-    case 2: rl_rows(TY, 2, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
-    case 3: rl_rows(TY, 3, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
-    case 4: rl_rows(TY, 4, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
-    case 5: rl_rows(TY, 5, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
-    case 6: rl_rows(TY, 6, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
-    case 7: rl_rows(TY, 7, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;                  \
-    default: rl_rows(TY, Q8_TILE, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;           \
+    case 1: FN(TY, 1, PP, RL_ARGS); break;                                                         \
+    case 2: FN(TY, 2, PP, RL_ARGS); break;                                                         \
+    case 3: FN(TY, 3, PP, RL_ARGS); break;                                                         \
+    case 4: FN(TY, 4, PP, RL_ARGS); break;                                                         \
+    case 5: FN(TY, 5, PP, RL_ARGS); break;                                                         \
+    case 6: FN(TY, 6, PP, RL_ARGS); break;                                                         \
+    case 7: FN(TY, 7, PP, RL_ARGS); break;                                                         \
+    default: FN(TY, Q8_TILE, PP, RL_ARGS); break;                                                  \
     }
 #define RL_CASE(TY)                                                                                \
-        if (P == 2) { RL_NT(TY, 2) } else { RL_NT(TY, 1) }
+        if (P == 2) { RL_NT(rl_rows, TY, 2) } else { RL_NT(rl_rows, TY, 1) }
 /* nt: 1 .. Q8_TILE tokens */
 static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int nb, const int8_t *qa, int64_t qs,
                         int64_t lo, const float *da, const float *sa, int64_t fs, const int32_t *ST, const uint8_t *pf,
                         int64_t pfn, float *res) {
     SWITCH_FORMATS(type, RL_CASE)
 }
-#undef RL_NT
 #undef RL_CASE
 
 #if defined(GG_TL)
@@ -352,24 +359,6 @@ static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int
 static inline __m512i rl_join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 static inline __m512 rl_joinf(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-}
-
-/* one octet's block: its 8 weight groups (w) and its fp16 scales' dwords (hv), as rl_rows loads them */
-static inline __attribute__((always_inline)) void rl_octet_run(const int type, const uint8_t *const *p, int bb,
-                                                               __m256i *w, __m256i *hv) {
-    if (type == T_Q8_0) {
-        rl_load8(p, 2, w);
-        for (int g = 0; g < 8; g++) w[g] = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
-    } else {
-        __m256i g4[4];
-        rl_load4(p, bb - 16, g4);
-        for (int g = 0; g < 4; g++) {
-            w[g] = nibbles(g4[g], 0);
-            w[g + 4] = nibbles(g4[g], 1);
-        }
-    }
-    *hv = _mm256_setr_epi32(ld32(p[0]), ld32(p[1]), ld32(p[2]), ld32(p[3]), ld32(p[4]), ld32(p[5]), ld32(p[6]),
-                            ld32(p[7]));
 }
 
 static inline __attribute__((always_inline)) void
@@ -419,19 +408,8 @@ _Pragma("GCC unroll 8")
     for (int t = 0; t < NT; t++) _mm512_storeu_ps(res + t * RL2, _mm512_add_ps(acc[t], corr[t]));
 }
 
-#define RL2_NT(TY, PP)                                                                             \
-    switch (nt) {                                                                                  \
-    case 1: rl2_rows(TY, 1, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;        \
-    case 2: rl2_rows(TY, 2, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;        \
-    case 3: rl2_rows(TY, 3, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;        \
-    case 4: rl2_rows(TY, 4, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;        \
-    case 5: rl2_rows(TY, 5, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;        \
-    case 6: rl2_rows(TY, 6, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;        \
-    case 7: rl2_rows(TY, 7, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break;        \
-    default: rl2_rows(TY, Q8_TILE, PP, rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res); break; \
-    }
 #define RL2_CASE(TY)                                                                               \
-        if (P == 2) { RL2_NT(TY, 2) } else { RL2_NT(TY, 1) }
+        if (P == 2) { RL_NT(rl2_rows, TY, 2) } else { RL_NT(rl2_rows, TY, 1) }
 /* SARATHI_GGUF_ROWS16=0: octets only (for A/B measurements; the same bits either way) */
 static int rl2_enabled(void) {
     static int on = -1;
@@ -450,9 +428,10 @@ static void rl2_rows_any(int type, int nt, int P, const uint8_t *const *rows, in
     else if (type == T_Q4_1) { RL2_CASE(T_Q4_1) }
     else { RL2_CASE(T_Q8_0) }
 }
-#undef RL2_NT
 #undef RL2_CASE
 #endif
+#undef RL_NT
+#undef RL_ARGS
 
 /* gguf_linear_q8 on the row-lane kernel (see rl_rows): calls of 1 .. RL_MAX_TOKENS tokens, in passes
  * of up to Q8_TILE tokens over each octet of rows */
