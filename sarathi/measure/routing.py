@@ -41,7 +41,8 @@ from scheduler_svc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored,
 
 ROUTINGS = ("least-unfinished", "shared-queue", "least-queue", "prefix", "mix", "mix-lowq")
 WEIGHTS = {"least-queue": {"queue": 1.0, "kv": 1.0}, "prefix": {"prefix": 1.0},
-           "mix": {"prefix": 3.0, "queue": 1.0, "kv": 1.0}, "mix-lowq": {"prefix": 3.0, "queue": 1.0, "kv": 1.0}}
+           "mix": {"prefix": 3.0, "queue": 1.0, "kv": 1.0}}
+WEIGHTS["mix-lowq"] = WEIGHTS["mix"]    # the same scorers, behind the filter
 # requests waiting at most, for a replica to pass mix-lowq's filter (the picker's low-queue filter
 # `threshold`; its default, 128, never filters at the loads simulated here)
 LOW_QUEUE_THRESHOLD = 4
