@@ -22,7 +22,10 @@ Failure rules (no accepted request may hang, none is dropped silently):
   once one answers again, the preempted requests run on it; if none answers within
   worker_restart_timeout_s, every request held here ends with an "error" event;
 * the queue is unreachable (Redis down or restarting): token events and acks wait in order in an
-  outbox and go out once it is back; the loop keeps running what it has.
+  outbox and go out once it is back; the loop keeps running what it has;
+* a request that fails once the service is stopping (its worker may have gone first, as when
+  a pod's containers get SIGTERM together) is not ended: its "error" event is withheld and it
+  stays pending, to be finished (or failed) by the replica that replays it.
 Unseeded requests get a seed derived from their id, so that a replay after a crash regenerates
 the very same tokens.
 
@@ -112,6 +115,7 @@ class SchedulerService:
         self._outbox: list[TokenEvent] = []   # events not yet published (queue unreachable)
         self._to_ack: list[str] = []          # ended requests whose end event is out, not yet acked
         self._queue_down = False
+        self._stopping: threading.Event | None = None  # run()'s stop: set once it is stopping
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -122,6 +126,7 @@ class SchedulerService:
         # Collect first: frozen garbage would never be freed (nor its sockets closed).
         gc.collect()
         gc.freeze()
+        self._stopping = stop
         beating = threading.Event()
         heart = threading.Thread(target=self._heartbeat_loop, args=(stop, beating),
                                  name="scheduler-heartbeat", daemon=True)
@@ -307,6 +312,8 @@ class SchedulerService:
             ended = {e.req_id for e in events if e.finish_reason is not None} & self._disowned
             events = [e for e in events if e.req_id not in self._disowned]
             self._disowned -= ended
+        if self._stopping is not None and self._stopping.is_set():
+            events = self._leave_failures(events)
         for ev in events:
             if ev.finish_reason is not None:
                 self.metrics.finished.labels(reason=ev.finish_reason).inc()
@@ -318,6 +325,16 @@ class SchedulerService:
         except Exception as e:  # noqa: BLE001 - as in run_once: keep the events, retry later
             log.exception("publishing failed")
             self._set_queue_down(True, e)
+
+    def _leave_failures(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        """While stopping: the events without their "error" ends. Those requests are neither
+        answered nor acked here but left pending, for the replica that replays them (the engine
+        has dropped them, so nothing more of theirs comes from this one)."""
+        left = {e.req_id for e in events if e.finish_reason == "error"}
+        if left:
+            log.warning("stopping: %d request(s) that failed are left for replay: %s", len(left),
+                        next(e.error for e in events if e.finish_reason == "error"))
+        return [e for e in events if e.req_id not in left]
 
     def _flush(self) -> None:
         """Publish the outbox, then ack what ended. Raises QueueUnavailableError, keeping what

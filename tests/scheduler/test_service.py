@@ -129,6 +129,44 @@ def test_a_restarted_scheduler_replays_unfinished_requests_with_the_same_tokens(
     assert eventually(lambda: queues[0].broker.pending == {})
 
 
+class FailsWhileStopping(SimWorker):
+    """Fails batch `at` after setting `stop` (once the scheduler waits for that batch: it must
+    see the failure, not stop before it): the worker going away as its replica stops."""
+
+    def __init__(self, at: int, **kw):
+        super().__init__(fail_batches={at}, **kw)
+        self.at, self.stop = at, None
+
+    def execute(self, batch):
+        if batch.batch_id == self.at:
+            time.sleep(0.2)
+            self.stop.set()
+        return super().execute(batch)
+
+
+def test_an_iteration_failing_while_the_replica_stops_leaves_its_requests_for_replay(stack):
+    queues = make_queues(None)
+    worker = FailsWhileStopping(at=6, delay_s=0.01)
+    first = stack(worker, queues)
+    worker.stop = first.stop
+
+    async def stop_and_restart():  # one event loop: the in-process queue binds to the first one
+        task = asyncio.ensure_future(collect(queues[0], [request("x", max_tokens=20)], timeout=20))
+        assert await asyncio.to_thread(first.stop.wait, 10)
+        await asyncio.to_thread(first.close)
+        # the failed iteration's "error" is withheld: nobody told the client it failed
+        assert "x" in queues[0].broker.pending
+        assert first.service.metrics.failed_iterations._value.get() == 1
+        stack(SimWorker(), queues)
+        return await task
+
+    events = asyncio.run(stop_and_restart())["x"]
+    assert all(e.finish_reason != "error" for e in events)
+    assert events[-1].finish_reason == "length"
+    assert sorted({e.index for e in events}) == list(range(20))
+    assert eventually(lambda: queues[0].broker.pending == {})
+
+
 def test_metrics_health_ready_and_stats_are_served_over_http(stack):
     s = stack()
     asyncio.run(collect(s.gq, [request("m", max_tokens=3)]))

@@ -23,8 +23,9 @@ class Replica:
 
     def __init__(self, tmp_path, name: str, redis_url: str, cfg: QueueConfig, worker: SimWorker):
         self.server = WorkerServer(worker, f"ipc://{tmp_path}/{name}.sock")
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self.server.serve_forever, args=(self.stop,), daemon=True)]
+        self.stop, self.server_stop = threading.Event(), threading.Event()
+        self.threads = [threading.Thread(target=self.server.serve_forever, args=(self.server_stop,),
+                                         daemon=True)]
         self.threads[0].start()
         remote = RemoteExecutor(self.server.address, timeout_s=10)
         sched = Scheduler(SchedulerConfig(max_num_seqs=8, token_budget=16),
@@ -37,9 +38,11 @@ class Replica:
         self.threads[1].start()
 
     def close(self):
+        """The scheduler stops first (its batch in flight is answered), then the worker."""
         self.stop.set()
-        for t in self.threads:
-            t.join(10)
+        self.threads[1].join(10)
+        self.server_stop.set()
+        self.threads[0].join(10)
         self.server.close()
         self.queue.close()
 
