@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shared.sampling import SamplingParams
-from worker_svc.sampling.sampler import Sampler, filtered_probs
+from worker_svc.sampling.sampler import Sampler, filtered_probs, first_argmax
 
 torch.manual_seed(0)
 LOGITS = torch.randn(4, 100) * 3
@@ -19,6 +19,21 @@ def params(**kw) -> SamplingParams:
 def test_temperature_zero_is_argmax():
     got = Sampler(0).sample(LOGITS, [params(temperature=0.0)] * 4, [0] * 4)
     assert got == LOGITS.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_argmax_is_argmax_with_ties_infinities_and_nans(dtype):
+    g = torch.Generator().manual_seed(1)
+    for i in range(300):  # small integer logits: many ties, so the first-maximum rule is tested
+        x = torch.randint(-3, 3, (5, int(torch.randint(1, 200, (1,), generator=g))), generator=g).to(dtype)
+        x[0, ::3] = float("-inf")
+        x[1] = float("-inf")
+        if i % 3 == 0:
+            x[2, x.shape[1] // 2] = float("nan")
+        assert first_argmax(x).tolist() == x.argmax(-1).tolist()
+    row = torch.zeros(49152, dtype=dtype)
+    row[[7, 40000]] = 1.0
+    assert int(first_argmax(row)) == 7
 
 
 def test_top_k_keeps_exactly_the_k_most_likely():

@@ -53,6 +53,18 @@ def test_logit_bias_and_min_tokens_apply_per_row():
     assert v.logprobs == [token_logprobs(processed[i], p, t) for i, t in enumerate([2, 2, 5])]
 
 
+def test_rows_are_copied_only_when_something_applies_and_the_logits_stay_as_they_were():
+    rows = torch.randn(3, V)
+    before = rows.clone()
+    plain = SamplingParams(temperature=0.0)
+    assert process_rows(rows, chunk([2, 2], plain), EOS) is rows   # nothing to apply: no copy
+    for p in (SamplingParams(temperature=0.0, logit_bias=[(1, 50.0)]),
+              SamplingParams(temperature=0.0, min_tokens=9)):
+        got = process_rows(rows, chunk([2, 2], p), EOS)
+        assert got is not rows and not torch.equal(got, rows)
+        assert torch.equal(rows, before)
+
+
 def draw_many(logits, drafts, params, n, seed=0):
     gen = torch.Generator().manual_seed(seed)
     c = chunk(drafts, params)

@@ -35,7 +35,7 @@ import torch
 
 from shared.messages import SeqChunk
 from worker_svc.sampling.guided import GuideMask, apply_token_bitmask
-from worker_svc.sampling.sampler import filtered_probs, token_logprobs
+from worker_svc.sampling.sampler import filtered_probs, first_argmax, token_logprobs
 
 
 @dataclass
@@ -56,8 +56,12 @@ def draft_tokens(chunk: SeqChunk) -> list[int]:
 def process_rows(logits: torch.Tensor, chunk: SeqChunk, eos_token_ids: list[int],
                  mask: torch.Tensor | None = None) -> torch.Tensor:
     """logits [k+1, V] -> float32 rows after logit_bias, the min_tokens hold-back and, when
-    given, the grammar's int32 bitmask [k+1, W] (a copy)."""
+    given, the grammar's int32 bitmask [k+1, W]: a copy, or the logits themselves (float32)
+    when none of those applies. Callers never write to the rows."""
     p = chunk.sampling
+    held = p.min_tokens - chunk.output_index          # rows 0 .. held - 1 may not end the request
+    if mask is None and not p.logit_bias and held <= 0:
+        return logits.float()
     rows = logits.float().clone()
     if mask is not None:
         apply_token_bitmask(rows, GuideMask(list(range(rows.shape[0])), mask))
@@ -65,7 +69,6 @@ def process_rows(logits: torch.Tensor, chunk: SeqChunk, eos_token_ids: list[int]
     for t, b in p.logit_bias:
         if t < vocab:
             rows[:, t] += float(b)
-    held = p.min_tokens - chunk.output_index          # rows 0 .. held - 1 may not end the request
     if held > 0:
         banned = [t for t in list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
                   if t < vocab]
@@ -87,7 +90,7 @@ def verify(logits: torch.Tensor, chunk: SeqChunk, eos_token_ids: list[int],
     rows = process_rows(logits, chunk, eos_token_ids, mask)
     accepted: list[int] = []
     if p.greedy:
-        best = rows.argmax(dim=-1).tolist()
+        best = first_argmax(rows).tolist()
         for i, d in enumerate(drafts):
             if best[i] != d:
                 break
@@ -128,4 +131,4 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     """One index drawn in proportion to non-negative `weights` (need not sum to 1): the
     exponential race of sampler.py."""
     race = torch.empty_like(weights).exponential_(generator=generator)
-    return int((weights / race).argmax())
+    return int(first_argmax(weights / race))
