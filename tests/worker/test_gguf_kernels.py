@@ -227,7 +227,8 @@ def test_q8_token_results_do_not_depend_on_the_batch_or_threads(lanes):
             alone = torch.cat([q8(x[t:t + 1], num_threads=1) for t in range(37)])
             assert torch.equal(alone, full), (qtype.name, scalar, parts)
             for perm in ([6, 2], [6, 2, 0, 5], [12, 3, 7, 1, 9, 4], list(range(12, 4, -1)),   # 2, 4, 6, 8
-                         list(range(20, 2, -1)), list(range(36, 10, -2)) + [1]):           # 18 (16 + 2), 14
+                         list(range(20, 2, -1)), list(range(36, 10, -2)) + [1],            # 18 (16 + 2), 14
+                         list(range(30, 6, -2)) + [31, 0, 33]):                              # 15
                 assert torch.equal(q8(x[perm]), full[perm]), (qtype.name, perm, scalar, parts)
             if lanes and built and not scalar:   # the lane kernels ran: another summation order than the tiles'
                 tiles = q8(x, lanes=False)

@@ -353,9 +353,13 @@ static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int
  * token) the integer dot and the fp32 steps are rl_rows's, lane for lane: the same bits. Used by
  * rl_linear where 16 rows remain, in calls of at least RL2_MIN_TOKENS tokens: with fewer, the dots
  * are too few for the wider vectors to pay for joining two octets' unpacked runs (measured in
- * bench/results/kernels/README.md, "Sixteen rows a vector"); a call's last rows go through rl_rows. */
+ * bench/results/kernels/README.md, "Sixteen rows a vector"); a call's last rows go through rl_rows.
+ * A call's tokens go in as few passes as RL2_TILE allows, of equal size: each pass loads, transposes
+ * and unpacks the rows again, which costs more than the accumulators that do not fit the registers
+ * up to 12 tokens, and less above (bench/results/kernels/README.md, "Fewer passes"). */
 #define RL2 16
 #define RL2_MIN_TOKENS 5
+#define RL2_TILE 12   /* tokens a pass at most */
 static inline __m512i rl_join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 static inline __m512 rl_joinf(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
@@ -368,7 +372,7 @@ rl2_rows(const int type, const int NT, const int P, const uint8_t *const *rows, 
     const int64_t pfstep = ((pfn + nb - 1) / nb + 63) & ~(int64_t)63;
     const int SG = type == T_Q8_0;
     const int bb = block_bytes(type);
-    __m512 acc[Q8_TILE], corr[Q8_TILE];
+    __m512 acc[RL2_TILE], corr[RL2_TILE];
     for (int t = 0; t < NT; t++) { acc[t] = _mm512_setzero_ps(); corr[t] = _mm512_setzero_ps(); }
     for (int i = 0; i < nb; i++) {
         for (int64_t o = i * pfstep; o < (i + 1) * pfstep && o < pfn; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
@@ -408,8 +412,24 @@ _Pragma("GCC unroll 8")
     for (int t = 0; t < NT; t++) _mm512_storeu_ps(res + t * RL2, _mm512_add_ps(acc[t], corr[t]));
 }
 
+/* rl2_rows with the pass's token count nt a constant 1 .. RL2_TILE */
+#define RL2_NT(TY, PP)                                                                             \
+    switch (nt) {                                                                                  \
+    case 1: rl2_rows(TY, 1, PP, RL_ARGS); break;                                                   \
+    case 2: rl2_rows(TY, 2, PP, RL_ARGS); break;                                                   \
+    case 3: rl2_rows(TY, 3, PP, RL_ARGS); break;                                                   \
+    case 4: rl2_rows(TY, 4, PP, RL_ARGS); break;                                                   \
+    case 5: rl2_rows(TY, 5, PP, RL_ARGS); break;                                                   \
+    case 6: rl2_rows(TY, 6, PP, RL_ARGS); break;                                                   \
+    case 7: rl2_rows(TY, 7, PP, RL_ARGS); break;                                                   \
+    case 8: rl2_rows(TY, 8, PP, RL_ARGS); break;                                                   \
+    case 9: rl2_rows(TY, 9, PP, RL_ARGS); break;                                                   \
+    case 10: rl2_rows(TY, 10, PP, RL_ARGS); break;                                                 \
+    case 11: rl2_rows(TY, 11, PP, RL_ARGS); break;                                                 \
+    default: rl2_rows(TY, RL2_TILE, PP, RL_ARGS); break;                                           \
+    }
 #define RL2_CASE(TY)                                                                               \
-        if (P == 2) { RL_NT(rl2_rows, TY, 2) } else { RL_NT(rl2_rows, TY, 1) }
+        if (P == 2) { RL2_NT(TY, 2) } else { RL2_NT(TY, 1) }
 /* SARATHI_GGUF_ROWS16=0: octets only (for A/B measurements; the same bits either way) */
 static int rl2_enabled(void) {
     static int on = -1;
@@ -418,6 +438,18 @@ static int rl2_enabled(void) {
         on = !(e && e[0] == '0');
     }
     return on;
+}
+/* the tokens of each pass of rl2_rows over a call of T tokens: equal passes of at most RL2_TILE,
+ * or of at most SARATHI_GGUF_ROWS16_PASS = 1 .. RL2_TILE (for A/B measurements; the same bits) */
+static int rl2_pass(int T) {
+    static int most = 0;
+    if (most == 0) {
+        const char *e = getenv("SARATHI_GGUF_ROWS16_PASS");
+        const int v = e ? atoi(e) : 0;
+        most = v >= 1 && v <= RL2_TILE ? v : RL2_TILE;
+    }
+    const int passes = (T + most - 1) / most;
+    return (T + passes - 1) / passes;
 }
 /* the formats rl2_rows takes */
 static inline int rl2_format(int type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
@@ -429,6 +461,7 @@ static void rl2_rows_any(int type, int nt, int P, const uint8_t *const *rows, in
     else { RL2_CASE(T_Q8_0) }
 }
 #undef RL2_CASE
+#undef RL2_NT
 #endif
 #undef RL_NT
 #undef RL_ARGS
@@ -476,13 +509,14 @@ int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, i
         int n = r0;
 #if defined(GG_TL)
         if (rl2_format(type) && T >= RL2_MIN_TOKENS && rl2_enabled()) {   /* 16 rows at a time while 16 remain */
-            float res2[Q8_TILE * RL2] __attribute__((aligned(64)));
+            float res2[RL2_TILE * RL2] __attribute__((aligned(64)));
+            const int pass = rl2_pass(T);
             for (; r1 - n >= RL2; n += RL2) {
                 const uint8_t *rows[RL2];
                 for (int r = 0; r < RL2; r++) rows[r] = w + (int64_t)(n + r) * row_bytes;
                 const int nn = r1 - (n + RL2) < RL2 ? r1 - (n + RL2) : RL2;   /* the next rows (<= 0: none) */
-                for (int t0 = 0; t0 < T; t0 += Q8_TILE) {
-                    const int nt = T - t0 < Q8_TILE ? T - t0 : Q8_TILE;
+                for (int t0 = 0; t0 < T; t0 += pass) {
+                    const int nt = T - t0 < pass ? T - t0 : pass;
                     rl2_rows_any(type, nt, parts, rows, nb, qa + t0 * qs, qs, lo, da + t0 * fs, sa + t0 * fs, fs,
                                  ST ? ST + t0 * ts : NULL, w + (int64_t)(n + RL2) * row_bytes,
                                  nn > 0 && t0 == 0 ? nn * row_bytes : 0, res2);
