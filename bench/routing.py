@@ -31,6 +31,10 @@ per trace row, the packaged ShareGPT length trace).
         --weights-list 3:1:1,1:1:1,3:3:0 --out bench/results/routing   # the picker's weights swept
     python -m bench.routing lowq --replicas 4 --workloads chat --qps-list 21,23 \
         --thresholds 0,4,16 --out bench/results/routing             # the low-queue filter before mix
+
+Each replica runs at most --max-num-seqs requests at once (default 128; its other requests wait
+in its queue): a push routing (the picker's) can fill that cap where the shared queue's pull,
+which takes only what a replica has room for, does not.
 """
 from __future__ import annotations
 
@@ -73,8 +77,9 @@ def run(a: argparse.Namespace) -> None:
                "replicas": a.replicas, "workload": wl, "chat": json_safe(vars(w.chat)) if w.chat else None,
                "model": "llama-3-8b", "device": "a100", "num_blocks_per_replica": blocks, "policy": "sarathi",
                "token_budget": TAU, "tbt_slo_s": TBT_SLO, "max_sched_delay_s": 2.0, "duration_s": a.duration,
-               "drain_s": a.drain, "seed": a.seed, "capacity": {}, "at_common_qps": {}}
-        sched = SchedulerConfig(enable_prefix_caching=True, max_num_seqs=128)
+               "drain_s": a.drain, "seed": a.seed, "max_num_seqs": a.max_num_seqs, "capacity": {},
+               "at_common_qps": {}}
+        sched = SchedulerConfig(enable_prefix_caching=True, max_num_seqs=a.max_num_seqs)
         t0 = time.time()
         for routing in a.capacity_routings.split(","):
             target = simulated_target(cost, replicas=a.replicas, num_blocks=blocks, max_model_len=8192,
@@ -110,7 +115,7 @@ def _probe_target(a: argparse.Namespace, routing: str):
     w = Workload(trace, a.num_requests, seed=a.seed, drain_s=a.drain, duration_s=a.duration,
                  chat=_chat_shape(a.warmup) if wl == "chat" else None)
     target = simulated_target(cost, replicas=a.replicas, num_blocks=cost.kv_blocks(16, 0.9), max_model_len=8192,
-                              sched_config=SchedulerConfig(enable_prefix_caching=True, max_num_seqs=128),
+                              sched_config=SchedulerConfig(enable_prefix_caching=True, max_num_seqs=a.max_num_seqs),
                               routing=routing)
     return wl, w, target
 
@@ -303,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--qps-start", type=float, default=0.0)
     p.add_argument("--qps", type=float, default=0.0, help="the common rate (0: the shared queue's capacity)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=128,
+                   help="each replica's cap on running requests (its scheduler's max_num_seqs)")
     p.add_argument("--out", default="bench/results/routing")
     a = p.parse_args(argv)
     {"run": run, "probe": probe, "report": report, "weights": weights, "lowq": lowq}[a.mode](a)
