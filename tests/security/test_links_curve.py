@@ -81,15 +81,21 @@ def keyed_worker(key_dir):
 
 
 def ask(address: str, msg: dict, keys: tuple[bytes, bytes, bytes] | None = None) -> dict | None:
-    """A raw ZeroMQ client: the reply to msg, or None when none came within NO_ANSWER_S.
-    keys: (client public, client secret, server public) for a CURVE client."""
+    """A raw ZeroMQ client: the reply to msg, or None when none came within NO_ANSWER_S (or the
+    message could not even be sent: a refused handshake drops the connection, and a DEALER
+    without one would block its send). keys: (client public, client secret, server public) for
+    a CURVE client."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, int(NO_ANSWER_S * 1000))
     if keys is not None:
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
     try:
         sock.connect(address)
-        sock.send(msgpack.packb({**msg, "seq": 1}))
+        try:
+            sock.send(msgpack.packb({**msg, "seq": 1}))
+        except zmq.Again:
+            return None
         return msgpack.unpackb(sock.recv()) if sock.poll(int(NO_ANSWER_S * 1000)) else None
     finally:
         sock.close(0)
