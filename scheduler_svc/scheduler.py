@@ -64,6 +64,7 @@ class Scheduler:
         self._abort_ids: list[tuple[str, str | None]] = []
         self._next_batch_id = 0
         self._scheduled_at: dict[int, float] = {}   # batch id -> clock at schedule(), until update()
+        self._planned_s: dict[int, float] = {}      # batch id -> seconds its planning took (speculation)
         self._last_update_at = float("-inf")        # clock at the end of the last update()
         self._aborting: set[str] = set()            # aborts waiting for a batch in flight
         self.spec_room = False   # speculation's rules left room for drafts in the last batch planned
@@ -135,6 +136,7 @@ class Scheduler:
             raise ValueError("schedule(ahead=True) needs SchedulerConfig.async_scheduling")
         self.spec_room = False        # the policy's take_drafts says otherwise
         ctx = StepContext(self, ahead)
+        planning = self.clock() if self.speculator is not None else 0.0
         self.policy.plan(ctx)
         if not ctx.chunks:
             return None
@@ -143,6 +145,8 @@ class Scheduler:
         seqs = [self._schedule_chunk(req, n, now, drafts.get(req.req_id)) for req, n in ctx.chunks]
         batch = Batch(self._next_batch_id, seqs, self._freed_ids, ahead=self.config.async_scheduling)
         self._scheduled_at[batch.batch_id] = now
+        if self.speculator is not None:   # the drafts' proposing (a draft model's steps) is their cost too
+            self._planned_s[batch.batch_id] = now - planning
         self._next_batch_id += 1
         self._freed_ids = []
         self._count_batch(seqs)
@@ -216,7 +220,7 @@ class Scheduler:
                 decodes = sum(1 for s in batch.seqs if s.is_decode or s.num_draft_tokens)
                 drafts = sum(s.num_draft_tokens for s in batch.seqs)
                 self.speculator.observe_batch(decodes, drafts, batch.num_tokens - decodes - drafts,
-                                              now - scheduled_at)
+                                              now - scheduled_at + self._planned_s.pop(batch.batch_id, 0.0))
         for seq in batch.seqs:
             req = self.requests.get(seq.req_id)
             if req is None or not req.in_flight:
@@ -365,6 +369,7 @@ class Scheduler:
         running request again. Their tokens were never appended: what to do with the requests
         is the caller's (fail_batch, abort or on_workers_lost)."""
         self._scheduled_at.clear()
+        self._planned_s.clear()
         for req in self.requests.values():
             req.in_flight = 0
             req.draft_token_ids = []

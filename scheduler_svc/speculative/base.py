@@ -10,10 +10,12 @@ How many drafts a request gets (`Speculator.k_for`), from its recent acceptance 
 costs: with each draft accepted with probability alpha given the ones before, k drafts yield
 E(k) = 1 + alpha + ... + alpha^k tokens in a step that k drafts make 1 + c k times as long,
 where c is the time one draft token adds to a decode-only step, in units of that step without
-drafts. That time is added to every request of the batch, so with D decodes in the batch the
-request gets the k in [0, max_k] that maximizes E(k) / (1 + c D k) (the batch's tokens per unit
-of time, were every decode alike); k = 0 (no drafts) unless some k does strictly better. So k
-also falls as the decodes of a batch grow in number. c is measured online from the
+drafts, proposing included (a step's time runs from the start of its planning, where a draft
+model takes its steps, to its result). That time is added to every request of the batch, so
+with D decodes in the batch the request gets the k in [0, max_k] that maximizes
+E(k) / (1 + c D k) (the batch's tokens per unit of time, were every decode alike); k = 0 (no
+drafts) unless some k does strictly better. So k also falls as the decodes of a batch grow in
+number. c is measured online from the
 decode-only batches (`observe_batch`: with and without drafts, per number of decodes; a batch
 without drafts is scheduled now and then to keep that baseline): the median of the last 16
 samples, each against the median of the last 8 steps without drafts, so that a stalled step

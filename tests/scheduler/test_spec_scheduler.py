@@ -333,6 +333,33 @@ def test_drafts_still_start_after_the_measured_cost_of_a_draft_turns_out_high():
     assert all(a >= 10 for a in accepted[3:]), accepted
 
 
+def test_the_time_a_proposer_takes_counts_in_the_cost_of_a_draft():
+    # a draft model proposes while the batch is planned: here its drafts cost the worker nothing
+    # (c = 0 there) but take 4 ms a token to propose, on 10 ms steps: c = 0.4, not 0
+    period = [51, 52, 53, 54, 55, 56, 57, 58, 59]
+    loop = sim_engine(speculative="ngram", block_size=4, num_blocks=256, max_model_len=512,
+                      cost_model=linear_cost_model(0.010, 0.0, 0.0),
+                      scripts={f"r{i}": period * 8 for i in range(3)})
+    clock, spec = loop.scheduler.clock, loop.scheduler.speculator
+    inner = spec.proposer
+
+    class SlowProposer:
+        name = inner.name
+
+        def propose(self, req, k):
+            drafts = inner.propose(req, k)
+            clock.now += 0.004 * len(drafts)
+            return drafts
+
+    spec.proposer = SlowProposer()
+    for i in range(3):
+        r = loop.add_request(f"r{i}", period * 3, greedy(48))
+        loop.run_until_done()
+        assert r.output_token_ids == (period * 8)[:48]
+    assert loop.scheduler.stats()["spec_proposed_tokens"] > 0
+    assert loop.scheduler.stats()["spec_draft_cost"] == pytest.approx(0.4, abs=0.05)
+
+
 def test_a_stalled_step_moves_neither_the_cost_of_a_draft_nor_its_baseline():
     # steps of one decode take 10 ms, 14 ms with 4 drafts: c = 0.1. A 0.5 s stall of a step with
     # one draft would read as c = 49, one of a step without drafts would make every draft look
