@@ -307,6 +307,9 @@ def _measure_parsers(sub) -> None:
     _add(p, "chat-turns", "2,8", "chat: min,max turns per conversation (uniform)")
     _add(p, "chat-user-scale", 0.25, "chat: a user turn's length = a trace prompt length x this")
     _add(p, "chat-think", 5.0, "chat: mean seconds between an answer and the next turn (exponential)")
+    _add(p, "chat-wait-for-answer", False, "chat: send a turn no earlier than its think time after the answer "
+         "before it ended, as users reply (default: at its scheduled time, open loop, even while that answer "
+         "is still being generated)")
     _add(p, "block-size", 16, "tokens per KV block")
     _add(p, "num-blocks", 0, "KV blocks per replica (0 = what fits the device's memory after the weights)")
     _add(p, "gpu-memory-utilization", 0.9, "fraction of device memory for weights, activations and KV")

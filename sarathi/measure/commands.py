@@ -291,7 +291,8 @@ def _chat_shape(a: argparse.Namespace):
             or a.chat_think < 0:
         raise ValueError("chat workload: need 1 <= min turns <= max turns, >= 1 system prompt, a system length "
                          ">= 0, --chat-user-scale > 0 and --chat-think >= 0")
-    shape = ChatShape(a.chat_system_prompts, a.chat_system_len, (lo, hi), a.chat_user_scale, a.chat_think)
+    shape = ChatShape(a.chat_system_prompts, a.chat_system_len, (lo, hi), a.chat_user_scale, a.chat_think,
+                      wait_for_answer=getattr(a, "chat_wait_for_answer", False))
     # warm the replicas up with one mean conversation's span of earlier turns (left out of the results)
     span = shape.mean_turns * (400 * shape.answer_s_per_token + shape.think_s)
     return dataclasses.replace(shape, warmup_s=round(span, 1))

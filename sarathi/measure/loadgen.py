@@ -6,7 +6,9 @@ token count (random token ids from a seeded generator), outputs of exactly the t
 (greedy, `ignore_eos`). The same (trace, seed, qps, n) gives the same workload on every target.
 
 Open loop: a request is due at its arrival time whether or not the target keeps up; its TTFT
-and scheduling delay count from that time. The run stops at the last arrival + `drain_s`;
+and scheduling delay count from that time. The one exception, where the workload asks for it
+(RequestSpec.after: chat turns sent after the answer they reply to), a follow-up is due no
+earlier than its think time after that answer ended. The run stops at the last arrival + `drain_s`;
 requests not finished by then stay in the results as misses (sarathi.measure.metrics).
 
 Targets:
@@ -50,6 +52,48 @@ class RequestSpec:
     prompt_ids: list[int]
     max_tokens: int
     ignore_eos: bool = True
+    # a follow-up (make_chat_workload with ChatShape.wait_for_answer): sent no earlier than
+    # think_s seconds after request `after` ended (every runner holds it until then), else at
+    # arrival. An `after` that is not in the workload is no constraint.
+    after: str | None = None
+    think_s: float = 0.0
+
+
+class FollowUps:
+    """The runners' bookkeeping of follow-ups (RequestSpec.after): held(spec) says whether a spec
+    waits for another one of the workload; ended(req_id, t) returns the specs it held, with their
+    arrival moved to max(arrival, t + think_s) (t: when req_id ended, on the run's clock, which
+    is also the arrival's), but none due after the workload's last scheduled arrival: the
+    arrivals stop there, so every request sent has the run's drain time to finish. A follow-up
+    not sent (held at the end, or due too late) has no record: its predecessor's counts."""
+
+    def __init__(self, workload: list[RequestSpec]):
+        ids = {s.req_id for s in workload}
+        self.last = max((s.arrival for s in workload), default=0.0)
+        self._held: dict[str, list[RequestSpec]] = {}
+        self._waiting: set[str] = set()
+        for s in workload:
+            if s.after is not None and s.after in ids:
+                self._held.setdefault(s.after, []).append(s)
+                self._waiting.add(s.req_id)
+
+    def held(self, spec: RequestSpec) -> bool:
+        return spec.req_id in self._waiting
+
+    def ended(self, req_id: str, t: float) -> list[RequestSpec]:
+        import dataclasses
+        held = self._held.pop(req_id, [])
+        self._waiting.difference_update(s.req_id for s in held)
+        out = [dataclasses.replace(s, arrival=max(s.arrival, t + s.think_s)) for s in held]
+        return [s for s in out if s.arrival <= self.last]
+
+
+def insert_by_arrival(pending: deque, spec: RequestSpec) -> None:
+    """Put spec into pending (sorted by arrival) after every spec due no later."""
+    i = len(pending)
+    while i > 0 and pending[i - 1].arrival > spec.arrival:
+        i -= 1
+    pending.insert(i, spec)
 
 
 @dataclass
@@ -106,7 +150,11 @@ class ChatShape:
     shared across users (each conversation draws one); system_len: their length (tokens);
     turns: (min, max) turns per conversation, uniform; user_scale: a user turn's length is a
     trace prompt length x this; think_s: mean seconds between a turn's answer and the next turn
-    (exponential), the answer's time estimated as answer_s_per_token x its length. warmup_s > 0:
+    (exponential), the answer's time estimated as answer_s_per_token x its length (the next
+    turn's scheduled arrival). wait_for_answer: a turn is also sent no earlier than its think
+    time after the answer before it ended (RequestSpec.after), as a user replies to an answer
+    read; False (open loop): at its scheduled arrival even while that answer is still being
+    generated, its tokens already in the prompt. warmup_s > 0:
     the workload also holds the turns arriving in the warmup_s seconds before 0 (negative
     arrivals; a simulation runs them to warm the caches and leaves them out of the results)."""
 
@@ -117,6 +165,7 @@ class ChatShape:
     think_s: float = 5.0
     answer_s_per_token: float = 0.02
     warmup_s: float = 0.0
+    wait_for_answer: bool = False
 
     @property
     def mean_turns(self) -> float:
@@ -139,7 +188,8 @@ def make_chat_workload(trace: Trace, num_requests: int, qps: float, shape: ChatS
     against a real server a follow-up carries these tokens instead of the real answer (its earlier
     prompt still matches). Turn k + 1 arrives answer time + think time after turn k (open loop:
     whether or not turn k has ended). A conversation ends early when the next prompt + answer
-    would exceed max_total_len.
+    would exceed max_total_len. With shape.wait_for_answer, turn k + 1 also waits for turn k's
+    end (RequestSpec.after; the runners hold it).
 
     Stationary from the start: conversations begin (Poisson) long enough before 0 that the run
     opens mid-stream, with follow-ups of older conversations; only turns arriving at or after
@@ -162,7 +212,7 @@ def make_chat_workload(trace: Trace, num_requests: int, qps: float, shape: ChatS
     t, c = -warmup, 0
     while t < horizon or sum(1 for s in out if s.arrival >= 0) < num_requests:
         prompt = list(systems[int(rng.integers(len(systems)))])
-        arrival = t
+        arrival, think = t, 0.0
         for k in range(int(rng.integers(shape.turns[0], shape.turns[1] + 1))):
             j = int(rng.integers(len(trace)))
             user = max(1, round(trace.prompt_lens[j] * shape.user_scale))
@@ -171,9 +221,11 @@ def make_chat_workload(trace: Trace, num_requests: int, qps: float, shape: ChatS
                 break
             prompt = prompt + rng.integers(low, vocab_size, user).tolist()
             if arrival >= -shape.warmup_s:
-                out.append(RequestSpec(f"c{c}t{k}", arrival, prompt, answer))
+                after = f"c{c}t{k - 1}" if k and shape.wait_for_answer else None
+                out.append(RequestSpec(f"c{c}t{k}", arrival, prompt, answer, after=after, think_s=think))
             prompt = prompt + sim_output_tokens(len(prompt), answer, vocab_size)
-            arrival += answer * shape.answer_s_per_token + float(rng.exponential(shape.think_s))
+            think = float(rng.exponential(shape.think_s))
+            arrival += answer * shape.answer_s_per_token + think
         c += 1
         t += float(rng.exponential(1.0 / rate))
     out.sort(key=lambda s: s.arrival)
@@ -183,6 +235,7 @@ def make_chat_workload(trace: Trace, num_requests: int, qps: float, shape: ChatS
     scale = (len(out) - 1) / qps / span if span > 0 and len(out) > 1 else 1.0
     for s in warm + out:
         s.arrival = (s.arrival - t0) * scale
+        s.think_s *= scale
     return warm + out
 
 
@@ -222,8 +275,9 @@ def run_inprocess(engine: EngineLoop, workload: list[RequestSpec], *, drain_s: f
     sched, clock = engine.scheduler, engine.scheduler.clock
     sim = isinstance(clock, SimClock)
     t0 = clock()
-    end = t0 + (workload[-1].arrival if workload else 0.0) + drain_s
-    pending = deque(sorted(workload, key=lambda s: s.arrival))
+    end = t0 + max((s.arrival for s in workload), default=0.0) + drain_s
+    follow = FollowUps(workload)    # follow-ups wait for the answer before them (ChatShape)
+    pending = deque(sorted((s for s in workload if not follow.held(s)), key=lambda s: s.arrival))
     reqs, iterations = {}, []
     # (batch, seconds it ran, clock at its end) of the batch engine.step() ran, if it ran one
     collected: list[tuple[Batch, float, float]] = []
@@ -248,7 +302,12 @@ def run_inprocess(engine: EngineLoop, workload: list[RequestSpec], *, drain_s: f
             collected.clear()
             started = clock()
             events = engine.step()          # raises StalledError when nothing can ever run
-            done = sum(1 for e in events if e.finish_reason is not None)
+            done = 0
+            for e in events:
+                if e.finish_reason is not None:
+                    done += 1
+                    for spec in follow.ended(e.req_id, clock() - t0):
+                        insert_by_arrival(pending, spec)
             if done and on_progress:
                 on_progress(done)
             if collected:
@@ -330,9 +389,27 @@ async def _run_http(url, workload, drain_s, model, api_key, on_progress, extra_b
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         records = [_record(s, 0.0, [], None, False, None) for s in workload]
+        ids = {s.req_id for s in workload}
+        last = max((s.arrival for s in workload), default=0.0)
+        ended = {s.req_id: asyncio.Event() for s in workload}
+        ended_at: dict[str, float] = {}
+        sent: set[str] = set()
 
         async def one(spec: RequestSpec, rec: RequestRecord) -> None:
-            await asyncio.sleep(max(0.0, t0 + spec.arrival - loop.time()))
+            try:
+                await send(spec, rec)
+            finally:
+                ended_at[spec.req_id] = loop.time() - t0
+                ended[spec.req_id].set()
+
+        async def send(spec: RequestSpec, rec: RequestRecord) -> None:
+            if spec.after is not None and spec.after in ids:   # a follow-up: after that answer
+                await ended[spec.after].wait()
+                rec.arrival = max(spec.arrival, ended_at[spec.after] + spec.think_s)
+                if rec.arrival > last:   # after the last scheduled arrival: not sent (FollowUps)
+                    return
+            await asyncio.sleep(max(0.0, t0 + rec.arrival - loop.time()))
+            sent.add(spec.req_id)
             body = {"model": model, "prompt": spec.prompt_ids, "max_tokens": spec.max_tokens,
                     "temperature": 0.0, "stream": True, "ignore_eos": spec.ignore_eos, **extra_body}
             try:
@@ -360,9 +437,11 @@ async def _run_http(url, workload, drain_s, model, api_key, on_progress, extra_b
                 on_progress(1)
 
         tasks = [asyncio.create_task(one(s, r)) for s, r in zip(workload, records)]
-        end = (workload[-1].arrival if workload else 0.0) + drain_s
+        end = max((s.arrival for s in workload), default=0.0) + drain_s
         _, late = await asyncio.wait(tasks, timeout=max(0.0, t0 + end - loop.time()))
         for t in late:  # still streaming at the end of the run: unfinished, cut off here
             t.cancel()
         await asyncio.gather(*late, return_exceptions=True)
-        return RunResult(records, [], loop.time() - t0)
+        # a follow-up never sent (due too late, or its answer never came) has no record
+        kept = [r for s, r in zip(workload, records) if s.after not in ids or s.req_id in sent]
+        return RunResult(kept, [], loop.time() - t0)

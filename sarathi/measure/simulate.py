@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from sarathi.measure.costmodel import aggregates, batch_shapes
-from sarathi.measure.loadgen import RequestSpec, RunResult, _record, bench_sampling
+from sarathi.measure.loadgen import FollowUps, RequestSpec, RunResult, _record, bench_sampling, insert_by_arrival
 from sarathi.measure.metrics import IterationRecord, windowed_tbt_p99
 from sarathi.measure.tools import Target
 from scheduler_svc.engine_loop import EngineLoop
@@ -199,13 +199,14 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
     picker = Picker(routing, replicas, replicas[0].scheduler.block_manager.block_size, seed) \
         if routing in WEIGHTS else None
     end = max((s.arrival for s in workload), default=0.0) + drain_s
-    pending = deque(sorted(workload, key=lambda s: s.arrival))
     # warm-up requests (arrivals before 0): the run starts at the first of them (virtual clocks
     # start at 0: every time is shifted by `offset`, and shifted back in the results)
-    offset = max(0.0, -pending[0].arrival) if pending else 0.0
+    offset = max(0.0, -min((s.arrival for s in workload), default=0.0))
     if offset:
-        pending = deque(dataclasses.replace(spec, arrival=spec.arrival + offset) for spec in pending)
+        workload = [dataclasses.replace(spec, arrival=spec.arrival + offset) for spec in workload]
         end += offset
+    follow = FollowUps(workload)    # follow-ups wait for the answer before them (ChatShape)
+    pending = deque(sorted((s for s in workload if not follow.held(s)), key=lambda s: s.arrival))
 
     def prefix_tokens() -> tuple[int, int]:   # (hit, looked-up) tokens over the replicas so far
         st = [r.scheduler.stats() for r in replicas]
@@ -261,7 +262,12 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
         last_batch.clear()
         events = r.engine.step()     # raises StalledError when nothing can ever run
         r.busy_s += r.clock.now - started
-        done = sum(1 for e in events if e.finish_reason is not None)
+        done = 0
+        for e in events:
+            if e.finish_reason is not None:
+                done += 1
+                for spec in follow.ended(e.req_id, r.clock.now):
+                    insert_by_arrival(pending, spec)
         if done and on_progress:
             on_progress(done)
         if last_batch:

@@ -3,6 +3,8 @@ the shared queue's pull, the endpoint picker's scorers (queue, KV usage, prefix 
 events), all over the real scheduler."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from sarathi.measure.gpu_costmodel import GPUCostModel
@@ -37,6 +39,52 @@ def test_chat_turns_extend_the_previous_turn_and_share_system_prompts():
             assert nxt.prompt_ids[:n] == prev.prompt_ids             # the growing prefix
             assert nxt.prompt_ids[n:n + prev.max_tokens] == sim_output_tokens(n, prev.max_tokens, 32000)
             assert len(nxt.prompt_ids) > n + prev.max_tokens           # plus a new user message
+
+
+def check_follow_ups(workload: list[RequestSpec], records) -> int:
+    """Every follow-up recorded arrived no earlier than its scheduled time, nor than its think
+    time after the answer before it ended, nor later than the last scheduled arrival. Returns
+    how many were recorded."""
+    spec = {s.req_id: s for s in workload}
+    rec = {r.req_id: r for r in records}
+    last = max(s.arrival for s in workload)
+    seen = 0
+    for rid, r in rec.items():
+        s = spec[rid]
+        if s.after not in spec:   # none, or a turn from before the workload: no constraint
+            continue
+        seen += 1
+        prev = rec[s.after]
+        assert prev.finished and r.arrival >= s.arrival - 1e-9
+        assert r.arrival >= prev.token_times[-1] + s.think_s - 1e-9
+        assert r.arrival <= last + 1e-9
+    return seen
+
+
+def test_a_follow_up_waits_for_the_answer_it_replies_to_when_the_workload_asks():
+    # answers estimated at 1 ms a token: on the open-loop schedule follow-ups are due long before
+    # the answers they reply to can end
+    shape = ChatShape(system_len=64, turns=(3, 3), user_scale=0.1, think_s=0.2, answer_s_per_token=0.001)
+    opened = make_chat_workload(TRACE, 60, 10.0, shape, seed=3)
+    waited = make_chat_workload(TRACE, 60, 10.0, dataclasses.replace(shape, wait_for_answer=True), seed=3)
+    assert [(s.req_id, s.arrival, s.prompt_ids) for s in opened] == \
+        [(s.req_id, s.arrival, s.prompt_ids) for s in waited]        # the same workload, plus the order
+    assert all(s.after is None for s in opened)
+    assert all(s.after == f"{s.req_id.split('t')[0]}t{int(s.req_id.split('t')[1]) - 1}"
+               for s in waited if not s.req_id.endswith("t0"))
+    run, _ = run_replicas(replicas(1), opened, drain_s=60)
+    rec = {r.req_id: r for r in run.records}
+    early = [s for s in waited if s.after in rec and rec[s.req_id].arrival < rec[s.after].token_times[-1]]
+    assert early                                          # open loop: sent before its answer ended
+    run, _ = run_replicas(replicas(1), waited, drain_s=60)
+    assert check_follow_ups(waited, run.records) > 10
+    assert {r.req_id for r in run.records} <= {s.req_id for s in waited}
+    assert all(r.finished for r in run.records)
+    # the in-process runner (one engine) follows the same rule
+    from sarathi.measure.loadgen import run_inprocess
+    from scheduler_svc.sim_executor import sim_engine
+    res = run_inprocess(sim_engine(max_model_len=8192, num_blocks=4096), waited, drain_s=60)
+    assert check_follow_ups(waited, res.records) > 10
 
 
 def test_prefix_routing_keeps_a_conversation_where_its_history_is_cached():

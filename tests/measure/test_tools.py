@@ -271,6 +271,26 @@ def test_http_target_times_sse_chunks_of_a_real_gateway(make_stack, tokenizer):
     assert len(stack.fake.received) == 4 and all(r.sampling.ignore_eos for r in stack.fake.received)
 
 
+def test_http_target_sends_a_follow_up_after_the_answer_it_replies_to(make_stack, tokenizer):
+    """A follow-up (RequestSpec.after) goes out its think time after its answer's last SSE chunk;
+    one that would be due after the last scheduled arrival is not sent and has no record."""
+    from sarathi.measure.loadgen import RequestSpec, run_http
+
+    text = "one two three four five six"
+    n = len(tokenizer.encode(text, add_special_tokens=False))
+    stack = make_stack(plan=lambda req: Plan(text, interval_s=0.05))
+    w = [RequestSpec("a0", 0.0, [5, 6, 7], n), RequestSpec("b0", 0.0, [5, 6, 8], n),
+         RequestSpec("a1", 0.0, [5, 6, 7, 9], n, after="a0", think_s=0.3),
+         RequestSpec("b1", 0.0, [5, 6, 8, 9], n, after="b0", think_s=30.0),   # due after z: not sent
+         RequestSpec("z", 2.0, [5, 6, 10], n)]
+    run = run_http(stack.url, w, drain_s=10.0)
+    rec = {r.req_id: r for r in run.records}
+    assert set(rec) == {"a0", "b0", "a1", "z"} and all(r.finished for r in rec.values())
+    assert rec["a1"].arrival >= rec["a0"].token_times[-1] + 0.3
+    assert rec["a1"].token_times[0] > rec["a1"].arrival
+    assert len(stack.fake.received) == 4
+
+
 # -- the P50 TTFT condition and the fixed-point capacity of the llama-server comparison -------
 def test_ttft_bound_is_an_extra_condition_and_sched_delay_is_skipped_when_unobservable():
     # an HTTP run: no scheduling delay observable; TBT within the SLO, P50 TTFT 2.5 s
