@@ -34,7 +34,9 @@ per trace row, the packaged ShareGPT length trace).
 
 Each replica runs at most --max-num-seqs requests at once (default 128; its other requests wait
 in its queue): a push routing (the picker's) can fill that cap where the shared queue's pull,
-which takes only what a replica has room for, does not.
+which takes only what a replica has room for, does not. --wait-for-answer: a chat follow-up is
+sent no earlier than its think time after the answer it replies to ended (default: open loop, at
+its scheduled time); capacities are then the request rates achieved, not the scheduled ones.
 """
 from __future__ import annotations
 
