@@ -60,40 +60,48 @@ class RequestSpec:
 
 
 class FollowUps:
-    """The runners' bookkeeping of follow-ups (RequestSpec.after): held(spec) says whether a spec
-    waits for another one of the workload; ended(req_id, t) returns the specs it held, with their
-    arrival moved to max(arrival, t + think_s) (t: when req_id ended, on the run's clock, which
-    is also the arrival's), but none due after the workload's last scheduled arrival: the
-    arrivals stop there, so every request sent has the run's drain time to finish. A follow-up
-    not sent (held at the end, or due too late) has no record: its predecessor's counts."""
+    """The runners' rule for follow-ups (RequestSpec.after), on the run's clock (the arrivals'):
+    held(spec) says whether a spec waits for another one of the workload; due(spec, t) is when
+    it goes out if the request it follows ended at t: max(arrival, t + think_s), or None when
+    that is after the workload's last scheduled arrival (the arrivals stop there, so every
+    request sent has the run's drain time to finish). A follow-up not sent (held at the end, or
+    due too late) has no record: its predecessor's counts. The step-driven runners hand each
+    step's events to released(), which puts the follow-ups now due into their pending queue."""
 
     def __init__(self, workload: list[RequestSpec]):
         ids = {s.req_id for s in workload}
         self.last = max((s.arrival for s in workload), default=0.0)
         self._held: dict[str, list[RequestSpec]] = {}
-        self._waiting: set[str] = set()
         for s in workload:
-            if s.after is not None and s.after in ids:
+            if s.after is not None and s.after in ids:   # an `after` outside them: no constraint
                 self._held.setdefault(s.after, []).append(s)
-                self._waiting.add(s.req_id)
+        self._waiting = {s.req_id for specs in self._held.values() for s in specs}
 
     def held(self, spec: RequestSpec) -> bool:
         return spec.req_id in self._waiting
 
-    def ended(self, req_id: str, t: float) -> list[RequestSpec]:
+    def due(self, spec: RequestSpec, t: float) -> float | None:
+        at = max(spec.arrival, t + spec.think_s)
+        return at if at <= self.last else None
+
+    def released(self, events, t: float, pending: deque) -> int:
+        """The step's events (TokenEvents, at clock t): the follow-ups of the requests that ended
+        go into pending, kept sorted by arrival. Returns how many requests ended."""
         import dataclasses
-        held = self._held.pop(req_id, [])
-        self._waiting.difference_update(s.req_id for s in held)
-        out = [dataclasses.replace(s, arrival=max(s.arrival, t + s.think_s)) for s in held]
-        return [s for s in out if s.arrival <= self.last]
-
-
-def insert_by_arrival(pending: deque, spec: RequestSpec) -> None:
-    """Put spec into pending (sorted by arrival) after every spec due no later."""
-    i = len(pending)
-    while i > 0 and pending[i - 1].arrival > spec.arrival:
-        i -= 1
-    pending.insert(i, spec)
+        done = 0
+        for e in events:
+            if e.finish_reason is None:
+                continue
+            done += 1
+            for s in self._held.pop(e.req_id, []):
+                self._waiting.discard(s.req_id)
+                at = self.due(s, t)
+                if at is not None:
+                    i = len(pending)
+                    while i > 0 and pending[i - 1].arrival > at:
+                        i -= 1
+                    pending.insert(i, dataclasses.replace(s, arrival=at))
+        return done
 
 
 @dataclass
@@ -302,12 +310,7 @@ def run_inprocess(engine: EngineLoop, workload: list[RequestSpec], *, drain_s: f
             collected.clear()
             started = clock()
             events = engine.step()          # raises StalledError when nothing can ever run
-            done = 0
-            for e in events:
-                if e.finish_reason is not None:
-                    done += 1
-                    for spec in follow.ended(e.req_id, clock() - t0):
-                        insert_by_arrival(pending, spec)
+            done = follow.released(events, clock() - t0, pending)
             if done and on_progress:
                 on_progress(done)
             if collected:
@@ -389,8 +392,7 @@ async def _run_http(url, workload, drain_s, model, api_key, on_progress, extra_b
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         records = [_record(s, 0.0, [], None, False, None) for s in workload]
-        ids = {s.req_id for s in workload}
-        last = max((s.arrival for s in workload), default=0.0)
+        follow = FollowUps(workload)
         ended = {s.req_id: asyncio.Event() for s in workload}
         ended_at: dict[str, float] = {}
         sent: set[str] = set()
@@ -403,11 +405,12 @@ async def _run_http(url, workload, drain_s, model, api_key, on_progress, extra_b
                 ended[spec.req_id].set()
 
         async def send(spec: RequestSpec, rec: RequestRecord) -> None:
-            if spec.after is not None and spec.after in ids:   # a follow-up: after that answer
+            if follow.held(spec):   # a follow-up: after that answer
                 await ended[spec.after].wait()
-                rec.arrival = max(spec.arrival, ended_at[spec.after] + spec.think_s)
-                if rec.arrival > last:   # after the last scheduled arrival: not sent (FollowUps)
+                at = follow.due(spec, ended_at[spec.after])
+                if at is None:
                     return
+                rec.arrival = at
             await asyncio.sleep(max(0.0, t0 + rec.arrival - loop.time()))
             sent.add(spec.req_id)
             body = {"model": model, "prompt": spec.prompt_ids, "max_tokens": spec.max_tokens,
@@ -443,5 +446,5 @@ async def _run_http(url, workload, drain_s, model, api_key, on_progress, extra_b
             t.cancel()
         await asyncio.gather(*late, return_exceptions=True)
         # a follow-up never sent (due too late, or its answer never came) has no record
-        kept = [r for s, r in zip(workload, records) if s.after not in ids or s.req_id in sent]
+        kept = [r for s, r in zip(workload, records) if not follow.held(s) or s.req_id in sent]
         return RunResult(kept, [], loop.time() - t0)

@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from sarathi.measure.costmodel import aggregates, batch_shapes
-from sarathi.measure.loadgen import FollowUps, RequestSpec, RunResult, _record, bench_sampling, insert_by_arrival
+from sarathi.measure.loadgen import FollowUps, RequestSpec, RunResult, _record, bench_sampling
 from sarathi.measure.metrics import IterationRecord, windowed_tbt_p99
 from sarathi.measure.tools import Target
 from scheduler_svc.engine_loop import EngineLoop
@@ -262,12 +262,7 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
         last_batch.clear()
         events = r.engine.step()     # raises StalledError when nothing can ever run
         r.busy_s += r.clock.now - started
-        done = 0
-        for e in events:
-            if e.finish_reason is not None:
-                done += 1
-                for spec in follow.ended(e.req_id, r.clock.now):
-                    insert_by_arrival(pending, spec)
+        done = follow.released(events, r.clock.now, pending)
         if done and on_progress:
             on_progress(done)
         if last_batch:
