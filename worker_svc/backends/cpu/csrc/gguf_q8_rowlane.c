@@ -324,15 +324,17 @@ _Pragma("GCC unroll 1")   /* tokens in pairs: each pair of weights loaded once f
 
 /* FN(type, NT, P, ...) with the pass's token count nt a constant 1 .. Q8_TILE (compiled per count) */
 #define RL_ARGS rows, nb, qa, qs, lo, da, sa, fs, ST, pf, pfn, res
-#define RL_NT(FN, TY, PP)                                                                          \
-    switch (nt) {                                                                                  \
+#define RL_CASES_1_7(FN, TY, PP)                                                                   \
     case 1: FN(TY, 1, PP, RL_ARGS); break;                                                         \
     case 2: FN(TY, 2, PP, RL_ARGS); break;                                                         \
     case 3: FN(TY, 3, PP, RL_ARGS); break;                                                         \
     case 4: FN(TY, 4, PP, RL_ARGS); break;                                                         \
     case 5: FN(TY, 5, PP, RL_ARGS); break;                                                         \
     case 6: FN(TY, 6, PP, RL_ARGS); break;                                                         \
-    case 7: FN(TY, 7, PP, RL_ARGS); break;                                                         \
+    case 7: FN(TY, 7, PP, RL_ARGS); break;
+#define RL_NT(FN, TY, PP)                                                                          \
+    switch (nt) {                                                                                  \
+    RL_CASES_1_7(FN, TY, PP)                                                                       \
     default: FN(TY, Q8_TILE, PP, RL_ARGS); break;                                                  \
     }
 #define RL_CASE(TY)                                                                                \
@@ -415,13 +417,7 @@ _Pragma("GCC unroll 8")
 /* rl2_rows with the pass's token count nt a constant 1 .. RL2_TILE */
 #define RL2_NT(TY, PP)                                                                             \
     switch (nt) {                                                                                  \
-    case 1: rl2_rows(TY, 1, PP, RL_ARGS); break;                                                   \
-    case 2: rl2_rows(TY, 2, PP, RL_ARGS); break;                                                   \
-    case 3: rl2_rows(TY, 3, PP, RL_ARGS); break;                                                   \
-    case 4: rl2_rows(TY, 4, PP, RL_ARGS); break;                                                   \
-    case 5: rl2_rows(TY, 5, PP, RL_ARGS); break;                                                   \
-    case 6: rl2_rows(TY, 6, PP, RL_ARGS); break;                                                   \
-    case 7: rl2_rows(TY, 7, PP, RL_ARGS); break;                                                   \
+    RL_CASES_1_7(rl2_rows, TY, PP)                                                                 \
     case 8: rl2_rows(TY, 8, PP, RL_ARGS); break;                                                   \
     case 9: rl2_rows(TY, 9, PP, RL_ARGS); break;                                                   \
     case 10: rl2_rows(TY, 10, PP, RL_ARGS); break;                                                 \
@@ -464,6 +460,7 @@ static void rl2_rows_any(int type, int nt, int P, const uint8_t *const *rows, in
 #undef RL2_NT
 #endif
 #undef RL_NT
+#undef RL_CASES_1_7
 #undef RL_ARGS
 
 /* gguf_linear_q8 on the row-lane kernel (see rl_rows): calls of 1 .. RL_MAX_TOKENS tokens, in passes
