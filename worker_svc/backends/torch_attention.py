@@ -19,8 +19,9 @@ where the native kernel is not faster, and the CUDA backend's fallback without F
 metadata (AttentionMetadata) describes the batch in device-neutral terms: slots, chunks, and the
 decodes as plain lists (DecodeSeqs). The CPU backend (worker_svc/backends/cpu/backend.py)
 subclasses it to run all decodes of a batch in one native kernel call that reads K/V in place
-from the paged cache (bench/results/kernels/attention_kernel.json); the kernel's own form of the decodes
-is built there.
+from the paged cache (bench/results/kernels/attention_kernel.json), and each chunk on a native
+chunk kernel (bench/results/kernels/README.md, "Prefill-chunk attention"); the kernels' own forms
+of the batch are built there.
 """
 from __future__ import annotations
 
@@ -186,8 +187,8 @@ class TorchAttention:
         kc, vc = cache.k[layer], cache.v[layer]
         if meta.decode_seqs.rows:
             self._decodes(q, kc, vc, meta, out, scale)
-        for c in meta.chunks:
-            _chunk_attention(q, kc, vc, c, out, scale)
+        for i, c in enumerate(meta.chunks):
+            self._chunk(q, kc, vc, meta, i, out, scale)
         return out
 
     def _write(self, cache: PagedKVCache, layer: int, meta: AttentionMetadata, k, v) -> None:
@@ -197,6 +198,10 @@ class TorchAttention:
     def _decodes(self, q, kc, vc, meta: AttentionMetadata, out, scale) -> None:
         for group in meta.decodes:
             _decode_attention(q, kc, vc, group, out, scale)
+
+    def _chunk(self, q, kc, vc, meta: AttentionMetadata, i: int, out, scale) -> None:
+        """The batch's chunk meta.chunks[i] (a subclass may run it on a faster kernel)."""
+        _chunk_attention(q, kc, vc, meta.chunks[i], out, scale)
 
 
 def _decode_attention(q, kc, vc, d: DecodeMeta, out, scale) -> None:

@@ -1,10 +1,11 @@
 """The CPU backend: torch matmuls (or linear layers on quantized weights for small batches);
 decode attention on the native kernel where it is built with SIMD; a 16-bit KV cache.
 
-Chunks (more than one query) always run the torch path (worker_svc.backends.torch_attention):
-they are compute-bound and SDPA is good at them. Decodes run the native paged kernel
-(cpu/native.py: reads each KV block in place, once) when it is chosen and accepts the
-shapes/dtypes; otherwise the torch grouped path.
+With the native attention chosen, decodes run the native paged kernel (csrc/paged_decode.c:
+reads each KV block in place, once) and chunks (more than one query) the native chunk kernel
+(csrc/chunk_attention.c: compute-bound, register-blocked like a GEMM); each where it accepts the
+shapes/dtypes, otherwise the torch path (worker_svc.backends.torch_attention: grouped SDPA for
+decodes, one SDPA call a chunk). SARATHI_NATIVE_CHUNK=0 keeps chunks on SDPA (A/B measurements).
 
 The three choices, each made once per worker and printed by the executor:
 * attention "auto": native when the kernel's SIMD path is in NATIVE_FASTER, the paths measured
@@ -96,6 +97,7 @@ class NativeCpuMetadata(AttentionMetadata):
     """AttentionMetadata plus the batch's decodes for the native kernel (None: no decodes)."""
 
     native_decode: NativeDecode | None = None
+    chunk_tables: list[torch.Tensor] | None = None   # the chunks' block tables, int32 (native chunks)
 
 
 class NativeCpuAttention(TorchAttention):
@@ -103,9 +105,13 @@ class NativeCpuAttention(TorchAttention):
     fused_write) the layer's K/V written to the cache by one native call (native.write_kv: the
     cast and both index copies of PagedKVCache.write, same values)."""
 
-    def __init__(self, fused_write: bool = False):
+    def __init__(self, fused_write: bool = False, native_chunks: bool | None = None):
         self.name = f"native {native.isa()}"
         self.fused_write = fused_write
+        self.native_chunks = os.environ.get("SARATHI_NATIVE_CHUNK", "1") != "0" if native_chunks is None \
+            else native_chunks
+        if not self.native_chunks:
+            self.name += " (chunks on torch SDPA)"
         self._write_ok: dict[tuple, bool] = {}     # (k dtype, cache dtype) -> write_kv casts it
 
     def build_metadata(self, seqs: list[SeqSpec], block_size: int,
@@ -117,6 +123,8 @@ class NativeCpuAttention(TorchAttention):
             meta.native_decode = NativeDecode(torch.tensor(d.rows, dtype=torch.int32),
                                               pad_tables(d.tables, torch.int32),
                                               torch.tensor(d.lens, dtype=torch.int32))
+        if meta.chunks and self.native_chunks:
+            meta.chunk_tables = [c.blocks.to(torch.int32) for c in meta.chunks]
         return meta.to(device)
 
     def _write(self, cache, layer, meta, k, v) -> None:
@@ -140,6 +148,15 @@ class NativeCpuAttention(TorchAttention):
             native.paged_decode_attention(q, kc, vc, nd.tables, nd.lens, scale, out, rows=nd.rows)
         else:
             super()._decodes(q, kc, vc, meta, out, scale)
+
+    def _chunk(self, q, kc, vc, meta, i, out, scale) -> None:
+        """The native chunk kernel where it takes the layout (else the torch path): the same
+        guard as the decodes' (out is empty_like(q)), the cache's V like its K by construction."""
+        c = meta.chunks[i]
+        if meta.chunk_tables is None or not native.supports(q, kc) or not native.chunk_attention(
+                q[c.row_start:c.row_end], kc, vc, meta.chunk_tables[i], c.start_pos, scale,
+                out[c.row_start:c.row_end], check=False):
+            super()._chunk(q, kc, vc, meta, i, out, scale)
 
 
 class NativeCpuOps(Ops):

@@ -32,7 +32,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # link order; native.py's EXPORTS names each one's functions
 SOURCE_NAMES = ["paged_decode.c", "int8_linear.c", "cpu_ops.c", "gguf_linear.c", "gguf_scalar.c", "gguf_q8.c",
                 "gguf_q8_tiles.c", "gguf_q8_rowlane.c", "gguf_q8_toklane_avx2.c", "gguf_q8_toklane_avx512.c",
-                "decode_stack.c", "version.c"]
+                "decode_stack.c", "chunk_attention.c", "version.c"]
 SOURCES = [CSRC / name for name in SOURCE_NAMES]
 COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC"]
 _V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}

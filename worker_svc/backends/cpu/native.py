@@ -4,6 +4,7 @@ points.
 
 The sources, each bound in one place (EXPORTS: the functions it exports and their C types):
   paged_decode.c      decode attention on the paged KV cache (paged_decode_attention)
+  chunk_attention.c   a prefill chunk's causal attention on the paged KV cache (chunk_attention)
   int8_linear.c       the weight-only int8 linear layer (int8_linear)
   cpu_ops.c           the fused elementwise ops of a layer (rms_norm, rotary_, silu_mul, write_kv)
   gguf_linear.c       linear layers on GGUF blocks, fp32 dots (gguf_linear, gguf_dequantize)
@@ -14,7 +15,8 @@ The sources, each bound in one place (EXPORTS: the functions it exports and thei
                       interface, hidden in the library)
   decode_stack.c      a decode step through every layer in one call (decode_stack)
 common.h holds what the sources share (exp's polynomial, horizontal sums, the threads' split);
-gguf_blocks.h and gguf_q8.h what the GGUF sources share.
+attention_simd.h what the two attention sources share; gguf_blocks.h and gguf_q8.h what the GGUF
+sources share.
 
 Arguments: every entry point checks what the C side cannot (dtypes, devices, layouts, shapes)
 and raises ValueError before calling it. The checks are Python attribute reads, as costly as a
@@ -105,6 +107,9 @@ EXPORTS: dict[str, dict[str, tuple[list, type]]] = {
         "cpu_decode_stack_fields": ([], _I),
         "cpu_decode_stack": ([_P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _I, _L, _I, _P, _I, _P, _P, _F,
                               _I, _I, _I, _P], _I),
+    },
+    "chunk_attention.c": {
+        "paged_chunk_attention": ([_P, _I, _L, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _L, _I], _I),
     },
 }
 EXPORTS["version.c"] = {"sarathi_kernels_variant": ([], _S), "sarathi_kernels_source_hash": ([], _S)}
@@ -383,6 +388,44 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if rc != 0:
         raise ValueError(f"kernel rejected the shapes (rc={rc})")
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill-chunk attention (csrc/chunk_attention.c)
+# ---------------------------------------------------------------------------------------------
+def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                    start_pos: int, scale: float, out: torch.Tensor, num_threads: int | None = None,
+                    check: bool = True) -> bool:
+    """out[i] = softmax(scale * q[i] . K^T) V over keys 0 .. start_pos + i, for the n = q.shape[0]
+    tokens of one chunk (query i at position start_pos + i), K/V read from the paged cache.
+
+    q, out: [n, Hq, D] fp32 or bf16, heads/dims contiguous (any row stride). k_cache, v_cache:
+    [num_blocks, bs, Hkv, D] contiguous, fp32, bf16 or fp16 (same dtype). table: [>= ceil((start_pos
+    + n) / bs)] int32 contiguous, the sequence's block ids. Accumulation is fp32. Returns False (out
+    untouched) where this build's kernel does not take the layout (no SIMD path; D not a multiple
+    of its tile width, e.g. 32 on AVX-512 builds): the caller runs its own path. check=False skips
+    the argument checks (the caller guarantees the contract, see the module docstring)."""
+    _require()
+    n, hq, dim = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    if check:
+        if not supports(q, k_cache) or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype \
+                or not v_cache.is_contiguous():
+            raise ValueError(f"unsupported shapes/dtypes: q {tuple(q.shape)} {q.dtype}, "
+                             f"k {tuple(k_cache.shape)} {k_cache.dtype}, v {tuple(v_cache.shape)} {v_cache.dtype}")
+        if out.dtype not in _DTYPE_CODE or out.shape != q.shape or out.stride(2) != 1 or out.stride(1) != dim:
+            raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not match q {tuple(q.shape)}")
+        if table.dtype != torch.int32 or not table.is_contiguous() or table.dim() != 1:
+            raise ValueError("table must be a contiguous 1-D int32 tensor")
+        if start_pos < 0 or table.shape[0] * bs < start_pos + n:
+            raise ValueError(f"table of {table.shape[0]} blocks does not cover {start_pos + n} positions")
+    rc = _lib.paged_chunk_attention(
+        q.data_ptr(), _DTYPE_CODE[q.dtype], q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        _KV_DTYPE_CODE[k_cache.dtype], table.data_ptr(), int(start_pos), n, hq, hkv, dim, bs, float(scale),
+        out.data_ptr(), _DTYPE_CODE[out.dtype], out.stride(0), _threads(num_threads))
+    if rc == -2:
+        raise MemoryError("chunk attention could not allocate its packed K/V")
+    return rc == 0
 
 
 # ---------------------------------------------------------------------------------------------
