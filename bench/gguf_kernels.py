@@ -148,11 +148,13 @@ def build_baseline(rev: str) -> ctypes.CDLL:
 
 
 def base_q8(lib: ctypes.CDLL, qtype: int, blocks: torch.Tensor, x: torch.Tensor, parts: int) -> torch.Tensor:
-    """The baseline library's gguf_linear_q8 (the call native.gguf_linear_q8 makes)."""
+    """The baseline library's gguf_linear_q8 (the call native.gguf_linear_q8 makes with its
+    defaults: the lane kernels where built, as the gguf-int8x2 / gguf-int8 arms run)."""
     T, K = x.shape
     out = torch.empty(T, blocks.shape[0])
     rc = lib.gguf_linear_q8(qtype, blocks.data_ptr(), blocks.shape[1], x.data_ptr(), x.stride(0), None,
-                            out.data_ptr(), out.stride(0), T, blocks.shape[0], K, torch.get_num_threads(), parts, 0)
+                            out.data_ptr(), out.stride(0), T, blocks.shape[0], K, torch.get_num_threads(), parts,
+                            native._q8_flags(False, True))
     assert rc == 0, rc
     return out
 
