@@ -32,9 +32,12 @@
 #if defined(GG_T8)
 typedef struct { float s0, s1, cw; } t8_meta;
 
-/* Q8_0 with two parts: 16-bit operands instead (activations 128 q + q_lo, weights widened; one
- * madd a pair of weights and 8 tokens), cheaper than Q8_0's one-group 8-bit sums with the sign trick */
-#define T8_W16(type, parts) ((type) == T_Q8_0 && (parts) == 2)
+/* The signed formats (Q8_0, Q6_K) with two parts: 16-bit operands instead (activations 128 q +
+ * q_lo, weights widened to s16 as they are; one madd a pair of weights and 8 tokens, then one add):
+ * the same exact integer dot without the sign trick and with fewer widenings than their few-group
+ * 8-bit sums need. The unsigned 4- and 5-bit formats keep the 8-bit sums, where 16-bit operands
+ * measured slower (bench/results/kernels/README.md, "AVX2 token lanes: 16-bit operands") */
+#define T8_W16(type, parts) (((type) == T_Q8_0 || (type) == T_Q6_K) && (parts) == 2)
 #define T8_WB(type, parts) (T8_W16(type, parts) ? 64 : 32)   /* unpacked bytes a run */
 
 /* row p's runs -> wb (32 bytes a run: the values, u8 or s8 as FOR_EACH_RUN gives them) and mt */
@@ -76,11 +79,16 @@ t8_row(const int P, const int TY, const int8_t *wb, const t8_meta *mt, int nr, c
         __m256i d = _mm256_setzero_si256(), h = d, l = d;
         if (T8_W16(TY, P)) {
             const int8_t *w2 = wb + (int64_t)b * 64;
+#pragma GCC unroll 16
             for (int k = 0; k < 16; k++) {
                 int32_t wk;
                 memcpy(&wk, w2 + 4 * k, 4);
                 d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(Ab + k * 32)),
                                                           _mm256_set1_epi32(wk)));
+                if (Q6 && k == 7) {   /* Q6_K: the first half, at its own scale */
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(_mm256_set1_ps(m.s0), da), acc);
+                    d = _mm256_setzero_si256();
+                }
             }
         } else {
             const int8_t *w4p = wb + (int64_t)b * 32;
