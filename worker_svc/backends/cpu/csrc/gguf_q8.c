@@ -68,11 +68,15 @@ static void quant_act_avx2(const float *x, int nb, int parts, int8_t *q, int8_t 
 
 /* The activation quantization (also for tests): x [T, K] (row stride xs) -> token t's high parts
  * at q + t * qs, low parts (parts == 2) at q + t * qs + lo, d and s [T, K/32]. */
-int gguf_quantize_act(const float *x, int64_t xs, int T, int K, int8_t *q, int64_t qs, int64_t lo,
-                      float *d, float *s, int parts, int force_scalar) {
+/* gguf_quantize_act over num_threads threads: tokens are independent, so the same bytes for any
+ * split; one thread below QUANT_MIN_TOKENS tokens (a fork costs more than it saves there) */
+#define QUANT_MIN_TOKENS 32
+static int quantize_act_threads(const float *x, int64_t xs, int T, int K, int8_t *q, int64_t qs, int64_t lo,
+                                float *d, float *s, int parts, int force_scalar, int num_threads) {
     if (K % 32 || T < 0 || parts < 1 || parts > 2) return -1;
     const int nb = K / 32;
     (void)force_scalar;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && T >= QUANT_MIN_TOKENS)
     for (int t = 0; t < T; t++) {
         const float *xt = x + (int64_t)t * xs;
         int8_t *qt = q + (int64_t)t * qs;
@@ -82,6 +86,11 @@ int gguf_quantize_act(const float *x, int64_t xs, int T, int K, int8_t *q, int64
         quant_act_scalar(xt, nb, parts, qt, qt + lo, d + (int64_t)t * nb, s + (int64_t)t * nb);
     }
     return 0;
+}
+
+int gguf_quantize_act(const float *x, int64_t xs, int T, int K, int8_t *q, int64_t qs, int64_t lo,
+                      float *d, float *s, int parts, int force_scalar) {
+    return quantize_act_threads(x, xs, T, K, q, qs, lo, d, s, parts, force_scalar, 1);
 }
 
 
@@ -120,7 +129,7 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     if (!qa || !da) { free(qa); free(da); return -2; }
     float *sa = da + fs * T;
     num_threads = threads_for_weights(num_threads, (int64_t)N * K);
-    gguf_quantize_act(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar);
+    quantize_act_threads(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar, num_threads);
 #if defined(GG_TL) || defined(GG_T8)
     if (!force_scalar && (flags & GG_Q8_LANES)) {   /* the lane kernels: rl_rows, then tl_rows or t8_row */
         /* above LANE_RL_MAX: whole token-lane tiles, and a remainder of at most LANE_SPLIT tokens on the

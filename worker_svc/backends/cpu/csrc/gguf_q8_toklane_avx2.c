@@ -143,7 +143,9 @@ int t8_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, i
     float *dT = aligned_alloc(64, sizeof(float) * (size_t)(2 * ntiles * nr * T8));
     if (!A || !dT) { free(A); free(dT); return -2; }
     float *sT = dT + (int64_t)ntiles * nr * T8;
-    memset(A, 0, (size_t)(ntiles * tile_a));   /* tokens past T: q = 0 (their lanes are dropped) */
+    /* every token writes all of its lanes' bytes; tokens past T (last tile): q = 0, lanes dropped */
+    if (T % T8) memset(A + (int64_t)(ntiles - 1) * tile_a, 0, (size_t)tile_a);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && T >= 4 * T8)
     for (int t = 0; t < T; t++) {
         int8_t *at = A + (int64_t)(t / T8) * tile_a + (t % T8) * 4;
         for (int b = 0; b < nr; b++) {
