@@ -5,8 +5,9 @@ Part "kernel": one layer's attention of one chunk on SmolLM2's shapes (9 query h
 head dim 64, bf16 cache in blocks of 16, scattered), for chunks of n tokens after a cached
 prefix of `start` tokens; both paths in turn each round, medians over rounds.
 Part "engine": SmolLM2's GGUF on the ModelRunner, prefill steps (512 and 128 tokens), one engine
-process with the kernel and one with SARATHI_NATIVE_CHUNK=0, stepped in turn (ABBA); the paired
-statistic is the median over rounds of the per-round ratio kernel / SDPA.
+process with the kernel and one with SARATHI_NATIVE_CHUNK=0, stepped in turn (ABBA), in two
+sessions of opposite start order (bench.common.start_order_sessions); the paired statistic is the
+median over rounds of the per-round ratio kernel / SDPA.
 
 Which instruction set both run is the caller's: the defaults take this CPU's best kernel variant and
 torch's own dispatch; for an AVX2 machine's engine on a newer CPU set SARATHI_NATIVE_VARIANT=avx2
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import EngineProcess
+from bench.common import EngineProcess, start_order_sessions
 from bench.gguf_kernels import cpu_id, pressure
 
 HQ, HKV, DIM, BS = 9, 3, 64, 16
@@ -76,20 +77,23 @@ def bench_kernel(rounds: int) -> dict:
 def bench_engine(rounds: int, threads: int) -> dict:
     tree = Path(__file__).resolve().parent.parent
     arms = {"kernel": {}, "sdpa": {"SARATHI_NATIVE_CHUNK": "0"}}
-    procs = {name: EngineProcess(tree, threads, "float32:auto:auto", env=env) for name, env in arms.items()}
-    times = {name: {c: [] for c in ENGINE_CASES} for name in procs}
-    for c in ENGINE_CASES:
+    times = {name: {c: [] for c in ENGINE_CASES} for name in arms}
+    backends, done = {}, 0
+    for order, n in start_order_sessions(list(arms), rounds):
+        procs = {name: EngineProcess(tree, threads, "float32:auto:auto", env=arms[name]) for name in order}
+        for c in ENGINE_CASES:
+            for p in procs.values():
+                p.step(c)
+        for r in range(n):
+            for name in (list(procs) if r % 2 == 0 else list(procs)[::-1]):
+                for c in ENGINE_CASES:
+                    times[name][c].append(statistics.median(procs[name].step(c)["s"] for _ in range(2)))
+            done += 1
+            print(f"round {done}/{rounds}: " + "; ".join(
+                f"{a} {1e3 * times[a]['prefill:512'][-1]:.0f} ms" for a in procs), file=sys.stderr, flush=True)
+        backends.update({name: p.info["ready"] for name, p in procs.items()})
         for p in procs.values():
-            p.step(c)
-    for r in range(rounds):
-        for name in (list(procs) if r % 2 == 0 else list(procs)[::-1]):
-            for c in ENGINE_CASES:
-                times[name][c].append(statistics.median(procs[name].step(c)["s"] for _ in range(2)))
-        print(f"round {r + 1}/{rounds}: " + "; ".join(
-            f"{n} {1e3 * times[n]['prefill:512'][-1]:.0f} ms" for n in procs), file=sys.stderr, flush=True)
-    backends = {name: p.info["ready"] for name, p in procs.items()}
-    for p in procs.values():
-        p.close()
+            p.close()
     out = {"ms": {n: {c: round(1e3 * statistics.median(v), 2) for c, v in d.items()} for n, d in times.items()},
            "rounds_ms": {n: {c: [round(1e3 * t, 2) for t in v] for c, v in d.items()} for n, d in times.items()},
            "backends": backends}

@@ -205,6 +205,19 @@ def rss_mb(pid: int) -> float:
     return total / 1024
 
 
+def start_order_sessions(names: list[str], rounds: int) -> list[tuple[list[str], int]]:
+    """[(start order, rounds)]: engine processes compared in turn run in two sessions, the arms
+    started in the given order for the first half of the rounds and in reverse for the rest.
+
+    Why: on the 2-vCPU guests here the order processes start in shows in their speed, whatever
+    they run: in A/A runs (every arm the same settings) the first one started stepped slowest,
+    the last fastest, by more than the differences measured (bench/results/kernels/README.md,
+    "Start order"). Reversing it halfway gives each arm both places; per-round ratios stay paired
+    within a session."""
+    first = (rounds + 1) // 2
+    return [(list(names), first)] + ([(list(names)[::-1], rounds - first)] if rounds - first else [])
+
+
 class EngineProcess:
     """One model runner (`make_executor(spec, SMALL)`) of the source tree `tree` in a process of its own,
     stepped on request: `step("decode:32")` runs that batch once and returns {"s": seconds around

@@ -27,7 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.common import EngineProcess
+from bench.common import EngineProcess, start_order_sessions
 from bench.gguf_kernels import ENGINE_CASES as CASES
 from bench.gguf_kernels import LLAMA, LLAMA_CMDS, cpu_id, pressure, rss_mb, step_in_turn
 
@@ -60,22 +60,29 @@ RATIOS = {
 
 
 def run(rounds: int, threads: int, llama: bool, arms: list[str]) -> dict:
+    """The arms stepped in turn, in two sessions of opposite start order (start_order_sessions)."""
     tree = Path(__file__).resolve().parent.parent
-    procs = {}
-    for name in arms:
-        print(f"starting {name} ...", file=sys.stderr, flush=True)
-        procs[name] = EngineProcess(tree, threads, "float32:auto:auto", env=ARMS[name][1])
-    def progress(r: int, times: dict) -> None:
-        print(f"round {r + 1}/{rounds}: " + "; ".join(
-            f"{n} {1e3 * times[n]['decode:1'][-1]:.2f}/{1e3 * times[n]['prefill:512'][-1]:.0f} ms"
-            for n in times if times[n]["decode:1"]), file=sys.stderr, flush=True)
+    times: dict | None = None
+    backends, rss, done = {}, {}, 0
+    for order, n in start_order_sessions(arms, rounds):
+        procs = {}
+        for name in order:
+            print(f"starting {name} ...", file=sys.stderr, flush=True)
+            procs[name] = EngineProcess(tree, threads, "float32:auto:auto", env=ARMS[name][1])
 
-    times = step_in_turn(procs, CASES, rounds, threads, llama, on_round=progress)
-    backends = {name: p.info["ready"] for name, p in procs.items()}
-    rss = {name: round(rss_mb(p.proc.pid), 1) for name, p in procs.items()}
-    for p in procs.values():
-        p.close()
-    arms_info = {n: {"what": ARMS[n][0], "env": ARMS[n][1]} for n in procs}
+        def progress(r: int, t: dict) -> None:
+            print(f"round {done + r + 1}/{rounds}: " + "; ".join(
+                f"{a} {1e3 * t[a]['decode:1'][-1]:.2f}/{1e3 * t[a]['prefill:512'][-1]:.0f} ms"
+                for a in t if t[a]["decode:1"]), file=sys.stderr, flush=True)
+
+        t = step_in_turn(procs, CASES, n, threads, llama, on_round=progress)
+        times = t if times is None else {a: {c: times[a][c] + t[a][c] for c in t[a]} for a in t}
+        done += n
+        backends.update({name: p.info["ready"] for name, p in procs.items()})
+        rss.update({name: round(rss_mb(p.proc.pid), 1) for name, p in procs.items()})
+        for p in procs.values():
+            p.close()
+    arms_info = {n: {"what": ARMS[n][0], "env": ARMS[n][1]} for n in arms}
     return {**summarize(times), "rss_MB": rss, "backends": backends, "arms": arms_info,
             "llama_bench_commands": dict(LLAMA_CMDS) if llama else {}}
 

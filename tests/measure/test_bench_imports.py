@@ -45,3 +45,17 @@ def test_kernel_variants_compares_each_arm_with_llama_cpp_by_the_name_its_rounds
     assert res["ratios"]["best_over_llama"]["prefill:512"] == round(500 / 1550, 3)
     assert res["paired_ratios"]["avx2_only_over_llama"]["decode:1"]["median"] == 0.5
     assert res["paired_ratios"]["avx2_only_over_llama"]["prefill:512"]["rounds"] == 2
+
+
+def test_engine_comparisons_start_their_arms_in_both_orders():
+    """The process started first steps slower on these guests (bench.start_order), so a comparison
+    runs half its rounds with the arms started in each order, and no round is lost or added."""
+    from bench.common import start_order_sessions
+
+    assert start_order_sessions(["a", "b"], 12) == [(["a", "b"], 6), (["b", "a"], 6)]
+    assert start_order_sessions(["a", "b", "c"], 7) == [(["a", "b", "c"], 4), (["c", "b", "a"], 3)]
+    assert start_order_sessions(["a", "b"], 1) == [(["a", "b"], 1)]
+    for arms, rounds in ((["x", "y"], 5), (["x"], 9), (["p", "q", "r"], 2)):
+        sessions = start_order_sessions(arms, rounds)
+        assert sum(n for _, n in sessions) == rounds
+        assert all(sorted(order) == sorted(arms) for order, _ in sessions)
