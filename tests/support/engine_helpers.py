@@ -85,6 +85,31 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def paged_case(lens, hq, hkv, dim, kv_dtype, bs=16, seed=0, new=None):
+    """A layer's cache with shuffled block tables and one step's q/k/v for len(lens) sequences:
+    sequence i has lens[i] tokens once the step is written, new[i] of them this step (default 1:
+    decodes; more: a chunk after a cached prefix of lens[i] - new[i]). -> (cache, seqs as
+    (start_pos, num_new_tokens, block_table), q [T, hq, dim], k, v [T, hkv, dim])."""
+    from worker_svc.kv_cache import PagedKVCache
+
+    new = new or [1] * len(lens)
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(blocks_for(n, bs) for n in lens) + 2
+    cache = PagedKVCache(1, num_blocks, bs, hkv, dim, kv_dtype)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    seqs, used = [], 0
+    for n, m in zip(lens, new):
+        k = blocks_for(n, bs)
+        seqs.append((n - m, m, perm[used:used + k]))
+        used += k
+    T = sum(new)
+    q = torch.randn(T, hq, dim, generator=g)
+    k, v = torch.randn(T, hkv, dim, generator=g), torch.randn(T, hkv, dim, generator=g)
+    return cache, seqs, q, k, v
+
+
 def chunk(req_id: str, tokens: list[int], start: int, table: list[int], sample: bool,
           params: SamplingParams = GREEDY, output_index: int = 0) -> SeqChunk:
     return SeqChunk(req_id, list(tokens), start, table, sample, params, output_index)

@@ -82,6 +82,18 @@ def test_large_scores_stay_finite_and_exact():
     assert torch.isfinite(out).all() and (out - ref).abs().max().item() <= 1e-4
 
 
+def test_a_querys_result_does_not_depend_on_its_chunk():
+    """The same positions as the tail of a longer chunk or as a chunk of their own (after the
+    same cached prefix), grouped into other units: the same bits."""
+    q, kc, vc, table = make_case(45, 0, 9, 3, 64, torch.bfloat16, seed=5)
+    whole = torch.empty_like(q)
+    assert native.chunk_attention(q, kc, vc, table, 0, 0.125, whole)
+    for start in (13, 30, 44):
+        tail = torch.empty_like(q[start:])
+        assert native.chunk_attention(q[start:], kc, vc, table, start, 0.125, tail)
+        assert torch.equal(tail, whole[start:]), start
+
+
 def test_layouts_it_does_not_take_return_false_and_leave_out_untouched():
     q, kc, vc, table = make_case(20, 0, 4, 2, 20, torch.float32)    # D = 20: no SIMD tile fits
     out = torch.full_like(q, 7.0)
@@ -108,6 +120,7 @@ def test_avx2_build_on_an_avx512_machine(fresh_native, monkeypatch):
     assert native.available() and native.isa() == "avx2"
     test_matches_the_reference(torch.bfloat16, 2)
     test_large_scores_stay_finite_and_exact()
+    test_a_querys_result_does_not_depend_on_its_chunk()
 
 
 def test_portable_build_declines(fresh_native, monkeypatch):
@@ -119,20 +132,11 @@ def test_portable_build_declines(fresh_native, monkeypatch):
 
 
 def _hybrid_case(seed=6):
-    from worker_svc.kv_cache import PagedKVCache
+    """A decode, a chunk from position 0, a decode, a chunk after a cached prefix of 37 (bf16 cache)."""
+    from tests.support.engine_helpers import paged_case
 
-    g = torch.Generator().manual_seed(seed)
-    bs, hq, hkv, dim = 16, 9, 3, 64
-    cache = PagedKVCache(1, 64, bs, hkv, dim, torch.bfloat16)
-    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
-    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
-    perm = torch.randperm(64, generator=g).tolist()
-    # a decode, a chunk from position 0, a decode, a chunk after a cached prefix of 37
-    seqs = [(40, 1, perm[0:3]), (0, 20, perm[3:5]), (15, 1, perm[5:6]), (37, 30, perm[6:11])]
-    T = 1 + 20 + 1 + 30
-    q = torch.randn(T, hq, dim, generator=g)
-    k, v = torch.randn(T, hkv, dim, generator=g), torch.randn(T, hkv, dim, generator=g)
-    return cache, seqs, q, k, v, dim ** -0.5
+    dim = 64
+    return (*paged_case([41, 20, 16, 67], 9, 3, dim, torch.bfloat16, 16, seed=seed, new=[1, 20, 1, 30]), dim ** -0.5)
 
 
 def test_backend_runs_chunks_on_the_kernel_and_agrees_with_the_torch_path(monkeypatch):
@@ -159,10 +163,11 @@ def test_chunks_stay_on_sdpa_when_turned_off(monkeypatch):
     nat = NativeCpuAttention()
     assert nat.name.endswith("(chunks on torch SDPA)")
     out = nat.forward(q, k, v, cache, 0, nat.build_metadata(seqs, 16), scale)
+    row = 0
     for start, n, table in seqs:
         if n > 1:   # the chunk rows: the reference over the cache the layer wrote
-            row = sum(m for _, m, _ in seqs[:seqs.index((start, n, table))])
             ref = reference(q[row:row + n], cache.k[0], cache.v[0], torch.tensor(table, dtype=torch.int32),
                             start, scale)
             assert (out[row:row + n] - ref).abs().max().item() <= 1e-5
+        row += n
     assert math.isfinite(out.abs().max().item())

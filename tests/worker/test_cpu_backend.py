@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from tests.support.engine_helpers import (
     agreement,
-    blocks_for,
     make_executor,
     make_tiny_checkpoint,
+    paged_case,
     teacher_forced_logits,
     use_threads,
 )
@@ -30,27 +30,6 @@ needs_native = pytest.mark.skipif(not native.available(),
 @pytest.fixture(scope="module", autouse=True)
 def _threads():
     yield from use_threads(1)
-
-
-def paged_case(lens, hq, hkv, dim, kv_dtype, bs=16, seed=0):
-    """A layer's cache with shuffled block tables and one step's q/k/v for len(lens) decodes."""
-    from worker_svc.kv_cache import PagedKVCache
-
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(blocks_for(n, bs) for n in lens) + 2
-    cache = PagedKVCache(1, num_blocks, bs, hkv, dim, kv_dtype)
-    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
-    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    seqs, used = [], 0
-    for n in lens:
-        k = blocks_for(n, bs)
-        seqs.append((n - 1, 1, perm[used:used + k]))
-        used += k
-    T = len(lens)
-    q = torch.randn(T, hq, dim, generator=g)
-    k, v = torch.randn(T, hkv, dim, generator=g), torch.randn(T, hkv, dim, generator=g)
-    return cache, seqs, q, k, v
 
 
 @needs_native

@@ -161,20 +161,13 @@ def test_build_into_fresh_cache_dir(fresh_native, tmp_path, monkeypatch):
 def test_paged_attention_native_matches_torch_path(monkeypatch):
     """The CPU backend's native attention runs the kernel for a hybrid batch's decode rows (here
     split by a chunk, so the rows are not contiguous); the result equals the torch backend's."""
+    from tests.support.engine_helpers import paged_case
     from worker_svc.backends.cpu import NativeCpuAttention
     from worker_svc.backends.torch_attention import TorchAttention
-    from worker_svc.kv_cache import PagedKVCache
 
-    g = torch.Generator().manual_seed(6)
-    bs, hq, hkv, dim = 16, 9, 3, 64
-    cache = PagedKVCache(1, 64, bs, hkv, dim, torch.float32)
-    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
-    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
-    perm = torch.randperm(64, generator=g).tolist()
-    seqs = [(40, 1, perm[0:3]), (0, 20, perm[3:5]), (15, 1, perm[5:6]), (100, 1, perm[6:13])]
-    T = 23
-    q = torch.randn(T, hq, dim, generator=g)
-    k, v = torch.randn(T, hkv, dim, generator=g), torch.randn(T, hkv, dim, generator=g)
+    bs, dim = 16, 64
+    # decodes at 41, 16 and 101 tokens around a 20-token chunk from position 0
+    cache, seqs, q, k, v = paged_case([41, 20, 16, 101], 9, 3, dim, torch.float32, bs, seed=6, new=[1, 20, 1, 1])
     calls = []
     real = native.paged_decode_attention
     monkeypatch.setattr(native, "paged_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
