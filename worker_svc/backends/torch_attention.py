@@ -187,7 +187,7 @@ class TorchAttention:
         kc, vc = cache.k[layer], cache.v[layer]
         if meta.decode_seqs.rows:
             self._decodes(q, kc, vc, meta, out, scale)
-        for i, c in enumerate(meta.chunks):
+        for i in range(len(meta.chunks)):
             self._chunk(q, kc, vc, meta, i, out, scale)
         return out
 

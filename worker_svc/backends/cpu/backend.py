@@ -105,11 +105,10 @@ class NativeCpuAttention(TorchAttention):
     fused_write) the layer's K/V written to the cache by one native call (native.write_kv: the
     cast and both index copies of PagedKVCache.write, same values)."""
 
-    def __init__(self, fused_write: bool = False, native_chunks: bool | None = None):
+    def __init__(self, fused_write: bool = False):
         self.name = f"native {native.isa()}"
         self.fused_write = fused_write
-        self.native_chunks = os.environ.get("SARATHI_NATIVE_CHUNK", "1") != "0" if native_chunks is None \
-            else native_chunks
+        self.native_chunks = os.environ.get("SARATHI_NATIVE_CHUNK", "1") != "0"
         if not self.native_chunks:
             self.name += " (chunks on torch SDPA)"
         self._write_ok: dict[tuple, bool] = {}     # (k dtype, cache dtype) -> write_kv casts it

@@ -403,7 +403,7 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     [num_blocks, bs, Hkv, D] contiguous, fp32, bf16 or fp16 (same dtype). table: [>= ceil((start_pos
     + n) / bs)] int32 contiguous, the sequence's block ids. Accumulation is fp32. Returns False (out
     untouched) where this build's kernel does not take the layout (no SIMD path; D not a multiple
-    of its tile width, e.g. 32 on AVX-512 builds): the caller runs its own path. check=False skips
+    of two vectors: 32 floats on AVX-512 builds, 16 on AVX2 ones): the caller runs its own path. check=False skips
     the argument checks (the caller guarantees the contract, see the module docstring)."""
     _require()
     n, hq, dim = q.shape

@@ -45,28 +45,25 @@
 #define CA_R 6               /* 12 accumulators + 2 + 1 of 16 ymm */
 #endif
 
-/* kv head h's keys into KT (tiles of CA_KT keys: [d][key]) and V ([key][d]), fp32, for tiles
- * [t0, t1) of nt */
+/* kv head h's key tile t into KT (CA_KT keys: [d][key]) and V ([key][d]), fp32, zero past ctx */
 static void ca_pack(const void *k_cache, const void *v_cache, int kv_dt, const int32_t *table, int ctx, int bs,
-                    int Hkv, int D, int h, int t0, int t1, float *KT, float *V) {
+                    int Hkv, int D, int h, int t, float *KT, float *V) {
     const int64_t tok_stride = (int64_t)Hkv * D;
-    for (int t = t0; t < t1; t++) {
-        float *kt = KT + (int64_t)t * D * CA_KT;
-        for (int j = 0; j < CA_KT; j++) {
-            const int p = t * CA_KT + j;
-            float *vr = V + (int64_t)p * D;
-            if (p >= ctx) {
-                for (int d = 0; d < D; d++) kt[d * CA_KT + j] = 0.0f;
-                memset(vr, 0, sizeof(float) * (size_t)D);
-                continue;
-            }
-            const int64_t e = ((int64_t)table[p / bs] * bs + p % bs) * tok_stride + (int64_t)h * D;
-            for (int d = 0; d < D; d += SIMD_W) {
-                float tmp[SIMD_W] __attribute__((aligned(64)));
-                vstore(tmp, vload1(k_cache, kv_dt, e + d));
-                for (int w = 0; w < SIMD_W; w++) kt[(d + w) * CA_KT + j] = tmp[w];
-                vstore(vr + d, vload1(v_cache, kv_dt, e + d));
-            }
+    float *kt = KT + (int64_t)t * D * CA_KT;
+    for (int j = 0; j < CA_KT; j++) {
+        const int p = t * CA_KT + j;
+        float *vr = V + (int64_t)p * D;
+        if (p >= ctx) {
+            for (int d = 0; d < D; d++) kt[d * CA_KT + j] = 0.0f;
+            memset(vr, 0, sizeof(float) * (size_t)D);
+            continue;
+        }
+        const int64_t e = ((int64_t)table[p / bs] * bs + p % bs) * tok_stride + (int64_t)h * D;
+        for (int d = 0; d < D; d += SIMD_W) {
+            float tmp[SIMD_W] __attribute__((aligned(64)));
+            vstore(tmp, vload1(k_cache, kv_dt, e + d));
+            for (int w = 0; w < SIMD_W; w++) kt[(d + w) * CA_KT + j] = tmp[w];
+            vstore(vr + d, vload1(v_cache, kv_dt, e + d));
         }
     }
 }
@@ -174,7 +171,7 @@ int paged_chunk_attention(const void *q, int q_dt, int64_t q_row_stride, const v
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < (int64_t)Hkv * nt; i++) {
             const int h = (int)(i / nt), t = (int)(i % nt);
-            ca_pack(k_cache, v_cache, kv_dt, table, ctx, bs, Hkv, D, h, t, t + 1, KT + h * per_head, V + h * per_head);
+            ca_pack(k_cache, v_cache, kv_dt, table, ctx, bs, Hkv, D, h, t, KT + h * per_head, V + h * per_head);
         }
         /* (implicit barrier: every tile packed) */
         float qs[CA_R * CA_MAX_D] __attribute__((aligned(64)));

@@ -66,8 +66,6 @@ static void quant_act_avx2(const float *x, int nb, int parts, int8_t *q, int8_t 
 }
 #endif
 
-/* The activation quantization (also for tests): x [T, K] (row stride xs) -> token t's high parts
- * at q + t * qs, low parts (parts == 2) at q + t * qs + lo, d and s [T, K/32]. */
 /* gguf_quantize_act over num_threads threads: tokens are independent, so the same bytes for any
  * split; one thread below QUANT_MIN_TOKENS tokens (a fork costs more than it saves there) */
 #define QUANT_MIN_TOKENS 32
@@ -88,6 +86,8 @@ static int quantize_act_threads(const float *x, int64_t xs, int T, int K, int8_t
     return 0;
 }
 
+/* The activation quantization (also for tests): x [T, K] (row stride xs) -> token t's high parts
+ * at q + t * qs, low parts (parts == 2) at q + t * qs + lo, d and s [T, K/32]. */
 int gguf_quantize_act(const float *x, int64_t xs, int T, int K, int8_t *q, int64_t qs, int64_t lo,
                       float *d, float *s, int parts, int force_scalar) {
     return quantize_act_threads(x, xs, T, K, q, qs, lo, d, s, parts, force_scalar, 1);
