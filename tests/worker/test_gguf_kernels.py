@@ -237,6 +237,24 @@ def test_q8_token_results_do_not_depend_on_the_batch_or_threads(lanes):
                 assert not torch.equal(full[:8], tiles[:8])                  # the row-lane kernel too
 
 
+def test_q8_row_results_do_not_depend_on_the_other_rows():
+    """A row's output is the same bits whatever rows share its call: the AVX2 token-lane kernel
+    sweeps rows in pairs (two rows share each activation load), so dropping the first row moves
+    every later row into another pair, and a call of one row has no partner at all."""
+    rng = np.random.default_rng(12)
+    for qtype in TYPES:
+        raw = torch.from_numpy(random_blocks(qtype, 41, 512, rng))
+        for T in (5, 37):                               # row-lane kernel; token-lane tiles
+            x = torch.from_numpy(rng.standard_normal((T, 512)).astype(np.float32))
+            for scalar, parts in ((s, p) for s in paths() for p in (1, 2)):
+                def q8(w, threads=2):
+                    return native.gguf_linear_q8(int(qtype), w, x, force_scalar=scalar, parts=parts,
+                                                 num_threads=threads)
+                full = q8(raw)
+                assert torch.equal(q8(raw[1:]), full[:, 1:]), (qtype.name, T, scalar, parts)
+                assert torch.equal(q8(raw[7:8], threads=1), full[:, 7:8]), (qtype.name, T, scalar, parts)
+
+
 def test_q8_strided_rows_and_rejects_bad_shapes():
     rng = np.random.default_rng(8)
     raw = torch.from_numpy(random_blocks(Q.Q4_0, 40, 256, rng))
@@ -281,6 +299,7 @@ def test_avx2_build_on_an_avx512_machine(vnni_lane_results, fresh_native, monkey
     test_activation_quantization_bit_identical_to_numpy()
     assert native.gguf_q8_lanes()
     test_q8_token_results_do_not_depend_on_the_batch_or_threads(lanes=True)
+    test_q8_row_results_do_not_depend_on_the_other_rows()
     for qtype, raw, x, want in vnni_lane_results:
         for parts, w in want.items():
             got = native.gguf_linear_q8(int(qtype), raw, x, parts=parts)

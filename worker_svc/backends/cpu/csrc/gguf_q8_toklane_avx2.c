@@ -19,7 +19,9 @@
  * before one madd widens them to int32 (times 128 for the high part of parts 2): about one
  * multiply per group, token and part, where the 8-token tile kernels spend two multiplies and a
  * convert + fma per token and run. Each row's runs are unpacked once per call (FOR_EACH_RUN into
- * an L2-resident buffer, a chunk of rows at a time), then swept by every tile.
+ * an L2-resident buffer, a chunk of rows at a time), then swept by every tile, two rows at a time
+ * with two parts (t8_rows: the pair shares the activation loads and the core gets two independent
+ * chains of fmas; a row's steps are those it runs alone).
  * Compiled with fp-contract off, as every GGUF source.
  */
 #pragma GCC optimize("fp-contract=off")
@@ -61,76 +63,120 @@ static void t8_unpack_any(int type, const uint8_t *p, int nb, int parts, int8_t 
 #undef T8_U
 }
 
-/* One row (unpacked: wb, T8_WB bytes a run, and mt; nr runs) against a tile of T8 tokens:
- * activations A by run, then (8-bit) part, group of 4, token: A + ((b * P + part) * 8 + g) * 32, or
- * (T8_W16) pair of elements, token: A + (b * 16 + k) * 32 (s16 pairs); dT, sT: the tile's da, sa
- * by run then token (T8 a run). res[t]: token t. (Two or three rows a call, sharing the
- * activation loads, are slower: their accumulators leave the 16 ymm registers.) */
+/* R rows (1 or 2; unpacked: wb, T8_WB bytes a run and nr runs a row, row r at wb + r * ws * nr,
+ * mt + r * nr) against a tile of T8 tokens: activations A by run, then (8-bit) part, group of 4,
+ * token: A + ((b * P + part) * 8 + g) * 32, or (T8_W16) pair of elements, token:
+ * A + (b * 16 + k) * 32 (s16 pairs); dT, sT: the tile's da, sa by run then token (T8 a run).
+ * res[r * T8 + t]: row r, token t. Two rows share each activation load and give the core two
+ * independent chains of run-after-run fmas; each row's steps and their order are those of one row
+ * alone, and the corrections are summed after the dots in the same order (run after run), so a
+ * row's result is the same bits whichever row it is paired with. */
+/* The sums stay in their running order in registers: without it GCC reassociates a run's
+ * adds into a tree over all its products, which holds every product at once and spills them to
+ * the stack (integers: same result, so only the speed changes) */
+#define T8_KEEP(v) __asm__("" : "+x"(v))
+
 static inline __attribute__((always_inline)) void
-t8_row(const int P, const int TY, const int8_t *wb, const t8_meta *mt, int nr, const int8_t *A, const float *dT,
-       const float *sT, float *res) {
+t8_rows(const int R, const int P, const int TY, const int8_t *wb, const t8_meta *mt, int nr, const int8_t *A,
+        const float *dT, const float *sT, float *res) {
     const int Q6 = TY == T_Q6_K, SGN = TY == T_Q8_0 || TY == T_Q6_K, NG = T8_GROUPS(TY);
-    const __m256i one = _mm256_set1_epi16(1), c128 = _mm256_set1_epi16(128);
-    __m256 acc = _mm256_setzero_ps(), corr = acc;
+    const int64_t ws = (int64_t)nr * T8_WB(TY, P);
+    const __m256i one = _mm256_set1_epi16(1);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, corr[2] = {acc[0], acc[0]};
     for (int b = 0; b < nr; b++) {
         const int8_t *Ab = A + (int64_t)b * P * 8 * 32;
         const __m256 da = _mm256_load_ps(dT + (int64_t)b * T8);
-        const t8_meta m = mt[b];
-        __m256i d = _mm256_setzero_si256(), h = d, l = d;
+        __m256i d[2], h[2], l[2];
+        for (int r = 0; r < R; r++) d[r] = h[r] = l[r] = _mm256_setzero_si256();
         if (T8_W16(TY, P)) {
-            const int8_t *w2 = wb + (int64_t)b * 64;
 #pragma GCC unroll 16
             for (int k = 0; k < 16; k++) {
-                int32_t wk;
-                memcpy(&wk, w2 + 4 * k, 4);
-                d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(Ab + k * 32)),
-                                                          _mm256_set1_epi32(wk)));
-                if (Q6 && k == 7) {   /* Q6_K: the first half, at its own scale */
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(_mm256_set1_ps(m.s0), da), acc);
-                    d = _mm256_setzero_si256();
+                const __m256i a = _mm256_load_si256((const __m256i *)(Ab + k * 32));
+                for (int r = 0; r < R; r++) {
+                    int32_t wk;
+                    memcpy(&wk, wb + r * ws + (int64_t)b * 64 + 4 * k, 4);
+                    d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(a, _mm256_set1_epi32(wk)));
+                    T8_KEEP(d[r]);
                 }
+                if (Q6 && k == 7)   /* Q6_K: the first half, at its own scale */
+                    for (int r = 0; r < R; r++) {
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]),
+                                                 _mm256_mul_ps(_mm256_set1_ps(mt[r * nr + b].s0), da), acc[r]);
+                        d[r] = _mm256_setzero_si256();
+                    }
             }
         } else {
-            const int8_t *w4p = wb + (int64_t)b * 32;
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) {
                 const __m256i ah = _mm256_load_si256((const __m256i *)(Ab + g * 32));
-                int32_t w4;
-                memcpy(&w4, w4p + 4 * g, 4);
-                const __m256i wv = _mm256_set1_epi32(w4), u = SGN ? _mm256_abs_epi8(wv) : wv;
-                h = _mm256_add_epi16(h, _mm256_maddubs_epi16(u, SGN ? _mm256_sign_epi8(ah, wv) : ah));
-                if (P == 2) {
-                    const __m256i al = _mm256_load_si256((const __m256i *)(Ab + (8 + g) * 32));
-                    l = _mm256_add_epi16(l, _mm256_maddubs_epi16(u, SGN ? _mm256_sign_epi8(al, wv) : al));
+                const __m256i al = P == 2 ? _mm256_load_si256((const __m256i *)(Ab + (8 + g) * 32)) : ah;
+                for (int r = 0; r < R; r++) {
+                    int32_t w4;
+                    memcpy(&w4, wb + r * ws + (int64_t)b * 32 + 4 * g, 4);
+                    const __m256i wv = _mm256_set1_epi32(w4), u = SGN ? _mm256_abs_epi8(wv) : wv;
+                    h[r] = _mm256_add_epi16(h[r], _mm256_maddubs_epi16(u, SGN ? _mm256_sign_epi8(ah, wv) : ah));
+                    if (P == 2)
+                        l[r] = _mm256_add_epi16(l[r], _mm256_maddubs_epi16(u, SGN ? _mm256_sign_epi8(al, wv) : al));
+                    if (P == 2) {   /* (one part: faster as GCC orders it) */
+                        T8_KEEP(h[r]);
+                        T8_KEEP(l[r]);
+                    }
                 }
-                if ((g + 1) % NG == 0) {   /* widen: d += 128 h + l (parts 2), or h */
-                    d = _mm256_add_epi32(d, _mm256_madd_epi16(h, P == 2 ? c128 : one));
-                    if (P == 2) d = _mm256_add_epi32(d, _mm256_madd_epi16(l, one));
-                    h = l = _mm256_setzero_si256();
-                }
-                if (Q6 && g == 3) {   /* Q6_K: the first half, at its own scale */
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(_mm256_set1_ps(m.s0), da), acc);
-                    d = _mm256_setzero_si256();
-                }
+                if ((g + 1) % NG == 0)   /* widen: d += 128 h + l (parts 2), or h */
+                    for (int r = 0; r < R; r++) {
+                        if (P == 2)
+                            d[r] = _mm256_add_epi32(d[r], _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(h[r], one), 7),
+                                                                           _mm256_madd_epi16(l[r], one)));
+                        else d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(h[r], one));
+                        h[r] = l[r] = _mm256_setzero_si256();
+                    }
+                if (Q6 && g == 3)   /* Q6_K: the first half, at its own scale */
+                    for (int r = 0; r < R; r++) {
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]),
+                                                 _mm256_mul_ps(_mm256_set1_ps(mt[r * nr + b].s0), da), acc[r]);
+                        d[r] = _mm256_setzero_si256();
+                    }
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(_mm256_set1_ps(Q6 ? m.s1 : m.s0), da), acc);
-        if (!SGN) corr = _mm256_add_ps(corr, _mm256_mul_ps(_mm256_set1_ps(m.cw), _mm256_load_ps(sT + (int64_t)b * T8)));
+        for (int r = 0; r < R; r++) {
+            const t8_meta m = mt[r * nr + b];
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), _mm256_mul_ps(_mm256_set1_ps(Q6 ? m.s1 : m.s0), da), acc[r]);
+            if (!SGN) corr[r] = _mm256_add_ps(corr[r], _mm256_mul_ps(_mm256_set1_ps(m.cw), _mm256_load_ps(sT + (int64_t)b * T8)));
+        }
     }
-    _mm256_store_ps(res, _mm256_add_ps(acc, corr));
+    for (int r = 0; r < R; r++) _mm256_store_ps(res + r * T8, _mm256_add_ps(acc[r], corr[r]));
+}
+
+/* rows 0..rows-1 of a chunk (unpacked: wb, mt) against one tile: out[t * os + i] = row i's result
+ * for token t < nt, + bias[i]. Rows in pairs where there are two parts (measured faster there;
+ * one part runs faster a row at a time) */
+static inline __attribute__((always_inline)) void
+t8_tile(const int P, const int TY, const int8_t *wb, const t8_meta *mt, int nr, int rows, const int8_t *A,
+        const float *dT, const float *sT, const float *bias, float *out, int64_t os, int nt) {
+    const int64_t ws = (int64_t)nr * T8_WB(TY, P);
+    float res[2 * T8] __attribute__((aligned(32)));
+    for (int i = 0, R; i < rows; i += R) {
+        R = P == 2 && i + 1 < rows ? 2 : 1;
+        if (R == 2) t8_rows(2, P, TY, wb + i * ws, mt + (int64_t)i * nr, nr, A, dT, sT, res);
+        else t8_rows(1, P, TY, wb + i * ws, mt + (int64_t)i * nr, nr, A, dT, sT, res);
+        for (int r = 0; r < R; r++) {
+            const float bb = bias ? bias[i + r] : 0.0f;
+            for (int t = 0; t < nt; t++) out[(int64_t)t * os + i + r] = res[r * T8 + t] + bb;
+        }
+    }
 }
 
 #define T8_CASE(TY)                                                                                \
-        if (P == 2) t8_row(2, TY, wb, mt, nr, A, dT, sT, res);                                     \
-        else t8_row(1, TY, wb, mt, nr, A, dT, sT, res);
-static void t8_row_any(int type, int P, const int8_t *wb, const t8_meta *mt, int nr, const int8_t *A,
-                       const float *dT, const float *sT, float *res) {
+        if (P == 2) t8_tile(2, TY, wb, mt, nr, rows, A, dT, sT, bias, out, os, nt);                \
+        else t8_tile(1, TY, wb, mt, nr, rows, A, dT, sT, bias, out, os, nt);
+static void t8_tile_any(int type, int P, const int8_t *wb, const t8_meta *mt, int nr, int rows, const int8_t *A,
+                        const float *dT, const float *sT, const float *bias, float *out, int64_t os, int nt) {
     SWITCH_FORMATS(type, T8_CASE)
 }
 #undef T8_CASE
 
 
-/* gguf_linear_q8 on the AVX2 token-lane kernel (see t8_row), from the quantized activations */
+/* gguf_linear_q8 on the AVX2 token-lane kernel (see t8_rows), from the quantized activations */
 int t8_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, int64_t qs, int64_t lo,
                      const float *da, const float *sa, int64_t fs, const float *bias, float *out, int64_t os,
                      int T, int N, int nb, int parts, int num_threads) {
@@ -174,7 +220,6 @@ int t8_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, i
         const int ws = T8_WB(type, parts);
         int8_t *wb = aligned_alloc(64, (size_t)(rc * nr * ws));
         t8_meta *mt = malloc(sizeof(t8_meta) * (size_t)(rc * nr));
-        float res[T8] __attribute__((aligned(32)));
         if (!wb || !mt) {
 #pragma omp atomic write
             failed = 1;
@@ -186,12 +231,8 @@ int t8_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, i
                                   mt + (int64_t)(n - n0) * nr);
                 for (int k = 0; k < ntiles; k++) {
                     const int nt = T - k * T8 < T8 ? T - k * T8 : T8;
-                    for (int n = n0; n < n1; n++) {
-                        t8_row_any(type, parts, wb + (int64_t)(n - n0) * nr * ws, mt + (int64_t)(n - n0) * nr, nr,
-                                   A + k * tile_a, dT + (int64_t)k * nr * T8, sT + (int64_t)k * nr * T8, res);
-                        const float bb = bias ? bias[n] : 0.0f;
-                        for (int t = 0; t < nt; t++) out[(int64_t)(k * T8 + t) * os + n] = res[t] + bb;
-                    }
+                    t8_tile_any(type, parts, wb, mt, nr, n1 - n0, A + k * tile_a, dT + (int64_t)k * nr * T8,
+                                sT + (int64_t)k * nr * T8, bias ? bias + n0 : NULL, out + (int64_t)k * T8 * os + n0, os, nt);
                 }
             }
         free(wb);
