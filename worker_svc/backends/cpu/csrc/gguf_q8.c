@@ -111,7 +111,7 @@ int gguf_quantize_act(const float *x, int64_t xs, int T, int K, int8_t *q, int64
  * parts 1: 8-bit activations (llama.cpp's), 2: 8 + 7 bits (x ~ d (q + q_lo / 128): two integer
  * dots per run). flags: GG_Q8_SCALAR runs the scalar reference; GG_Q8_LANES the lane kernels
  * where the build has them (AVX-512 VNNI: rl_rows for 1 .. RL_MAX_TOKENS tokens, tl_rows above;
- * AVX2: rl_rows for 1 .. T8_RL_MAX, t8_row above; one fp32 summation order for all, another than
+ * AVX2: rl_rows for 1 .. T8_RL_MAX, t8_rows above; one fp32 summation order for all, another than
  * the tile kernels'), else the tile kernels. Returns 0; -1 for an unsupported type or
  * inconsistent shape; -2 out of memory. */
 #define GG_Q8_SCALAR 1
@@ -131,7 +131,7 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     num_threads = threads_for_weights(num_threads, (int64_t)N * K);
     quantize_act_threads(x, xs, T, K, qa, qs, lo, da, sa, parts, force_scalar, num_threads);
 #if defined(GG_TL) || defined(GG_T8)
-    if (!force_scalar && (flags & GG_Q8_LANES)) {   /* the lane kernels: rl_rows, then tl_rows or t8_row */
+    if (!force_scalar && (flags & GG_Q8_LANES)) {   /* the lane kernels: rl_rows, then tl_rows or t8_rows */
         /* above LANE_RL_MAX: whole token-lane tiles, and a remainder of at most LANE_SPLIT tokens on the
          * row-lane kernel instead of a mostly empty tile (both give every token the same bits) */
         const int r = T % LANE_TILE, ntl = T <= LANE_RL_MAX ? 0 : r && r <= LANE_SPLIT ? T - r : T;
@@ -157,7 +157,7 @@ int gguf_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *x
     return rc;
 }
 
-/* 1: this build has the lane kernels (GG_Q8_LANES: rl_rows, and tl_rows or t8_row); 0 (the scalar
+/* 1: this build has the lane kernels (GG_Q8_LANES: rl_rows, and tl_rows or t8_rows); 0 (the scalar
  * build): GG_Q8_LANES changes nothing. */
 int gguf_q8_lanes(void) {
 #if defined(GG_TL) || defined(GG_T8)

@@ -45,7 +45,7 @@
 #define TL 16                         /* tokens per tile of tl_rows (a zmm of int32 lanes) */
 #define RL_MAX_TOKENS 16              /* AVX-512 VNNI builds: LANE_RL_MAX */
 #define RL_SPLIT 4                    /* and LANE_SPLIT */
-#define T8 8                          /* tokens per tile of t8_row (a ymm of int32 lanes) */
+#define T8 8                          /* tokens per tile of t8_rows (a ymm of int32 lanes) */
 #define T8_SPLIT 4                    /* AVX2 builds: LANE_SPLIT */
 #ifndef T8_RL_MAX
 #define T8_RL_MAX 8                   /* and LANE_RL_MAX */
