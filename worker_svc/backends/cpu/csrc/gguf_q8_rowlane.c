@@ -120,6 +120,9 @@ _Pragma("GCC unroll 8")                                                         
  * can leave s16, see there), then widened by madd (times 128 for the high part of parts 2): the
  * same exact integer dot per run as vpdpbusd's above, so the same fp32 steps give the same bits. */
 #define RL_Q6_OFF (-32)   /* Q6_K's weights signed: v - 32 */
+/* the running sums stay in order in registers (as in the AVX2 token-lane kernel: GCC otherwise
+ * reassociates a run's adds into a tree over all its products and spills them) */
+#define RL_KEEP(v) __asm__("" : "+x"(v))
 #define RL_TOKENS(b)                                                                                       \
     {                                                                                                  \
 _Pragma("GCC unroll 1")   /* one token at a time: w[8] and the sums fill AVX2's 16 registers */      \
@@ -137,6 +140,8 @@ _Pragma("GCC unroll 8")                                                         
                     memcpy(&a4, a + lo + 4 * g, 4);                                                    \
                     av = _mm256_set1_epi32(a4);                                                        \
                     l = _mm256_add_epi16(l, _mm256_maddubs_epi16(wu, SG ? _mm256_sign_epi8(av, w[g]) : av)); \
+                    RL_KEEP(h);                                                                        \
+                    RL_KEEP(l);                                                                        \
                 }                                                                                      \
                 if ((g + 1) % T8_GROUPS(type) == 0) {                                                  \
                     __m256i s = _mm256_madd_epi16(h, P == 2 ? _mm256_set1_epi16(128) : _mm256_set1_epi16(1)); \
