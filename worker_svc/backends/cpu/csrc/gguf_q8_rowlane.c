@@ -240,6 +240,8 @@ _Pragma("GCC unroll 1")   /* tokens in pairs: each pair of weights loaded once f
                     for (int k = 0; k < 16; k++) {
                         d0 = _mm256_add_epi32(d0, _mm256_madd_epi16(W2[k], _mm256_set1_epi32(a0[k])));
                         d1 = _mm256_add_epi32(d1, _mm256_madd_epi16(W2[k], _mm256_set1_epi32(a1[k])));
+                        RL_KEEP(d0);
+                        RL_KEEP(d1);
                     }
                     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0v, _mm256_set1_ps(da[(int64_t)t * fs + i])),
                                              acc[t]);
