@@ -63,19 +63,18 @@ static void t8_unpack_any(int type, const uint8_t *p, int nb, int parts, int8_t 
 #undef T8_U
 }
 
+/* The sums stay in their running order in registers: without it GCC reassociates a run's
+ * adds into a tree over all its products, which holds every product at once and spills them to
+ * the stack (integers: same result, so only the speed changes) */
+#define T8_KEEP(v) __asm__("" : "+x"(v))
+
 /* R rows (1 or 2; unpacked: wb, T8_WB bytes a run and nr runs a row, row r at wb + r * ws * nr,
  * mt + r * nr) against a tile of T8 tokens: activations A by run, then (8-bit) part, group of 4,
  * token: A + ((b * P + part) * 8 + g) * 32, or (T8_W16) pair of elements, token:
  * A + (b * 16 + k) * 32 (s16 pairs); dT, sT: the tile's da, sa by run then token (T8 a run).
  * res[r * T8 + t]: row r, token t. Two rows share each activation load and give the core two
  * independent chains of run-after-run fmas; each row's steps and their order are those of one row
- * alone, and the corrections are summed after the dots in the same order (run after run), so a
- * row's result is the same bits whichever row it is paired with. */
-/* The sums stay in their running order in registers: without it GCC reassociates a run's
- * adds into a tree over all its products, which holds every product at once and spills them to
- * the stack (integers: same result, so only the speed changes) */
-#define T8_KEEP(v) __asm__("" : "+x"(v))
-
+ * alone, so a row's result is the same bits whichever row it is paired with. */
 static inline __attribute__((always_inline)) void
 t8_rows(const int R, const int P, const int TY, const int8_t *wb, const t8_meta *mt, int nr, const int8_t *A,
         const float *dT, const float *sT, float *res) {
