@@ -56,6 +56,11 @@
 #define T8_GROUPS(type) ((type) == T_Q8_0 ? 1 : (type) == T_Q5_K || (type) == T_Q6_K ? 4 : 8)
 
 #if defined(GG_AVX2)
+/* Q8_KEEP(v): the AVX2 dots' running sums stay in their order, in a register: without it GCC
+ * reassociates a run's adds into a tree over all its products, which holds every product at once
+ * and spills them to the stack (integer sums: the same result, only the speed changes) */
+#define Q8_KEEP(v) __asm__("" : "+x"(v))
+
 /* T tokens' activation scales da and sums sa ([t * fs + b], fs runs a token) -> by tile of `tile`
  * tokens, then run, then token: dT / sT[(k * fs + b) * tile + t] for tile k; 0 past T */
 static inline void scales_by_tile(const float *da, const float *sa, int T, int64_t fs, int tile, float *dT,

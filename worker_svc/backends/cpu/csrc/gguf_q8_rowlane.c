@@ -120,9 +120,6 @@ _Pragma("GCC unroll 8")                                                         
  * can leave s16, see there), then widened by madd (times 128 for the high part of parts 2): the
  * same exact integer dot per run as vpdpbusd's above, so the same fp32 steps give the same bits. */
 #define RL_Q6_OFF (-32)   /* Q6_K's weights signed: v - 32 */
-/* the running sums stay in order in registers (as in the AVX2 token-lane kernel: GCC otherwise
- * reassociates a run's adds into a tree over all its products and spills them) */
-#define RL_KEEP(v) __asm__("" : "+x"(v))
 #define RL_TOKENS(b)                                                                                       \
     {                                                                                                  \
 _Pragma("GCC unroll 1")   /* one token at a time: w[8] and the sums fill AVX2's 16 registers */      \
@@ -140,8 +137,8 @@ _Pragma("GCC unroll 8")                                                         
                     memcpy(&a4, a + lo + 4 * g, 4);                                                    \
                     av = _mm256_set1_epi32(a4);                                                        \
                     l = _mm256_add_epi16(l, _mm256_maddubs_epi16(wu, SG ? _mm256_sign_epi8(av, w[g]) : av)); \
-                    RL_KEEP(h);                                                                        \
-                    RL_KEEP(l);                                                                        \
+                    Q8_KEEP(h);                                                                        \
+                    Q8_KEEP(l);                                                                        \
                 }                                                                                      \
                 if ((g + 1) % T8_GROUPS(type) == 0) {                                                  \
                     __m256i s = _mm256_madd_epi16(h, P == 2 ? _mm256_set1_epi16(128) : _mm256_set1_epi16(1)); \
@@ -240,8 +237,8 @@ _Pragma("GCC unroll 1")   /* tokens in pairs: each pair of weights loaded once f
                     for (int k = 0; k < 16; k++) {
                         d0 = _mm256_add_epi32(d0, _mm256_madd_epi16(W2[k], _mm256_set1_epi32(a0[k])));
                         d1 = _mm256_add_epi32(d1, _mm256_madd_epi16(W2[k], _mm256_set1_epi32(a1[k])));
-                        RL_KEEP(d0);
-                        RL_KEEP(d1);
+                        Q8_KEEP(d0);
+                        Q8_KEEP(d1);
                     }
                     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0v, _mm256_set1_ps(da[(int64_t)t * fs + i])),
                                              acc[t]);

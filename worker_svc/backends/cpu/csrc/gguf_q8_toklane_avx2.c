@@ -63,11 +63,6 @@ static void t8_unpack_any(int type, const uint8_t *p, int nb, int parts, int8_t 
 #undef T8_U
 }
 
-/* The sums stay in their running order in registers: without it GCC reassociates a run's
- * adds into a tree over all its products, which holds every product at once and spills them to
- * the stack (integers: same result, so only the speed changes) */
-#define T8_KEEP(v) __asm__("" : "+x"(v))
-
 /* R rows (1 or 2; unpacked: wb, T8_WB bytes a run and nr runs a row, row r at wb + r * ws * nr,
  * mt + r * nr) against a tile of T8 tokens: activations A by run, then (8-bit) part, group of 4,
  * token: A + ((b * P + part) * 8 + g) * 32, or (T8_W16) pair of elements, token:
@@ -95,7 +90,7 @@ t8_rows(const int R, const int P, const int TY, const int8_t *wb, const t8_meta 
                     int32_t wk;
                     memcpy(&wk, wb + r * ws + (int64_t)b * 64 + 4 * k, 4);
                     d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(a, _mm256_set1_epi32(wk)));
-                    T8_KEEP(d[r]);
+                    Q8_KEEP(d[r]);
                 }
                 if (Q6 && k == 7)   /* Q6_K: the first half, at its own scale */
                     for (int r = 0; r < R; r++) {
@@ -114,11 +109,10 @@ t8_rows(const int R, const int P, const int TY, const int8_t *wb, const t8_meta 
                     memcpy(&w4, wb + r * ws + (int64_t)b * 32 + 4 * g, 4);
                     const __m256i wv = _mm256_set1_epi32(w4), u = SGN ? _mm256_abs_epi8(wv) : wv;
                     h[r] = _mm256_add_epi16(h[r], _mm256_maddubs_epi16(u, SGN ? _mm256_sign_epi8(ah, wv) : ah));
-                    if (P == 2)
+                    if (P == 2) {   /* sums kept in order (Q8_KEEP; one part: faster as GCC orders it) */
                         l[r] = _mm256_add_epi16(l[r], _mm256_maddubs_epi16(u, SGN ? _mm256_sign_epi8(al, wv) : al));
-                    if (P == 2) {   /* (one part: faster as GCC orders it) */
-                        T8_KEEP(h[r]);
-                        T8_KEEP(l[r]);
+                        Q8_KEEP(h[r]);
+                        Q8_KEEP(l[r]);
                     }
                 }
                 if ((g + 1) % NG == 0)   /* widen: d += 128 h + l (parts 2), or h */
