@@ -7,11 +7,15 @@ Arms (ARMS): the prebuilt variant this CPU gets and a -march=native build of the
 its default before (8-token tile kernels up to GGUF_MAX_TOKENS, the float GEMM on a cached fp32
 copy above) and with the lane kernels at every call (one arithmetic at every batch size, no fp32
 copy), and an AVX2 build here (-march=znver3) with the lanes, against which the avx2 variant is
-compared where no AVX2-only machine is at hand. Cases: decode 1 and 32 at 1k context, prefill 512.
-Each arm's resident memory after its last step.
+compared where no AVX2-only machine is at hand; and the installed variant with the row-lane
+kernel's 16-row path from 5 tokens (the threshold measured on Xeons) instead of its default on
+this CPU. Cases: decode 1 and 32 at 1k context, prefill 512 (the default), and prompts of 1-16
+tokens (`prefill:N`: one call of N tokens through every layer, the shape of a decode verifying
+N - 1 drafts). Each arm's resident memory after its last step.
 
     python -m bench.kernel_variants [--rounds 7] [--threads 2] [--no-llama] [--llama-isa avx2]
-                                    [--arms A,B] [--out bench/results/kernels/variants_zen4]
+                                    [--arms A,B] [--cases decode:1,prefill:4]
+                                    [--out bench/results/kernels/variants_zen4]
 
 `avx2-only` with `--llama-isa avx2` is the AVX2 comparison where no AVX2-only machine is at hand:
 both engines at AVX2 + FMA on whatever x86 CPU runs it (ours: the avx2 variant, torch's kernels
@@ -29,7 +33,9 @@ from pathlib import Path
 
 from bench.common import EngineProcess, start_order_sessions
 from bench.gguf_kernels import ENGINE_CASES as CASES
-from bench.gguf_kernels import LLAMA, LLAMA_CMDS, cpu_id, pressure, rss_mb, step_in_turn
+from bench.gguf_kernels import LLAMA, LLAMA_CMDS, STEPS, cpu_id, pressure, rss_mb, step_in_turn
+
+SMALL_PREFILL_STEPS = 8   # timed consecutive steps a round of a prefill:N case, N <= 16 (as decode 1)
 
 # key: (what it is, its environment)
 ARMS = {
@@ -46,6 +52,8 @@ ARMS = {
     "avx2-only": ("prebuilt avx2 + torch held to AVX2 (an AVX2 machine's engine)",
                   {"SARATHI_NATIVE_VARIANT": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
                    "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
+    "rows16-from5": ("prebuilt best, 16-row kernel from 5 tokens (the Xeon threshold)",
+                     {"SARATHI_NATIVE_BUILD": "prebuilt", "SARATHI_GGUF_ROWS16_MIN": "5"}),
 }
 # the ratios the results README reports: (numerator arm, denominator arm)
 RATIOS = {
@@ -56,11 +64,28 @@ RATIOS = {
     "avx2_tiles_over_llama": ("avx2-tiles", LLAMA),
     "best_over_llama": ("best", LLAMA),
     "avx2_only_over_llama": ("avx2-only", LLAMA),
+    "best_over_rows16_from5": ("best", "rows16-from5"),
 }
 
 
-def run(rounds: int, threads: int, llama: bool, arms: list[str]) -> dict:
-    """The arms stepped in turn, in two sessions of opposite start order (start_order_sessions)."""
+def parse_cases(text: str) -> list[str]:
+    """--cases: comma-separated of the engine cases (decode:1, decode:32, prefill:512) and
+    prefill:N for 1 <= N <= 16; raises ValueError naming what it refuses."""
+    cases = [c for c in text.split(",") if c]
+    for c in cases:
+        kind, _, n = c.partition(":")
+        if c not in CASES and not (kind == "prefill" and n.isdigit() and 1 <= int(n) <= 16):
+            raise ValueError(f"unknown case {c!r}: choose from {', '.join(CASES)} or prefill:N with N in 1..16")
+    if not cases:
+        raise ValueError("--cases names no case")
+    return cases
+
+
+def run(rounds: int, threads: int, llama: bool, arms: list[str], cases: list[str] = CASES) -> dict:
+    """The arms stepped in turn on `cases`, in two sessions of opposite start order
+    (start_order_sessions)."""
+    for c in cases:
+        STEPS.setdefault(c, SMALL_PREFILL_STEPS)
     tree = Path(__file__).resolve().parent.parent
     times: dict | None = None
     backends, rss, done = {}, {}, 0
@@ -72,10 +97,10 @@ def run(rounds: int, threads: int, llama: bool, arms: list[str]) -> dict:
 
         def progress(r: int, t: dict) -> None:
             print(f"round {done + r + 1}/{rounds}: " + "; ".join(
-                f"{a} {1e3 * t[a]['decode:1'][-1]:.2f}/{1e3 * t[a]['prefill:512'][-1]:.0f} ms"
-                for a in t if t[a]["decode:1"]), file=sys.stderr, flush=True)
+                f"{a} " + "/".join(f"{1e3 * t[a][c][-1]:.2f}" for c in cases if t[a].get(c)) + " ms"
+                for a in t if any(t[a].values())), file=sys.stderr, flush=True)
 
-        t = step_in_turn(procs, CASES, n, threads, llama, on_round=progress)
+        t = step_in_turn(procs, cases, n, threads, llama, on_round=progress)
         times = t if times is None else {a: {c: times[a][c] + t[a][c] for c in t[a]} for a in t}
         done += n
         backends.update({name: p.info["ready"] for name, p in procs.items()})
@@ -83,19 +108,19 @@ def run(rounds: int, threads: int, llama: bool, arms: list[str]) -> dict:
         for p in procs.values():
             p.close()
     arms_info = {n: {"what": ARMS[n][0], "env": ARMS[n][1]} for n in arms}
-    return {**summarize(times), "rss_MB": rss, "backends": backends, "arms": arms_info,
+    return {**summarize(times, cases), "cases": cases, "rss_MB": rss, "backends": backends, "arms": arms_info,
             "llama_bench_commands": dict(LLAMA_CMDS) if llama else {}}
 
 
-def summarize(times: dict) -> dict:
+def summarize(times: dict, cases: list[str] = CASES) -> dict:
     """times: arm (or LLAMA) -> case -> seconds per round. Medians in ms, the RATIOS of medians,
     the same ratios round by round (both arms of a round ran minutes apart at most: their median
     and range, the statistic to read where the machine's speed drifts between rounds), and every
     round in ms."""
     ms = {n: {c: round(1e3 * statistics.median(ts), 2) for c, ts in d.items() if ts} for n, d in times.items()}
-    ratios = {k: {c: round(ms[a][c] / ms[b][c], 3) for c in CASES if c in ms.get(a, {}) and c in ms.get(b, {})}
+    ratios = {k: {c: round(ms[a][c] / ms[b][c], 3) for c in cases if c in ms.get(a, {}) and c in ms.get(b, {})}
               for k, (a, b) in RATIOS.items() if a in ms and b in ms}
-    paired = {k: {c: paired_ratio(times[a][c], times[b][c]) for c in CASES if times[a].get(c) and times[b].get(c)}
+    paired = {k: {c: paired_ratio(times[a][c], times[b][c]) for c in cases if times[a].get(c) and times[b].get(c)}
               for k, (a, b) in RATIOS.items() if a in times and b in times}
     rounds_ms = {n: {c: [round(1e3 * t, 2) for t in ts] for c, ts in d.items() if ts} for n, d in times.items()}
     return {"ms": ms, "ratios": ratios, "paired_ratios": paired, "rounds_ms": rounds_ms}
@@ -114,13 +139,14 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(res["ms"])
-    fig, axes = plt.subplots(1, len(CASES), figsize=(5 * len(CASES), 4.5))
-    for ax, c in zip(axes, CASES):
+    cases = res.get("cases", CASES)
+    fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4.5), squeeze=False)
+    for ax, c in zip(axes[0], cases):
         vals = [res["ms"][n].get(c, 0) for n in names]
         ax.barh(range(len(names)), vals, color=["C0", "C1", "C2", "C3", "C4", "C7"][:len(names)])
         ax.set_yticks(range(len(names)))
         labels = [res["arms"][n]["what"] if n in res["arms"] else n for n in names]
-        ax.set_yticklabels(labels if c == CASES[0] else [""] * len(names), fontsize=8)
+        ax.set_yticklabels(labels if c == cases[0] else [""] * len(names), fontsize=8)
         ax.set_title(f"{c} (ms, lower is better)")
         for i, v in enumerate(vals):
             ax.text(v, i, f" {v:.1f}", va="center", fontsize=8)
@@ -138,8 +164,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="which llama.cpp build to run: -march=native, or its AVX2 level "
                          "(LLAMA_ISA=avx2 bench/build_llama_server.sh builds it)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms of {', '.join(ARMS)} (default: all)")
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help="comma-separated, of decode:1, decode:32, prefill:512 and prefill:N (N in 1..16); "
+                         "llama-bench runs only with the default cases")
     ap.add_argument("--out", default="bench/results/kernels/variants")
     a = ap.parse_args(argv)
+    try:
+        cases = parse_cases(a.cases)
+    except ValueError as e:
+        ap.error(str(e))
     arms = [n for n in a.arms.split(",") if n]
     unknown = [n for n in arms if n not in ARMS]
     if unknown:
@@ -149,8 +182,9 @@ def main(argv: list[str] | None = None) -> None:
            "machine": cpu_id(), "threads": a.threads, "rounds": a.rounds, "pressure_before": pressure()}
     if a.llama_isa == "avx2":
         os.environ["SARATHI_LLAMA_ISA"] = "avx2"     # read by bench.gguf_kernels.llama_bench_once
-    res["llama_isa"] = None if a.no_llama else a.llama_isa
-    res.update(run(a.rounds, a.threads, not a.no_llama, arms))
+    llama = not a.no_llama and set(CASES) <= set(cases)   # llama-bench times the default cases
+    res["llama_isa"] = a.llama_isa if llama else None
+    res.update(run(a.rounds, a.threads, llama, arms, cases))
     res["pressure_after"] = pressure()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

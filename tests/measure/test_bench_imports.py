@@ -47,6 +47,22 @@ def test_kernel_variants_compares_each_arm_with_llama_cpp_by_the_name_its_rounds
     assert res["paired_ratios"]["avx2_only_over_llama"]["prefill:512"]["rounds"] == 2
 
 
+def test_kernel_variants_takes_verification_sized_prefills_and_refuses_other_cases():
+    """--cases: the default engine cases and prefill:N up to 16 tokens (a decode verifying drafts);
+    anything else is refused by name, and the summary and its ratios cover exactly those cases."""
+    from bench import kernel_variants as kv
+
+    assert kv.parse_cases("decode:1,prefill:4,prefill:16") == ["decode:1", "prefill:4", "prefill:16"]
+    for bad in ("prefill:17", "prefill:0", "decode:2", "prefill:x", ","):
+        with pytest.raises(ValueError):
+            kv.parse_cases(bad)
+    times = {"best": {"decode:1": [0.006, 0.007], "prefill:4": [0.010, 0.011]},
+             "rows16-from5": {"decode:1": [0.006, 0.007], "prefill:4": [0.011, 0.012]}}
+    res = kv.summarize(times, ["decode:1", "prefill:4"])
+    assert set(res["ratios"]["best_over_rows16_from5"]) == {"decode:1", "prefill:4"}
+    assert res["ratios"]["best_over_rows16_from5"]["prefill:4"] == round(10.5 / 11.5, 3)
+
+
 def test_engine_comparisons_start_their_arms_in_both_orders():
     """The process started first steps slower on these guests (bench.start_order), so a comparison
     runs half its rounds with the arms started in each order, and no round is lost or added."""

@@ -255,6 +255,45 @@ def test_q8_row_results_do_not_depend_on_the_other_rows():
                 assert torch.equal(q8(raw[7:8], threads=1), full[:, 7:8]), (qtype.name, T, scalar, parts)
 
 
+_ROWS16_PROBE = """
+import sys, numpy as np, torch
+from tests.worker.test_gguf_kernels import Q, random_blocks
+from worker_svc.backends.cpu import native
+rng = np.random.default_rng(13)
+out = {}
+for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+    raw = torch.from_numpy(random_blocks(qtype, 45, 512, rng))    # 2 x 16 rows, an octet, 5 rows
+    for T in range(1, 8):
+        x = torch.from_numpy(rng.standard_normal((T, 512)).astype(np.float32))
+        for parts in (1, 2):
+            out[f"{qtype.name} {T} {parts}"] = native.gguf_linear_q8(int(qtype), raw, x, parts=parts, num_threads=2)
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(native.gguf_q8_isa() != "avx512vnni", reason="the 16-row kernel is in AVX-512 VNNI builds")
+def test_q8_sixteen_row_threshold_leaves_the_bits(tmp_path):
+    """Where the row-lane kernel starts taking 16 rows a vector (by CPU: from 1 token on Zen 4, from
+    5 on the Xeons) changes its speed only: 1-7 tokens of every format it takes give the same bits
+    with 16 rows a vector at every size as with octets only (each setting in a fresh process, as
+    the kernel reads it once)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    got = {}
+    for name, env in (("rows16", {"SARATHI_GGUF_ROWS16_MIN": "1"}), ("octets", {"SARATHI_GGUF_ROWS16": "0"})):
+        path = tmp_path / f"{name}.pt"
+        subprocess.run([sys.executable, "-c", _ROWS16_PROBE, str(path)], check=True, timeout=120,
+                       env={**os.environ, **env, "PYTHONPATH": root}, cwd=root)
+        got[name] = torch.load(path)
+    assert got["rows16"].keys() == got["octets"].keys() and len(got["rows16"]) == 3 * 7 * 2
+    for key, want in got["octets"].items():
+        assert torch.equal(got["rows16"][key], want), key
+
+
 def test_q8_strided_rows_and_rejects_bad_shapes():
     rng = np.random.default_rng(8)
     raw = torch.from_numpy(random_blocks(Q.Q4_0, 40, 256, rng))

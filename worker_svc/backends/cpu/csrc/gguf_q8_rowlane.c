@@ -357,14 +357,19 @@ static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int
  * exactly as rl_rows does, then joined, so that one 512-bit vpdpbusd does the work of two 256-bit
  * ones (the same instruction rate on the AVX-512 cores measured: twice the multiplies). Per (row,
  * token) the integer dot and the fp32 steps are rl_rows's, lane for lane: the same bits. Used by
- * rl_linear where 16 rows remain, in calls of at least RL2_MIN_TOKENS tokens: with fewer, the dots
- * are too few for the wider vectors to pay for joining two octets' unpacked runs (measured in
- * bench/results/kernels/README.md, "Sixteen rows a vector"); a call's last rows go through rl_rows.
+ * rl_linear where 16 rows remain, in calls of at least rl2_min() tokens: on the Xeons measured,
+ * RL2_MIN_TOKENS (with fewer, the dots are too few for the wider vectors to pay for joining two
+ * octets' unpacked runs); on AMD family 19h (Zen 4: the VNNI build's only AMD cores of that family),
+ * every call, where a 512-bit dot issues as two 256-bit halves and the wider vectors' gain is the
+ * halved instruction count: faster at every size measured, 1 token included
+ * (bench/results/kernels/README.md, "Sixteen rows a vector", "On Zen 4"); a call's last rows go
+ * through rl_rows.
  * A call's tokens go in as few passes as RL2_TILE allows, of equal size: each pass loads, transposes
  * and unpacks the rows again, which costs more than the accumulators that do not fit the registers
  * up to 12 tokens, and less above (bench/results/kernels/README.md, "Fewer passes"). */
 #define RL2 16
 #define RL2_MIN_TOKENS 5
+#define RL2_MIN_TOKENS_ZEN4 1
 #define RL2_TILE 12   /* tokens a pass at most */
 static inline __m512i rl_join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 static inline __m512 rl_joinf(__m256 lo, __m256 hi) {
@@ -451,6 +456,18 @@ static int rl2_pass(int T) {
     const int passes = (T + most - 1) / most;
     return (T + passes - 1) / passes;
 }
+/* the fewest tokens of a call that rl2_rows takes (see there): by CPU, or SARATHI_GGUF_ROWS16_MIN =
+ * 1 .. RL2_TILE (for A/B measurements; the same bits either way) */
+static int rl2_min(void) {
+    static int least = 0;
+    if (least == 0) {
+        const char *e = getenv("SARATHI_GGUF_ROWS16_MIN");
+        const int v = e ? atoi(e) : 0;
+        __builtin_cpu_init();
+        least = v >= 1 && v <= RL2_TILE ? v : __builtin_cpu_is("amdfam19h") ? RL2_MIN_TOKENS_ZEN4 : RL2_MIN_TOKENS;
+    }
+    return least;
+}
 /* the formats rl2_rows takes */
 static inline int rl2_format(int type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
 static void rl2_rows_any(int type, int nt, int P, const uint8_t *const *rows, int nb, const int8_t *qa, int64_t qs,
@@ -509,7 +526,7 @@ int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, i
         float res[Q8_TILE * RL] __attribute__((aligned(32)));
         int n = r0;
 #if defined(GG_TL)
-        if (rl2_format(type) && T >= RL2_MIN_TOKENS && rl2_enabled()) {   /* 16 rows at a time while 16 remain */
+        if (rl2_format(type) && T >= rl2_min() && rl2_enabled()) {   /* 16 rows at a time while 16 remain */
             float res2[RL2_TILE * RL2] __attribute__((aligned(64)));
             const int pass = rl2_pass(T);
             for (; r1 - n >= RL2; n += RL2) {
