@@ -31,6 +31,8 @@ per trace row, the packaged ShareGPT length trace).
         --weights-list 3:1:1,1:1:1,3:3:0 --out bench/results/routing   # the picker's weights swept
     python -m bench.routing lowq --replicas 4 --workloads chat --qps-list 21,23 \
         --thresholds 0,4,16 --out bench/results/routing             # the low-queue filter before mix
+    python -m bench.routing fc --replicas 4 --workloads chat --qps-list 15.3,21 \
+        --out bench/results/routing                       # the picker's flow control in front of mix
 
 Each replica runs at most --max-num-seqs requests at once (default 128; its other requests wait
 in its queue): a push routing (the picker's) can fill that cap where the shared queue's pull,
@@ -279,6 +281,35 @@ def lowq(a: argparse.Namespace) -> None:
     _plot_weights(res, path.with_suffix(".png"), xlabel="mix: low-queue filter threshold (requests waiting)")
 
 
+def fc(a: argparse.Namespace) -> None:
+    """The picker's flow control (mix-fc: requests wait in the picker while the pool is saturated,
+    sarathi.measure.routing) beside the mix without it, at each rate of --qps-list, judged by the
+    capacity criterion: with the saturation detector's filter in the scheduling profile (saturated
+    replicas are no candidates) and with its dispatch gate alone; written to
+    routing_{workload}_{N}r_fc.json (+ PNG). The question: does holding requests at the picker,
+    as the shared queue's pull holds them, buy the mix capacity?"""
+    from sarathi.measure import routing as R
+
+    wl, w, mixed = _probe_target(a, "mix")
+    _, _, controlled = _probe_target(a, "mix-fc")
+    default = R.SATURATION_FILTER
+    res = {"command": "python -m bench.routing " + " ".join(sys.argv[1:]), "machine": machine(),
+           "replicas": a.replicas, "workload": wl, "saturation": {"queue": R.SATURATION_QUEUE, "kv": R.SATURATION_KV},
+           "runs": []}
+    try:
+        for setting in ("no flow control", "gate + filter", "gate alone"):
+            R.SATURATION_FILTER = setting == "gate + filter"   # read at each pick
+            for q in (float(x) for x in a.qps_list.split(",")):
+                ok, summ = _judged_run(a, mixed if setting == "no flow control" else controlled, w, q,
+                                       f"{wl} mix, {setting}")
+                res["runs"].append({"weights": setting, "qps": q, "ok": ok, "summary": summ})
+    finally:
+        R.SATURATION_FILTER = default
+    path = Path(a.out) / f"routing_{wl}_{a.replicas}r_fc.json"
+    path.write_text(json.dumps(json_safe(res), indent=1))
+    _plot_weights(res, path.with_suffix(".png"), xlabel="mix: the picker's flow control")
+
+
 def _plot_weights(res: dict, png: Path, xlabel: str = "mix weights prefix:queue:kv") -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -303,9 +334,9 @@ def _plot_weights(res: dict, png: Path, xlabel: str = "mix weights prefix:queue:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", nargs="?", default="run", choices=["run", "probe", "report", "weights", "lowq"])
+    p.add_argument("mode", nargs="?", default="run", choices=["run", "probe", "report", "weights", "lowq", "fc"])
     p.add_argument("--routing", default="shared-queue", help="probe: the routing")
-    p.add_argument("--qps-list", default="", help="probe, weights, lowq: comma-separated rates")
+    p.add_argument("--qps-list", default="", help="probe, weights, lowq, fc: comma-separated rates")
     p.add_argument("--weights-list", default="3:1:1", help="weights: comma-separated prefix:queue:kv settings of mix")
     p.add_argument("--thresholds", default="0,4,16", help="lowq: comma-separated low-queue filter thresholds")
     p.add_argument("--replicas", type=int, default=4)
@@ -326,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="each replica's cap on running requests (its scheduler's max_num_seqs)")
     p.add_argument("--out", default="bench/results/routing")
     a = p.parse_args(argv)
-    {"run": run, "probe": probe, "report": report, "weights": weights, "lowq": lowq}[a.mode](a)
+    {"run": run, "probe": probe, "report": report, "weights": weights, "lowq": lowq, "fc": fc}[a.mode](a)
     return 0
 
 

@@ -23,7 +23,14 @@ Two ways a request reaches a replica:
   prefix alone; ``mix`` = prefix 3 + queue 1 + kv 1 (the picker's default profile's weights);
   ``mix-lowq`` = mix behind the picker's low-queue filter (a decision tree: the replicas with at
   most LOW_QUEUE_THRESHOLD requests waiting, or, when none is that short, the least queued ones;
-  the scorers then rank the survivors, the queue score normalized over them as the picker does).
+  the scorers then rank the survivors, the queue score normalized over them as the picker does);
+  ``mix-fc`` = mix behind the picker's flow control (its FlowController with the utilization
+  saturation detector): a request that arrives while the pool is saturated waits in the picker's
+  own queue (first come, first served) instead of a replica's, and the queue's head is sent as
+  soon as the pool is not; a replica is saturated at max(waiting / SATURATION_QUEUE, KV usage /
+  SATURATION_KV) >= 1, the pool at the mean of that over the replicas >= 1 (the detector's
+  roofline score), and the detector's filter keeps a saturated replica out of the candidates
+  while any other is not (headroom 0). The thresholds are the detector's defaults.
 
 The scorers are one class (Scorer) over whatever state it is handed: Picker hands it the
 simulated replicas' schedulers, bench/picker_router.py (a live picker in front of real replicas)
@@ -39,14 +46,21 @@ import numpy as np
 
 from scheduler_svc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder, block_hash, root_hash
 
-ROUTINGS = ("least-unfinished", "shared-queue", "least-queue", "prefix", "mix", "mix-lowq")
+ROUTINGS = ("least-unfinished", "shared-queue", "least-queue", "prefix", "mix", "mix-lowq", "mix-fc")
 WEIGHTS = {"least-queue": {"queue": 1.0, "kv": 1.0}, "prefix": {"prefix": 1.0},
            "mix": {"prefix": 3.0, "queue": 1.0, "kv": 1.0}}
 WEIGHTS["mix-lowq"] = WEIGHTS["mix"]    # the same scorers, behind the filter
+WEIGHTS["mix-fc"] = WEIGHTS["mix"]      # the same scorers, behind flow control
 # requests waiting at most, for a replica to pass mix-lowq's filter (the picker's low-queue filter
 # `threshold`; its default, 128, never filters at the loads simulated here)
 LOW_QUEUE_THRESHOLD = 4
 FILTERED = {"mix-lowq"}
+# flow control's saturation detector (the utilization detector's defaults: queueDepthThreshold 5,
+# kvCacheUtilThreshold 0.8, headroom 0)
+SATURATION_QUEUE = 5
+SATURATION_KV = 0.8
+FLOW_CONTROLLED = {"mix-fc"}
+SATURATION_FILTER = True   # the detector's filter in the scheduling profile too (else the gate alone)
 
 
 class PrefixIndex:
@@ -97,6 +111,7 @@ class Scorer:
             raise ValueError(f"no picker for routing {routing!r}")
         self.weights = WEIGHTS[routing]
         self.low_queue = LOW_QUEUE_THRESHOLD if routing in FILTERED else None
+        self.flow_control = routing in FLOW_CONTROLLED
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.rng = np.random.default_rng(seed)
@@ -127,6 +142,21 @@ class Scorer:
         """(waiting, kv_usage) of every replica now, when the caller does not pass them."""
         raise NotImplementedError
 
+    @staticmethod
+    def replica_saturation(waiting, kv_usage) -> np.ndarray:
+        """Each replica's saturation score, the detector's roofline: max(waiting /
+        SATURATION_QUEUE, KV usage / SATURATION_KV); 1 or more is saturated."""
+        return np.maximum(np.asarray(waiting, dtype=float) / SATURATION_QUEUE,
+                          np.asarray(kv_usage, dtype=float) / SATURATION_KV)
+
+    def saturated(self, waiting=None, kv_usage=None) -> bool:
+        """Whether flow control holds requests now: the mean replica saturation is 1 or more
+        (no replica at all counts as saturated)."""
+        if waiting is None or kv_usage is None:
+            waiting, kv_usage = self.state()
+        sat = self.replica_saturation(waiting, kv_usage)
+        return len(sat) == 0 or float(sat.mean()) >= 1.0
+
     def scores(self, prompt_ids: list[int], waiting=None, kv_usage=None) -> tuple[np.ndarray, list[int] | None]:
         """Each replica's total score, and the leading blocks of the prompt each holds (None
         without the prefix scorer); the load state from state() unless given."""
@@ -139,6 +169,10 @@ class Scorer:
             keep = q_all <= self.low_queue
             if not keep.any():
                 keep = q_all <= q_all.min()
+        if self.flow_control and SATURATION_FILTER:   # the saturation filter; none passes: all
+            keep = self.replica_saturation(q_all, kv_usage) < 1.0
+            if not keep.any():
+                keep = np.ones(n, dtype=bool)
         total = np.where(keep, 0.0, -np.inf)
         w = self.weights
         if "queue" in w:

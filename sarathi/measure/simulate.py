@@ -213,13 +213,17 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
         return (sum(x["prefix_cache_hit_tokens"] for x in st), sum(x["prefix_cache_query_tokens"] for x in st))
     warm_prefix = None if offset else (0, 0)
     shared: deque[RequestSpec] = deque()     # routing shared-queue: arrived, not pulled yet
+    held: deque[RequestSpec] = deque()       # a flow-controlled picker's queue: arrived, not sent yet
+    flow = picker is not None and picker.flow_control
     reqs, iterations = {}, []
     last_batch: list[Batch] = []
     for r in replicas:
         r.engine.on_batch = lambda batch, output, seconds: last_batch.append(batch)
     routed = [0] * len(replicas)
 
-    def admit(i: int, spec: RequestSpec) -> None:
+    def admit(i: int, spec: RequestSpec, at: float | None = None) -> None:
+        """spec goes to replica i at `at` (default: its arrival), never earlier than a busy
+        replica's clock (callers pass the earliest event time)."""
         nonlocal warm_prefix
         if warm_prefix is None and spec.arrival >= offset:
             warm_prefix = prefix_tokens()      # the measured part starts: count its lookups only
@@ -227,9 +231,16 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
         routed[i] += 1
         if routes is not None:
             routes[spec.req_id] = i
-        r.clock.now = max(r.clock.now, spec.arrival)   # an idle replica wakes at the arrival
+        r.clock.now = max(r.clock.now, spec.arrival if at is None else at)   # an idle replica wakes then
         reqs[spec.req_id] = (spec, r.engine.add_request(
             spec.req_id, spec.prompt_ids, bench_sampling(spec.max_tokens), spec.arrival))
+
+    def release(at: float) -> None:
+        """Flow control: the picker's queue sends its head while the pool is not saturated, at
+        `at`, the current event time (no busy replica's clock is earlier)."""
+        while held and not picker.saturated():
+            spec = held.popleft()
+            admit(picker.pick(spec.prompt_ids), spec, at)
 
     def idle() -> list[int]:   # replicas blocked on the shared queue, longest idle first
         return sorted((k for k, r in enumerate(replicas) if not r.scheduler.has_unfinished()),
@@ -239,6 +250,9 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
         while shared and (free := idle()):     # a blocked replica takes a queued request at once
             admit(free[0], shared.popleft())
         busy = [r for r in replicas if r.scheduler.has_unfinished()]
+        if held and not busy:        # the last busy replica just finished: the pool is free
+            release(max(r.clock.now for r in replicas))
+            busy = [r for r in replicas if r.scheduler.has_unfinished()]
         t_busy = min((r.clock.now for r in busy), default=float("inf"))
         t_arr = pending[0].arrival if pending else float("inf")
         if min(t_busy, t_arr) >= end:
@@ -248,11 +262,17 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
             if routing == "shared-queue":
                 shared.append(spec)
                 continue
+            if flow:                 # into the picker's queue, its head sent while the pool has room
+                held.append(spec)
+                release(spec.arrival)
+                continue
             i = (picker.pick(spec.prompt_ids) if picker is not None
                  else min(range(len(replicas)), key=lambda k: (replicas[k].unfinished, k)))
             admit(i, spec)
             continue
         r = min(busy, key=lambda x: x.clock.now)
+        if held:     # its iteration boundary, the earliest: what finished may have freed the pool
+            release(r.clock.now)
         if shared:   # its iteration boundary: pull what fits (the service's pull rule)
             s = r.scheduler
             room = min(max_waiting - len(s.waiting), s.config.max_num_seqs - len(s.running) - len(s.waiting))
@@ -278,7 +298,8 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
     busy_s = sum(sum(r.worker.busy) for r in replicas)
     bubble_s = sum(sum(r.worker.bubble) for r in replicas)
     stage_time = sum(len(r.worker.busy) * r.busy_s for r in replicas)
-    records += [_record(spec, 0.0, [], None, False, None) for spec in shared if spec.arrival >= offset]
+    records += [_record(spec, 0.0, [], None, False, None) for q in (shared, held) for spec in q
+                if spec.arrival >= offset]
     if offset:   # back to the workload's times; the warm-up's iterations left out
         for rec in records:
             rec.arrival -= offset

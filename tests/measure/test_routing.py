@@ -208,3 +208,80 @@ def test_the_low_queue_sweep_runs_the_mix_with_and_without_the_filter_and_restor
     assert [(r["threshold"], r["qps"]) for r in res["runs"]] == [(None, 4.0), (0, 4.0), (8, 4.0)]
     assert all(r["summary"]["routing"] == ("mix" if r["threshold"] is None else "mix-lowq") for r in res["runs"])
     assert (tmp_path / "routing_chat_2r_lowq.png").stat().st_size > 0
+
+
+def test_flow_control_saturation_is_the_mean_roofline_and_its_filter_overrides_the_prefix():
+    """mix-fc: a replica's saturation is max(waiting / SATURATION_QUEUE, KV usage / SATURATION_KV),
+    the pool holds requests when the mean reaches 1; the detector's filter takes a saturated
+    replica out of the candidates, whatever it caches, unless every replica is saturated."""
+    from sarathi.measure import routing as R
+    from scheduler_svc.kv_events import BlockStored
+
+    q, kv = R.SATURATION_QUEUE, R.SATURATION_KV
+    sc = R.Scorer("mix-fc", 3, block_size=16, seed=0)
+    assert not sc.saturated(waiting=[q - 1, q - 1, q - 1], kv_usage=[0.0, 0.0, kv * 0.9])
+    assert sc.saturated(waiting=[3 * q, 0, 0], kv_usage=[0.0, 0.0, 0.0])          # mean 1: one hot replica
+    assert sc.saturated(waiting=[0, 0, 0], kv_usage=[kv, kv, kv])
+    assert not sc.saturated(waiting=[3 * q - 1, 0, 0], kv_usage=[0.0, 0.0, 0.0])
+    prompt = list(range(100, 164))
+    sc.index.sink(0)(BlockStored(block_hashes=sc._hashes(prompt), parent_block_hash=None, token_ids=prompt,
+                                 block_size=16))
+    assert sc.choose(prompt, waiting=[q - 1, 0, 0], kv_usage=[0.5, 0.0, 0.0]) == 0      # not saturated: cached wins
+    assert sc.choose(prompt, waiting=[q, 0, 1], kv_usage=[0.5, 0.0, 0.0]) != 0          # saturated: filtered out
+    assert sc.choose(prompt, waiting=[0, 0, 1], kv_usage=[kv, 0.0, 0.0]) != 0           # by its KV usage too
+    assert sc.choose(prompt, waiting=[q + 4, q, q + 1], kv_usage=[0.5, 0.5, 0.5]) == 0  # all saturated: all count
+    before = R.SATURATION_FILTER
+    try:
+        R.SATURATION_FILTER = False                                                     # the gate alone
+        assert sc.choose(prompt, waiting=[q, 0, 1], kv_usage=[0.5, 0.0, 0.0]) == 0
+    finally:
+        R.SATURATION_FILTER = before
+
+
+def test_flow_control_holds_a_burst_in_the_picker_and_loses_none_of_it():
+    """A burst far above what the replicas hold: under mix-fc no replica's queue ever passes the
+    saturation threshold (the rest waits in the picker), every request still finishes, and none
+    starts before it arrived; pushed by the plain mix, the replicas' queues take the burst."""
+    from sarathi.measure import routing as R
+
+    burst = [RequestSpec(f"r{i}", 0.01 * i, [7] * 16 + list(range(1000 + 40 * i, 1040 + 40 * i + 200)), 20)
+             for i in range(60)]
+
+    def run(routing: str) -> tuple[int, object]:
+        reps = replicas(2, max_num_seqs=4)
+        most = 0
+        for rep in reps:
+            add = rep.engine.add_request
+
+            def counted(*args, _add=add, _s=rep.scheduler, **kw):
+                nonlocal most
+                out = _add(*args, **kw)
+                most = max(most, len(_s.waiting))
+                return out
+            rep.engine.add_request = counted
+        result, extra = run_replicas(reps, burst, drain_s=120, routing=routing)
+        assert sum(extra["replica_requests"]) == len(burst)
+        return most, result
+
+    held_most, held = run("mix-fc")
+    pushed_most, _ = run("mix")
+    assert held_most <= R.SATURATION_QUEUE < pushed_most
+    assert len(held.records) == len(burst) and all(r.finished for r in held.records)
+    assert all(r.first_scheduled >= r.arrival - 1e-9 for r in held.records)
+
+
+def test_the_flow_control_sweep_runs_the_mix_without_it_and_both_ways_with_it_and_restores_it(tmp_path):
+    import json
+
+    from bench.routing import main
+    from sarathi.measure import routing as R
+
+    before = R.SATURATION_FILTER
+    main(["fc", "--replicas", "2", "--workloads", "chat", "--duration", "4", "--warmup", "4",
+          "--num-requests", "60", "--qps-list", "4", "--out", str(tmp_path)])
+    assert R.SATURATION_FILTER == before
+    res = json.loads((tmp_path / "routing_chat_2r_fc.json").read_text())
+    assert [(r["weights"], r["qps"]) for r in res["runs"]] == [
+        ("no flow control", 4.0), ("gate + filter", 4.0), ("gate alone", 4.0)]
+    assert [r["summary"]["routing"] for r in res["runs"]] == ["mix", "mix-fc", "mix-fc"]
+    assert (tmp_path / "routing_chat_2r_fc.png").stat().st_size > 0
