@@ -145,12 +145,9 @@ class Policy:
         decodes = [req for req, n in ctx.chunks if n == 1 and req.is_decode]
         if len(decodes) == len(ctx.chunks) and spec.needs_baseline(len(decodes)):
             return       # a decode-only batch without drafts: the baseline a draft's cost is measured by
+        asks = [(req, spec.k_for(req, len(decodes))) for req in decodes if eligible(req)]
         wants = []
-        for req in decodes:
-            if not eligible(req):
-                continue
-            k = spec.k_for(req, len(decodes))
-            drafts = spec.propose(req, k) if k > 0 else []
+        for (req, _), drafts in zip(asks, spec.propose_many(asks)):   # one call: a draft model batches them
             if drafts:
                 wants.append((req, drafts))
             else:

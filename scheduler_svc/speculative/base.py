@@ -49,7 +49,9 @@ from scheduler_svc.request import Request
 class Proposer(Protocol):
     """name: the --speculative choice. propose(): at most k (>= 1) draft token ids for the
     positions after req.token_ids; fewer (or none) when it has no good guess. A proposer may
-    also define finish(req), called when a request ends."""
+    also define finish(req), called when a request ends, and propose_batch(asks) for the
+    (request, k) pairs of one batch at once, [drafts of each, in order] (a draft model: one
+    forward pass a draft position for all of them); without it each is asked alone."""
 
     name: str
 
@@ -180,6 +182,16 @@ class Speculator:
 
     def propose(self, req: Request, k: int) -> list[int]:
         return self.proposer.propose(req, k)[:k] if k > 0 else []
+
+    def propose_many(self, asks: list[tuple[Request, int]]) -> list[list[int]]:
+        """The drafts of each (request, k) of one batch, in order: the proposer's propose_batch
+        for the pairs with k > 0 where it has one, else propose() for each."""
+        asked = [(req, k) for req, k in asks if k > 0]
+        batch = getattr(self.proposer, "propose_batch", None)
+        if batch is None or len(asked) < 2:
+            return [self.propose(req, k) for req, k in asks]
+        got = iter(batch(asked))
+        return [next(got)[:k] if k > 0 else [] for _, k in asks]
 
     def finish(self, req: Request) -> None:
         """req ended (any reason): a proposer that learns from outputs sees it."""

@@ -405,3 +405,40 @@ def test_the_cost_of_a_draft_is_measured_per_batch_size():
     assert two > one >= 1
     spec.cost = 0.275                                          # one c for every size ...
     assert spec.k_for(r, 2) <= spec.k_for(r, 1)                # ... and k only falls with size
+
+
+def test_a_batch_of_decodes_asks_a_batching_proposer_once_and_each_gets_its_own_drafts():
+    """propose_many: with a proposer that has propose_batch, one call for the pairs that ask for
+    drafts (k > 0), each answer cut to its k and back in the batch's order; a k of 0 gets none
+    and is not asked; a single ask and a proposer without propose_batch go one by one."""
+    class Batching:
+        name = "fake"
+
+        def __init__(self):
+            self.calls = []
+
+        def propose(self, r, k):
+            self.calls.append([(r.req_id, k)])
+            return [int(r.req_id[1:])] * (k + 1)
+
+        def propose_batch(self, asks):
+            self.calls.append([(r.req_id, k) for r, k in asks])
+            return [[int(r.req_id[1:])] * (k + 2) for r, k in asks]
+
+    reqs = []
+    for i in range(4):
+        r = req(PERIOD * 2)
+        r.req_id = f"r{i}"
+        reqs.append(r)
+    prop = Batching()
+    spec = Speculator(prop, max_k=4)
+    got = spec.propose_many([(reqs[0], 2), (reqs[1], 0), (reqs[2], 3), (reqs[3], 1)])
+    assert got == [[0, 0], [], [2, 2, 2], [3]]
+    assert prop.calls == [[("r0", 2), ("r2", 3), ("r3", 1)]]
+    prop.calls.clear()
+    assert spec.propose_many([(reqs[0], 0), (reqs[1], 2)]) == [[], [1, 1]]
+    assert prop.calls == [[("r1", 2)]]                       # one ask: propose()
+    del Batching.propose_batch
+    prop.calls.clear()
+    assert spec.propose_many([(reqs[0], 1), (reqs[1], 2)]) == [[0], [1, 1]]
+    assert prop.calls == [[("r0", 1)], [("r1", 2)]]

@@ -4,9 +4,18 @@ tokens greedily; the served model verifies them in its own batch as it verifies 
 The draft model runs in the scheduler's process on its own ModelRunner and KV cache (CPU by
 default). Per request it keeps a block table in that cache and how many of the request's tokens
 it has computed; each proposal computes the request's new tokens (a short prefill), then k - 1
-single-token decodes, one request at a time. The draft KV past the request's tokens is rewritten
-by the next proposal, so a rejected guess needs no rollback here. A request that finds no free
-draft blocks, or would pass the draft model's context length, gets no drafts.
+single-token decodes. The decodes of one scheduler batch are proposed together
+(propose_batch): one forward pass of the draft model per draft position, over every request
+still drafting at it (its first a hybrid batch of each request's new tokens), so a batch of B
+decodes costs max(k) draft steps of B rows, not the sum of k steps of one; the same tokens as
+asking one at a time where the draft model's kernels keep a row independent of its batch (the
+GGUF block kernels do). The draft KV past the request's tokens is rewritten by the next
+proposal, so a rejected guess needs no rollback here; an accepted one keeps its draft KV:
+draft i's K/V were computed at its position by the pass that proposed draft i + 1, so the next
+proposal starts after the last draft that was both accepted and computed, and its first pass
+is one or two tokens a request rather than all the tokens the verification added. A request
+that finds no free draft blocks, or would pass the draft model's context length, gets no
+drafts.
 
 A draft model must share the served model's vocabulary: its vocabulary size and EOS ids are
 compared with the served model's when the proposer is built, and a mismatch is refused with a
@@ -46,29 +55,65 @@ class DraftModelProposer:
         self._batch_ids = itertools.count()
 
     def propose(self, req, k: int) -> list[int]:
-        st = req.spec_state.get(self.name)
-        if st is None:
-            st = req.spec_state[self.name] = {"blocks": [], "computed": 0}
-        toks = req.token_ids
-        n = len(toks)
-        if n + k - 1 > self.max_len:
-            return []
-        need = cdiv(n + k - 1, self.block_size) - len(st["blocks"])
-        if need > len(self.free_blocks):
-            return []
-        for _ in range(need):
-            st["blocks"].append(self.free_blocks.pop())
-        start = min(st["computed"], n - 1)       # at least the last token: its logits are needed
-        drafts = [self._step(req.req_id, toks[start:], start, st["blocks"], 0)]
-        for i in range(1, k):
-            drafts.append(self._step(req.req_id, [drafts[-1]], n - 1 + i, st["blocks"], i))
-        st["computed"] = n
+        return self._draft([(req, k)])[0]
+
+    def propose_batch(self, asks) -> list[list[int]]:
+        """[drafts] of each (request, k) of asks, in order (module doc): draft position i of
+        every request with k > i in one forward pass."""
+        return self._draft(asks)
+
+    def _draft(self, asks) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in asks]
+        live = []                                # (index in asks, request, k, its state)
+        for j, (req, k) in enumerate(asks):
+            st = req.spec_state.get(self.name)
+            if st is None:
+                st = req.spec_state[self.name] = {"blocks": [], "computed": 0, "drafts": []}
+            n = len(req.token_ids)
+            st["computed"] += self._kept(req.token_ids, st)
+            if k < 1 or n + k - 1 > self.max_len:
+                continue
+            need = cdiv(n + k - 1, self.block_size) - len(st["blocks"])
+            if need > len(self.free_blocks):
+                continue
+            for _ in range(need):
+                st["blocks"].append(self.free_blocks.pop())
+            live.append((j, req, k, st))
+        for i in range(max((k for _, _, k, _ in live), default=0)):
+            chunks = []
+            for j, req, k, st in live:
+                if k <= i:
+                    continue
+                n = len(req.token_ids)
+                if i == 0:
+                    start = min(st["computed"], n - 1)   # at least the last token: its logits are needed
+                    chunks.append(SeqChunk(req.req_id, req.token_ids[start:], start, list(st["blocks"]), True,
+                                           GREEDY, 0))
+                else:
+                    chunks.append(SeqChunk(req.req_id, [drafts[j][-1]], n - 1 + i, list(st["blocks"]), True,
+                                           GREEDY, i))
+            out = self.runner.execute(Batch(next(self._batch_ids), chunks))
+            for j, req, k, _ in live:
+                if k > i:
+                    drafts[j].append(out.sampled[req.req_id])
+        for j, req, _, st in live:
+            st["computed"], st["drafts"] = len(req.token_ids), drafts[j]
         return drafts
 
-    def _step(self, req_id: str, tokens: list[int], start: int, blocks: list[int], index: int) -> int:
-        out = self.runner.execute(Batch(next(self._batch_ids),
-                                        [SeqChunk(req_id, tokens, start, list(blocks), True, GREEDY, index)]))
-        return out.sampled[req_id]
+    @staticmethod
+    def _kept(tokens: list[int], st: dict) -> int:
+        """Positions past st["computed"] whose draft K/V still hold: the last proposal's drafts
+        that the request's tokens now have in their places (accepted), all but the last of
+        them (its K/V was never computed); their K/V were written at those positions by that
+        proposal's later passes."""
+        n0, d = st["computed"], st.get("drafts") or []
+        kept = 0
+        for i in range(len(d) - 1):
+            if n0 + i >= len(tokens) or tokens[n0 + i] != d[i]:
+                break
+            kept += 1
+        st["drafts"] = []
+        return kept
 
     def finish(self, req) -> None:
         """req ended: its draft blocks go back."""
