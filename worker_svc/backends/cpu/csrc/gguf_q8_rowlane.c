@@ -194,6 +194,27 @@ static inline __attribute__((always_inline)) void rl_octet_run(const int type, c
                             ld32(p[7]));
 }
 
+/* Q4_K / Q5_K sub-block j's scale and min term of an octet (H: its blocks' first 32 bytes,
+ * transposed; d, dmin: their fp16 d and dmin, converted): s = d * (float)sc_j and
+ * cw = -(dmin * (float)m_j), FOR_EACH_RUN's IEEE operations (scale_min_k4 in the lanes) */
+static inline __attribute__((always_inline)) void rl_kq_scales(const __m256i *H, int j, __m256 d, __m256 dmin,
+                                                               __m256 *s, __m256 *cw) {
+    const __m256i m63 = _mm256_set1_epi32(63);
+#define RL_QB(k) _mm256_and_si256(_mm256_srli_epi32(H[1 + (k) / 4], 8 * ((k) % 4)), _mm256_set1_epi32(0xff))
+    __m256i sc, mn;
+    if (j < 4) {
+        sc = _mm256_and_si256(RL_QB(j), m63);
+        mn = _mm256_and_si256(RL_QB(j + 4), m63);
+    } else {
+        sc = _mm256_or_si256(_mm256_and_si256(RL_QB(j + 4), _mm256_set1_epi32(15)),
+                             _mm256_slli_epi32(_mm256_srli_epi32(RL_QB(j - 4), 6), 4));
+        mn = _mm256_or_si256(_mm256_srli_epi32(RL_QB(j + 4), 4), _mm256_slli_epi32(_mm256_srli_epi32(RL_QB(j), 6), 4));
+    }
+#undef RL_QB
+    *s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+    *cw = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)), _mm256_set1_ps(-0.0f));
+}
+
 /* An octet of rows (rows[r]: nb native blocks each) against NT tokens (activations qa + t * qs,
  * low parts at + lo, da / sa + t * fs; ST: the activation sums of each token's runs' halves, for
  * the signed formats). res[t * RL + r]: row r, token t. */
@@ -261,9 +282,6 @@ _Pragma("GCC unroll 1")   /* tokens in pairs: each pair of weights loaded once f
             const __m256 dminv = _mm256_cvtph_ps(rl_words(_mm256_srli_epi32(H[0], 16)));
             if (type == T_Q5_K) rl_load8(p, 16, QH);   /* qh: bit j of byte l is element l's fifth bit in sub-block j */
             const int q4 = type == T_Q4_K ? 16 : 48;
-            const __m256i m63 = _mm256_set1_epi32(63);
-            /* scale byte k of each row (scale_min_k4's q[k]) */
-#define RL_QB(k) _mm256_and_si256(_mm256_srli_epi32(H[1 + (k) / 4], 8 * ((k) % 4)), _mm256_set1_epi32(0xff))
             for (int c = 0; c < 4; c++) {   /* 32 bytes: sub-blocks 2c (low nibbles) and 2c + 1 (high) */
                 __m256i G[8];
                 rl_load8(p, q4 + 32 * c, G);
@@ -274,25 +292,13 @@ _Pragma("GCC unroll 1")   /* tokens in pairs: each pair of weights loaded once f
                         w[g] = nibbles(G[g], half);
                         if (type == T_Q5_K) w[g] = q5k_quants(w[g], QH[g], j);   /* as FOR_EACH_RUN */
                     }
-                    __m256i sc, mn;   /* scale_min_k4(j) in the lanes */
-                    if (j < 4) {
-                        sc = _mm256_and_si256(RL_QB(j), m63);
-                        mn = _mm256_and_si256(RL_QB(j + 4), m63);
-                    } else {
-                        sc = _mm256_or_si256(_mm256_and_si256(RL_QB(j + 4), _mm256_set1_epi32(15)),
-                                             _mm256_slli_epi32(_mm256_srli_epi32(RL_QB(j - 4), 6), 4));
-                        mn = _mm256_or_si256(_mm256_srli_epi32(RL_QB(j + 4), 4),
-                                             _mm256_slli_epi32(_mm256_srli_epi32(RL_QB(j), 6), 4));
-                    }
-                    /* FOR_EACH_RUN's sc_ = d * (float)s, cw_ = -(dmin * (float)m): the same IEEE operations */
-                    const __m256 s0v = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sc)), s1v = s0v;
-                    const __m256 cwv = _mm256_xor_ps(_mm256_mul_ps(dminv, _mm256_cvtepi32_ps(mn)),
-                                                     _mm256_set1_ps(-0.0f));
+                    __m256 s0v, cwv;   /* scale_min_k4(j) in the lanes */
+                    rl_kq_scales(H, j, dv, dminv, &s0v, &cwv);
+                    const __m256 s1v = s0v;
                     const int b = 8 * i + j;
                     RL_TOKENS(b)
                 }
             }
-#undef RL_QB
             continue;
         }
         {   /* Q6_K, in registers as well: ql, qh and the int8 scales of the 8 rows transposed */
@@ -353,8 +359,9 @@ static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int
 
 #if defined(GG_TL)
 /* Two octets at once in zmm lanes (rows 0-7 in the low 256 bits, 8-15 in the high), for the formats
- * of one run a block (Q4_0, Q4_1, Q8_0): each octet's weights and scales are loaded and transposed
- * exactly as rl_rows does, then joined, so that one 512-bit vpdpbusd does the work of two 256-bit
+ * of one run a block (Q4_0, Q4_1, Q8_0) and the K-quants with one scale a run (Q4_K, Q5_K; not
+ * Q6_K, whose runs have two): each octet's weights and scales are loaded and transposed exactly as
+ * rl_rows does, then joined, so that one 512-bit vpdpbusd does the work of two 256-bit
  * ones (the same instruction rate on the AVX-512 cores measured: twice the multiplies). Per (row,
  * token) the integer dot and the fp32 steps are rl_rows's, lane for lane: the same bits. Used by
  * rl_linear where 16 rows remain, in calls of at least rl2_min() tokens: on the Xeons measured,
@@ -362,19 +369,46 @@ static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int
  * octets' unpacked runs); on AMD family 19h (Zen 4: the VNNI build's only AMD cores of that family),
  * every call, where a 512-bit dot issues as two 256-bit halves and the wider vectors' gain is the
  * halved instruction count: faster at every size measured, 1 token included
- * (bench/results/kernels/README.md, "Sixteen rows a vector", "On Zen 4"); a call's last rows go
- * through rl_rows.
+ * (bench/results/kernels/README.md, "Sixteen rows a vector", "On Zen 4"), but for Q4_K and Q5_K
+ * from 2 tokens with two parts and 4 with one (RL2_MIN_TOKENS_KQ: below, their joined unpacking
+ * cost 5-9% there); a call's last rows go through rl_rows.
  * A call's tokens go in as few passes as RL2_TILE allows, of equal size: each pass loads, transposes
  * and unpacks the rows again, which costs more than the accumulators that do not fit the registers
  * up to 12 tokens, and less above (bench/results/kernels/README.md, "Fewer passes"). */
 #define RL2 16
 #define RL2_MIN_TOKENS 5
 #define RL2_MIN_TOKENS_ZEN4 1
+/* Q4_K, Q5_K at least (by parts): with fewer tokens a call unpacks two octets' scales for too few dots */
+#define RL2_MIN_TOKENS_KQ(parts) ((parts) == 2 ? 2 : 4)
 #define RL2_TILE 12   /* tokens a pass at most */
 static inline __m512i rl_join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 static inline __m512 rl_joinf(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
 }
+
+/* rl2_rows's run b (w[8] zmm: its groups of 4 for 16 rows, s0v, cwv) against the call's NT tokens:
+ * RL_TOKENS's integer dot and fp32 steps, lane for lane (formats without Q6_K's second scale) */
+#define RL2_TOKENS(b)                                                                                      \
+    for (int t = 0; t < NT; t++) {                                                                     \
+        const int8_t *a = qa + t * qs + 32 * (b);                                                      \
+        __m512i h = _mm512_setzero_si512(), l = h;                                                     \
+_Pragma("GCC unroll 8")                                                                                   \
+        for (int g = 0; g < 8; g++) {                                                                  \
+            int32_t a4;                                                                                \
+            memcpy(&a4, a + 4 * g, 4);                                                                 \
+            h = _mm512_dpbusd_epi32(h, w[g], _mm512_set1_epi32(a4));                                   \
+            if (P == 2) {                                                                              \
+                memcpy(&a4, a + lo + 4 * g, 4);                                                        \
+                l = _mm512_dpbusd_epi32(l, w[g], _mm512_set1_epi32(a4));                               \
+            }                                                                                          \
+        }                                                                                              \
+        const int64_t tb = (int64_t)t * fs + (b);                                                      \
+        __m512i d = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(h, 7), l) : h;                         \
+        const __m512 dav = _mm512_set1_ps(da[tb]);                                                     \
+        if (SG) d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * (ST[2 * tb] + ST[2 * tb + 1])));       \
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s0v, dav), acc[t]);              \
+        if (!SG) corr[t] = _mm512_add_ps(corr[t], _mm512_mul_ps(cwv, _mm512_set1_ps(sa[tb])));         \
+    }
 
 static inline __attribute__((always_inline)) void
 rl2_rows(const int type, const int NT, const int P, const uint8_t *const *rows, int nb, const int8_t *qa,
@@ -389,6 +423,42 @@ rl2_rows(const int type, const int NT, const int P, const uint8_t *const *rows, 
         for (int64_t o = i * pfstep; o < (i + 1) * pfstep && o < pfn; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
         const uint8_t *p[RL2];
         for (int r = 0; r < RL2; r++) p[r] = rows[r] + (int64_t)i * bb;
+        if (type == T_Q4_K || type == T_Q5_K) {   /* rl_rows's K-quant unpacking, each octet, joined */
+            __m256i HA[8], HB[8], QA[8], QB[8];
+            rl_load8(p, 0, HA);
+            rl_load8(p + RL, 0, HB);
+            const __m256 dA = _mm256_cvtph_ps(rl_words(HA[0])), dB = _mm256_cvtph_ps(rl_words(HB[0]));
+            const __m256 mA = _mm256_cvtph_ps(rl_words(_mm256_srli_epi32(HA[0], 16)));
+            const __m256 mB = _mm256_cvtph_ps(rl_words(_mm256_srli_epi32(HB[0], 16)));
+            if (type == T_Q5_K) {
+                rl_load8(p, 16, QA);
+                rl_load8(p + RL, 16, QB);
+            }
+            const int q4 = type == T_Q4_K ? 16 : 48;
+            for (int c = 0; c < 4; c++) {
+                __m256i GA[8], GB[8];
+                rl_load8(p, q4 + 32 * c, GA);
+                rl_load8(p + RL, q4 + 32 * c, GB);
+                for (int half = 0; half < 2; half++) {
+                    const int j = 2 * c + half;
+                    __m512i w[8];
+                    for (int g = 0; g < 8; g++) {
+                        __m256i a = nibbles(GA[g], half), b = nibbles(GB[g], half);
+                        if (type == T_Q5_K) {
+                            a = q5k_quants(a, QA[g], j);
+                            b = q5k_quants(b, QB[g], j);
+                        }
+                        w[g] = rl_join(a, b);
+                    }
+                    __m256 sA, sB, cA, cB;
+                    rl_kq_scales(HA, j, dA, mA, &sA, &cA);
+                    rl_kq_scales(HB, j, dB, mB, &sB, &cB);
+                    const __m512 s0v = rl_joinf(sA, sB), cwv = rl_joinf(cA, cB);
+                    RL2_TOKENS(8 * i + j)
+                }
+            }
+            continue;
+        }
         __m256i wl[8], wh[8], hl, hh;
         rl_octet_run(type, p, bb, wl, &hl);
         rl_octet_run(type, p + RL, bb, wh, &hh);
@@ -399,26 +469,7 @@ rl2_rows(const int type, const int NT, const int P, const uint8_t *const *rows, 
         const __m512 cwv = type == T_Q4_0 ? _mm512_mul_ps(_mm512_set1_ps(-8.0f), s0v)
                                           : rl_joinf(_mm256_cvtph_ps(rl_words(_mm256_srli_epi32(hl, 16))),
                                                      _mm256_cvtph_ps(rl_words(_mm256_srli_epi32(hh, 16))));
-        for (int t = 0; t < NT; t++) {
-            const int8_t *a = qa + t * qs + 32 * i;
-            __m512i h = _mm512_setzero_si512(), l = h;
-_Pragma("GCC unroll 8")
-            for (int g = 0; g < 8; g++) {
-                int32_t a4;
-                memcpy(&a4, a + 4 * g, 4);
-                h = _mm512_dpbusd_epi32(h, w[g], _mm512_set1_epi32(a4));
-                if (P == 2) {
-                    memcpy(&a4, a + lo + 4 * g, 4);
-                    l = _mm512_dpbusd_epi32(l, w[g], _mm512_set1_epi32(a4));
-                }
-            }
-            const int64_t tb = (int64_t)t * fs + i;
-            __m512i d = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(h, 7), l) : h;
-            const __m512 dav = _mm512_set1_ps(da[tb]);
-            if (SG) d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * (ST[2 * tb] + ST[2 * tb + 1])));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s0v, dav), acc[t]);
-            if (!SG) corr[t] = _mm512_add_ps(corr[t], _mm512_mul_ps(cwv, _mm512_set1_ps(sa[tb])));
-        }
+        RL2_TOKENS(i)
     }
     for (int t = 0; t < NT; t++) _mm512_storeu_ps(res + t * RL2, _mm512_add_ps(acc[t], corr[t]));
 }
@@ -456,25 +507,32 @@ static int rl2_pass(int T) {
     const int passes = (T + most - 1) / most;
     return (T + passes - 1) / passes;
 }
-/* the fewest tokens of a call that rl2_rows takes (see there): by CPU, or SARATHI_GGUF_ROWS16_MIN =
- * 1 .. RL2_TILE (for A/B measurements; the same bits either way) */
-static int rl2_min(void) {
-    static int least = 0;
+/* the fewest tokens of a call of `type` and `parts` that rl2_rows takes (see there): by CPU and
+ * format, or SARATHI_GGUF_ROWS16_MIN = 1 .. RL2_TILE for every format (for A/B measurements; the
+ * same bits either way) */
+static int rl2_min(int type, int parts) {
+    static int least = 0, set = 0;
     if (least == 0) {
         const char *e = getenv("SARATHI_GGUF_ROWS16_MIN");
         const int v = e ? atoi(e) : 0;
         __builtin_cpu_init();
-        least = v >= 1 && v <= RL2_TILE ? v : __builtin_cpu_is("amdfam19h") ? RL2_MIN_TOKENS_ZEN4 : RL2_MIN_TOKENS;
+        set = v >= 1 && v <= RL2_TILE;
+        least = set ? v : __builtin_cpu_is("amdfam19h") ? RL2_MIN_TOKENS_ZEN4 : RL2_MIN_TOKENS;
     }
+    if (!set && (type == T_Q4_K || type == T_Q5_K) && least < RL2_MIN_TOKENS_KQ(parts)) return RL2_MIN_TOKENS_KQ(parts);
     return least;
 }
 /* the formats rl2_rows takes */
-static inline int rl2_format(int type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
+static inline int rl2_format(int type) {
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K;
+}
 static void rl2_rows_any(int type, int nt, int P, const uint8_t *const *rows, int nb, const int8_t *qa, int64_t qs,
                          int64_t lo, const float *da, const float *sa, int64_t fs, const int32_t *ST, const uint8_t *pf,
                          int64_t pfn, float *res) {
     if (type == T_Q4_0) { RL2_CASE(T_Q4_0) }
     else if (type == T_Q4_1) { RL2_CASE(T_Q4_1) }
+    else if (type == T_Q4_K) { RL2_CASE(T_Q4_K) }
+    else if (type == T_Q5_K) { RL2_CASE(T_Q5_K) }
     else { RL2_CASE(T_Q8_0) }
 }
 #undef RL2_CASE
@@ -526,7 +584,7 @@ int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, i
         float res[Q8_TILE * RL] __attribute__((aligned(32)));
         int n = r0;
 #if defined(GG_TL)
-        if (rl2_format(type) && T >= rl2_min() && rl2_enabled()) {   /* 16 rows at a time while 16 remain */
+        if (rl2_format(type) && T >= rl2_min(type, parts) && rl2_enabled()) {   /* 16 rows at a time while 16 remain */
             float res2[RL2_TILE * RL2] __attribute__((aligned(64)));
             const int pass = rl2_pass(T);
             for (; r1 - n >= RL2; n += RL2) {
