@@ -261,7 +261,7 @@ from tests.worker.test_gguf_kernels import Q, random_blocks
 from worker_svc.backends.cpu import native
 rng = np.random.default_rng(13)
 out = {}
-for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K):
+for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K):
     raw = torch.from_numpy(random_blocks(qtype, 45, 512, rng))    # 2 x 16 rows, an octet, 5 rows
     for T in range(1, 8):
         x = torch.from_numpy(rng.standard_normal((T, 512)).astype(np.float32))
@@ -274,8 +274,8 @@ torch.save(out, sys.argv[1])
 @pytest.mark.skipif(native.gguf_q8_isa() != "avx512vnni", reason="the 16-row kernel is in AVX-512 VNNI builds")
 def test_q8_sixteen_row_threshold_leaves_the_bits(tmp_path):
     """Where the row-lane kernel starts taking 16 rows a vector (by CPU: from 1 token on Zen 4, from
-    5 on the Xeons) changes its speed only: 1-7 tokens of every format it takes (Q4_0, Q4_1, Q8_0,
-    Q4_K, Q5_K) give the same bits with 16 rows a vector at every size as with octets only (each
+    5 on the Xeons; the K-quants from 2 there) changes its speed only: 1-7 tokens of all six
+    formats give the same bits with 16 rows a vector at every size as with octets only (each
     setting in a fresh process, as the kernel reads it once)."""
     import os
     import subprocess
@@ -289,7 +289,7 @@ def test_q8_sixteen_row_threshold_leaves_the_bits(tmp_path):
         subprocess.run([sys.executable, "-c", _ROWS16_PROBE, str(path)], check=True, timeout=120,
                        env={**os.environ, **env, "PYTHONPATH": root}, cwd=root)
         got[name] = torch.load(path)
-    assert got["rows16"].keys() == got["octets"].keys() and len(got["rows16"]) == 5 * 7 * 2
+    assert got["rows16"].keys() == got["octets"].keys() and len(got["rows16"]) == 6 * 7 * 2
     for key, want in got["octets"].items():
         assert torch.equal(got["rows16"][key], want), key
 

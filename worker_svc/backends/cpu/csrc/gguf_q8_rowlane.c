@@ -359,9 +359,8 @@ static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int
 
 #if defined(GG_TL)
 /* Two octets at once in zmm lanes (rows 0-7 in the low 256 bits, 8-15 in the high), for the formats
- * of one run a block (Q4_0, Q4_1, Q8_0) and the K-quants with one scale a run (Q4_K, Q5_K; not
- * Q6_K, whose runs have two): each octet's weights and scales are loaded and transposed exactly as
- * rl_rows does, then joined, so that one 512-bit vpdpbusd does the work of two 256-bit
+ * of one run a block (Q4_0, Q4_1, Q8_0) and the K-quants (Q4_K, Q5_K, Q6_K): each octet's
+ * weights and scales are loaded and transposed exactly as rl_rows does, then joined, so that one 512-bit vpdpbusd does the work of two 256-bit
  * ones (the same instruction rate on the AVX-512 cores measured: twice the multiplies). Per (row,
  * token) the integer dot and the fp32 steps are rl_rows's, lane for lane: the same bits. Used by
  * rl_linear where 16 rows remain, in calls of at least rl2_min() tokens: on the Xeons measured,
@@ -371,7 +370,9 @@ static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int
  * halved instruction count: faster at every size measured, 1 token included
  * (bench/results/kernels/README.md, "Sixteen rows a vector", "On Zen 4"), but for Q4_K and Q5_K
  * from 2 tokens with two parts and 4 with one (RL2_MIN_TOKENS_KQ: below, their joined unpacking
- * cost 5-9% there); a call's last rows go through rl_rows.
+ * cost 5-9% there), and Q6_K everywhere from 9 (RL2_MIN_TOKENS_Q6: below, within noise of the
+ * octets on Zen 4; from 9 the octets take two passes, this kernel one); a call's last rows go
+ * through rl_rows.
  * A call's tokens go in as few passes as RL2_TILE allows, of equal size: each pass loads, transposes
  * and unpacks the rows again, which costs more than the accumulators that do not fit the registers
  * up to 12 tokens, and less above (bench/results/kernels/README.md, "Fewer passes"). */
@@ -380,33 +381,43 @@ static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int
 #define RL2_MIN_TOKENS_ZEN4 1
 /* Q4_K, Q5_K at least (by parts): with fewer tokens a call unpacks two octets' scales for too few dots */
 #define RL2_MIN_TOKENS_KQ(parts) ((parts) == 2 ? 2 : 4)
+/* Q6_K (two scales a run, the heaviest unpacking) at least: where the octets need a second pass */
+#define RL2_MIN_TOKENS_Q6 (Q8_TILE + 1)
 #define RL2_TILE 12   /* tokens a pass at most */
 static inline __m512i rl_join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 static inline __m512 rl_joinf(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
 }
 
-/* rl2_rows's run b (w[8] zmm: its groups of 4 for 16 rows, s0v, cwv) against the call's NT tokens:
- * RL_TOKENS's integer dot and fp32 steps, lane for lane (formats without Q6_K's second scale) */
+/* rl2_rows's run b (w[8] zmm: its groups of 4 for 16 rows, s0v, s1v, cwv) against the call's NT
+ * tokens: RL_TOKENS's integer dots and fp32 steps, lane for lane (Q6_K: its two 16-element halves'
+ * dots, each with its own scale and offset sum) */
 #define RL2_TOKENS(b)                                                                                      \
     for (int t = 0; t < NT; t++) {                                                                     \
         const int8_t *a = qa + t * qs + 32 * (b);                                                      \
-        __m512i h = _mm512_setzero_si512(), l = h;                                                     \
+        __m512i h = _mm512_setzero_si512(), l = h, h2 = h, l2 = h;                                     \
 _Pragma("GCC unroll 8")                                                                                   \
         for (int g = 0; g < 8; g++) {                                                                  \
             int32_t a4;                                                                                \
             memcpy(&a4, a + 4 * g, 4);                                                                 \
-            h = _mm512_dpbusd_epi32(h, w[g], _mm512_set1_epi32(a4));                                   \
+            if (Q6 && g >= 4) h2 = _mm512_dpbusd_epi32(h2, w[g], _mm512_set1_epi32(a4));               \
+            else h = _mm512_dpbusd_epi32(h, w[g], _mm512_set1_epi32(a4));                              \
             if (P == 2) {                                                                              \
                 memcpy(&a4, a + lo + 4 * g, 4);                                                        \
-                l = _mm512_dpbusd_epi32(l, w[g], _mm512_set1_epi32(a4));                               \
+                if (Q6 && g >= 4) l2 = _mm512_dpbusd_epi32(l2, w[g], _mm512_set1_epi32(a4));           \
+                else l = _mm512_dpbusd_epi32(l, w[g], _mm512_set1_epi32(a4));                          \
             }                                                                                          \
         }                                                                                              \
         const int64_t tb = (int64_t)t * fs + (b);                                                      \
         __m512i d = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(h, 7), l) : h;                         \
         const __m512 dav = _mm512_set1_ps(da[tb]);                                                     \
-        if (SG) d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * (ST[2 * tb] + ST[2 * tb + 1])));       \
+        if (SG) d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * (Q6 ? ST[2 * tb] : ST[2 * tb] + ST[2 * tb + 1])));\
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s0v, dav), acc[t]);              \
+        if (Q6) {                                                                                      \
+            __m512i d2 = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(h2, 7), l2) : h2;                 \
+            d2 = _mm512_sub_epi32(d2, _mm512_set1_epi32(128 * ST[2 * tb + 1]));                        \
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_mul_ps(s1v, dav), acc[t]);         \
+        }                                                                                              \
         if (!SG) corr[t] = _mm512_add_ps(corr[t], _mm512_mul_ps(cwv, _mm512_set1_ps(sa[tb])));         \
     }
 
@@ -415,7 +426,7 @@ rl2_rows(const int type, const int NT, const int P, const uint8_t *const *rows, 
          int64_t qs, int64_t lo, const float *da, const float *sa, int64_t fs, const int32_t *ST, const uint8_t *pf,
          int64_t pfn, float *res) {
     const int64_t pfstep = ((pfn + nb - 1) / nb + 63) & ~(int64_t)63;
-    const int SG = type == T_Q8_0;
+    const int SG = type == T_Q8_0 || type == T_Q6_K, Q6 = type == T_Q6_K;
     const int bb = block_bytes(type);
     __m512 acc[RL2_TILE], corr[RL2_TILE];
     for (int t = 0; t < NT; t++) { acc[t] = _mm512_setzero_ps(); corr[t] = _mm512_setzero_ps(); }
@@ -453,10 +464,49 @@ rl2_rows(const int type, const int NT, const int P, const uint8_t *const *rows, 
                     __m256 sA, sB, cA, cB;
                     rl_kq_scales(HA, j, dA, mA, &sA, &cA);
                     rl_kq_scales(HB, j, dB, mB, &sB, &cB);
-                    const __m512 s0v = rl_joinf(sA, sB), cwv = rl_joinf(cA, cB);
+                    const __m512 s0v = rl_joinf(sA, sB), s1v = s0v, cwv = rl_joinf(cA, cB);
                     RL2_TOKENS(8 * i + j)
                 }
             }
+            continue;
+        }
+        if (type == T_Q6_K) {   /* rl_rows's Q6_K unpacking, each octet, joined */
+            __m512 dv;
+            __m256i SA[4], SB[4];
+            {
+                const __m256 dA = _mm256_cvtph_ps(rl_words(_mm256_setr_epi32(
+                    ld16(p[0] + 208), ld16(p[1] + 208), ld16(p[2] + 208), ld16(p[3] + 208), ld16(p[4] + 208),
+                    ld16(p[5] + 208), ld16(p[6] + 208), ld16(p[7] + 208))));
+                const __m256 dB = _mm256_cvtph_ps(rl_words(_mm256_setr_epi32(
+                    ld16(p[8] + 208), ld16(p[9] + 208), ld16(p[10] + 208), ld16(p[11] + 208), ld16(p[12] + 208),
+                    ld16(p[13] + 208), ld16(p[14] + 208), ld16(p[15] + 208))));
+                dv = rl_joinf(dA, dB);
+            }
+            rl_load4(p, 192, SA);
+            rl_load4(p + RL, 192, SB);
+#define RL2_SC(k) rl_join(_mm256_srai_epi32(_mm256_slli_epi32(SA[(k) / 4], 24 - 8 * ((k) % 4)), 24),              \
+                          _mm256_srai_epi32(_mm256_slli_epi32(SB[(k) / 4], 24 - 8 * ((k) % 4)), 24))
+            for (int h = 0; h < 2; h++) {
+                __m256i QA[8], QB[8], LA[2][8], LB[2][8];
+                rl_load8(p, 128 + 32 * h, QA);
+                rl_load8(p + RL, 128 + 32 * h, QB);
+                for (int c = 0; c < 2; c++) {
+                    rl_load8(p, 64 * h + 32 * c, LA[c]);
+                    rl_load8(p + RL, 64 * h + 32 * c, LB[c]);
+                }
+                for (int j = 0; j < 4; j++) {
+                    __m512i w[8];
+                    for (int g = 0; g < 8; g++)
+                        w[g] = rl_join(_mm256_add_epi8(q6k_quants(LA[j & 1][g], QA[g], j), _mm256_set1_epi8(RL_Q6_OFF)),
+                                       _mm256_add_epi8(q6k_quants(LB[j & 1][g], QB[g], j), _mm256_set1_epi8(RL_Q6_OFF)));
+                    const int e = 128 * h + 32 * j;
+                    const __m512 s0v = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(RL2_SC(e / 16)));
+                    const __m512 s1v = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(RL2_SC(e / 16 + 1))), cwv = s0v;
+                    const int run = 8 * i + 4 * h + j;   /* (a name: the macro's own h shadows this one) */
+                    RL2_TOKENS(run)
+                }
+            }
+#undef RL2_SC
             continue;
         }
         __m256i wl[8], wh[8], hl, hh;
@@ -465,7 +515,7 @@ rl2_rows(const int type, const int NT, const int P, const uint8_t *const *rows, 
         __m512i w[8];
         for (int g = 0; g < 8; g++) w[g] = rl_join(wl[g], wh[g]);
         const __m256 s0l = _mm256_cvtph_ps(rl_words(hl)), s0h = _mm256_cvtph_ps(rl_words(hh));
-        const __m512 s0v = rl_joinf(s0l, s0h);
+        const __m512 s0v = rl_joinf(s0l, s0h), s1v = s0v;
         const __m512 cwv = type == T_Q4_0 ? _mm512_mul_ps(_mm512_set1_ps(-8.0f), s0v)
                                           : rl_joinf(_mm256_cvtph_ps(rl_words(_mm256_srli_epi32(hl, 16))),
                                                      _mm256_cvtph_ps(rl_words(_mm256_srli_epi32(hh, 16))));
@@ -519,12 +569,14 @@ static int rl2_min(int type, int parts) {
         set = v >= 1 && v <= RL2_TILE;
         least = set ? v : __builtin_cpu_is("amdfam19h") ? RL2_MIN_TOKENS_ZEN4 : RL2_MIN_TOKENS;
     }
-    if (!set && (type == T_Q4_K || type == T_Q5_K) && least < RL2_MIN_TOKENS_KQ(parts)) return RL2_MIN_TOKENS_KQ(parts);
+    if (!set && type == T_Q6_K) return RL2_MIN_TOKENS_Q6 > least ? RL2_MIN_TOKENS_Q6 : least;
+    if (!set && (type == T_Q4_K || type == T_Q5_K) && least < RL2_MIN_TOKENS_KQ(parts))
+        return RL2_MIN_TOKENS_KQ(parts);
     return least;
 }
 /* the formats rl2_rows takes */
 static inline int rl2_format(int type) {
-    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K;
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
 }
 static void rl2_rows_any(int type, int nt, int P, const uint8_t *const *rows, int nb, const int8_t *qa, int64_t qs,
                          int64_t lo, const float *da, const float *sa, int64_t fs, const int32_t *ST, const uint8_t *pf,
@@ -533,6 +585,7 @@ static void rl2_rows_any(int type, int nt, int P, const uint8_t *const *rows, in
     else if (type == T_Q4_1) { RL2_CASE(T_Q4_1) }
     else if (type == T_Q4_K) { RL2_CASE(T_Q4_K) }
     else if (type == T_Q5_K) { RL2_CASE(T_Q5_K) }
+    else if (type == T_Q6_K) { RL2_CASE(T_Q6_K) }
     else { RL2_CASE(T_Q8_0) }
 }
 #undef RL2_CASE
