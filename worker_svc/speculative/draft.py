@@ -71,6 +71,7 @@ class DraftModelProposer:
                 st = req.spec_state[self.name] = {"blocks": [], "computed": 0, "drafts": []}
             n = len(req.token_ids)
             st["computed"] += self._kept(req.token_ids, st)
+            st["drafts"] = []                    # consumed: computed has moved past them
             if k < 1 or n + k - 1 > self.max_len:
                 continue
             need = cdiv(n + k - 1, self.block_size) - len(st["blocks"])
@@ -112,7 +113,6 @@ class DraftModelProposer:
             if n0 + i >= len(tokens) or tokens[n0 + i] != d[i]:
                 break
             kept += 1
-        st["drafts"] = []
         return kept
 
     def finish(self, req) -> None:

@@ -215,6 +215,25 @@ static inline __attribute__((always_inline)) void rl_kq_scales(const __m256i *H,
     *cw = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)), _mm256_set1_ps(-0.0f));
 }
 
+/* Q6_K: an octet's d (fp16 at byte 208 of each row's block p[r]), converted */
+static inline __attribute__((always_inline)) __m256 rl_q6_d(const uint8_t *const *p) {
+    return _mm256_cvtph_ps(rl_words(_mm256_setr_epi32(ld16(p[0] + 208), ld16(p[1] + 208), ld16(p[2] + 208),
+                                                      ld16(p[3] + 208), ld16(p[4] + 208), ld16(p[5] + 208),
+                                                      ld16(p[6] + 208), ld16(p[7] + 208))));
+}
+
+/* Q6_K: int8 scale k of each row of an octet, sign-extended (S4[q] dword r = row r's scales 4q .. 4q + 3) */
+static inline __attribute__((always_inline)) __m256i rl_q6_sc(const __m256i *S4, int k) {
+    return _mm256_srai_epi32(_mm256_slli_epi32(S4[k / 4], 24 - 8 * (k % 4)), 24);
+}
+
+/* Q6_K: run j of a half's weight groups of an octet (L: its two 32-byte ql pieces, QH: its qh, both
+ * transposed), as FOR_EACH_RUN: v = lo | hi << 4, the weight v - 32; unsigned on VNNI builds
+ * ((v - 32) ^ 0x80 = v + 96), signed otherwise (RL_Q6_OFF) */
+static inline __attribute__((always_inline)) void rl_q6_run(__m256i L[2][8], const __m256i *QH, int j, __m256i *w) {
+    for (int g = 0; g < 8; g++) w[g] = _mm256_add_epi8(q6k_quants(L[j & 1][g], QH[g], j), _mm256_set1_epi8(RL_Q6_OFF));
+}
+
 /* An octet of rows (rows[r]: nb native blocks each) against NT tokens (activations qa + t * qs,
  * low parts at + lo, da / sa + t * fs; ST: the activation sums of each token's runs' halves, for
  * the signed formats). res[t * RL + r]: row r, token t. */
@@ -302,31 +321,23 @@ _Pragma("GCC unroll 1")   /* tokens in pairs: each pair of weights loaded once f
             continue;
         }
         {   /* Q6_K, in registers as well: ql, qh and the int8 scales of the 8 rows transposed */
-            const __m256 dv = _mm256_cvtph_ps(rl_words(_mm256_setr_epi32(
-                ld16(p[0] + 208), ld16(p[1] + 208), ld16(p[2] + 208), ld16(p[3] + 208), ld16(p[4] + 208),
-                ld16(p[5] + 208), ld16(p[6] + 208), ld16(p[7] + 208))));
-            /* the 16 int8 scales: S4[q] dword r = row r's scales 4q .. 4q + 3 */
-            __m256i S4[4];
+            const __m256 dv = rl_q6_d(p);
+            __m256i S4[4];   /* the 16 int8 scales (rl_q6_sc) */
             rl_load4(p, 192, S4);
-            /* scale k of each row, sign-extended */
-#define RL_SC(k) _mm256_srai_epi32(_mm256_slli_epi32(S4[(k) / 4], 24 - 8 * ((k) % 4)), 24)
-            const __m256i off = _mm256_set1_epi8(RL_Q6_OFF);
             for (int h = 0; h < 2; h++) {
                 __m256i QH[8], L[2][8];
                 rl_load8(p, 128 + 32 * h, QH);
                 for (int c = 0; c < 2; c++) rl_load8(p, 64 * h + 32 * c, L[c]);
                 for (int j = 0; j < 4; j++) {
                     __m256i w[8];
-                    /* as FOR_EACH_RUN: v = lo | hi << 4, the weight v - 32; unsigned here: (v - 32) ^ 0x80 = v + 96 */
-                    for (int g = 0; g < 8; g++) w[g] = _mm256_add_epi8(q6k_quants(L[j & 1][g], QH[g], j), off);
+                    rl_q6_run(L, QH, j, w);
                     const int e = 128 * h + 32 * j;
-                    const __m256 s0v = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(RL_SC(e / 16)));
-                    const __m256 s1v = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(RL_SC(e / 16 + 1))), cwv = s0v;
+                    const __m256 s0v = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(rl_q6_sc(S4, e / 16)));
+                    const __m256 s1v = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(rl_q6_sc(S4, e / 16 + 1))), cwv = s0v;
                     const int b = 8 * i + 4 * h + j;
                     RL_TOKENS(b)
                 }
             }
-#undef RL_SC
         }
     }
     for (int t = 0; t < NT; t++) _mm256_storeu_ps(res + t * RL, _mm256_add_ps(acc[t], corr[t]));
@@ -358,9 +369,9 @@ static void rl_rows_any(int type, int nt, int P, const uint8_t *const *rows, int
 #undef RL_CASE
 
 #if defined(GG_TL)
-/* Two octets at once in zmm lanes (rows 0-7 in the low 256 bits, 8-15 in the high), for the formats
- * of one run a block (Q4_0, Q4_1, Q8_0) and the K-quants (Q4_K, Q5_K, Q6_K): each octet's
- * weights and scales are loaded and transposed exactly as rl_rows does, then joined, so that one 512-bit vpdpbusd does the work of two 256-bit
+/* Two octets at once in zmm lanes (rows 0-7 in the low 256 bits, 8-15 in the high), every format:
+ * each octet's weights and scales are loaded and transposed exactly as rl_rows does (its helpers),
+ * then joined, so that one 512-bit vpdpbusd does the work of two 256-bit
  * ones (the same instruction rate on the AVX-512 cores measured: twice the multiplies). Per (row,
  * token) the integer dot and the fp32 steps are rl_rows's, lane for lane: the same bits. Used by
  * rl_linear where 16 rows remain, in calls of at least rl2_min() tokens: on the Xeons measured,
@@ -471,21 +482,11 @@ rl2_rows(const int type, const int NT, const int P, const uint8_t *const *rows, 
             continue;
         }
         if (type == T_Q6_K) {   /* rl_rows's Q6_K unpacking, each octet, joined */
-            __m512 dv;
+            const __m512 dv = rl_joinf(rl_q6_d(p), rl_q6_d(p + RL));
             __m256i SA[4], SB[4];
-            {
-                const __m256 dA = _mm256_cvtph_ps(rl_words(_mm256_setr_epi32(
-                    ld16(p[0] + 208), ld16(p[1] + 208), ld16(p[2] + 208), ld16(p[3] + 208), ld16(p[4] + 208),
-                    ld16(p[5] + 208), ld16(p[6] + 208), ld16(p[7] + 208))));
-                const __m256 dB = _mm256_cvtph_ps(rl_words(_mm256_setr_epi32(
-                    ld16(p[8] + 208), ld16(p[9] + 208), ld16(p[10] + 208), ld16(p[11] + 208), ld16(p[12] + 208),
-                    ld16(p[13] + 208), ld16(p[14] + 208), ld16(p[15] + 208))));
-                dv = rl_joinf(dA, dB);
-            }
             rl_load4(p, 192, SA);
             rl_load4(p + RL, 192, SB);
-#define RL2_SC(k) rl_join(_mm256_srai_epi32(_mm256_slli_epi32(SA[(k) / 4], 24 - 8 * ((k) % 4)), 24),              \
-                          _mm256_srai_epi32(_mm256_slli_epi32(SB[(k) / 4], 24 - 8 * ((k) % 4)), 24))
+#define RL2_SC(k) rl_join(rl_q6_sc(SA, k), rl_q6_sc(SB, k))
             for (int h = 0; h < 2; h++) {
                 __m256i QA[8], QB[8], LA[2][8], LB[2][8];
                 rl_load8(p, 128 + 32 * h, QA);
@@ -495,10 +496,11 @@ rl2_rows(const int type, const int NT, const int P, const uint8_t *const *rows, 
                     rl_load8(p + RL, 64 * h + 32 * c, LB[c]);
                 }
                 for (int j = 0; j < 4; j++) {
+                    __m256i wA[8], wB[8];
+                    rl_q6_run(LA, QA, j, wA);
+                    rl_q6_run(LB, QB, j, wB);
                     __m512i w[8];
-                    for (int g = 0; g < 8; g++)
-                        w[g] = rl_join(_mm256_add_epi8(q6k_quants(LA[j & 1][g], QA[g], j), _mm256_set1_epi8(RL_Q6_OFF)),
-                                       _mm256_add_epi8(q6k_quants(LB[j & 1][g], QB[g], j), _mm256_set1_epi8(RL_Q6_OFF)));
+                    for (int g = 0; g < 8; g++) w[g] = rl_join(wA[g], wB[g]);
                     const int e = 128 * h + 32 * j;
                     const __m512 s0v = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(RL2_SC(e / 16)));
                     const __m512 s1v = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(RL2_SC(e / 16 + 1))), cwv = s0v;
@@ -574,19 +576,10 @@ static int rl2_min(int type, int parts) {
         return RL2_MIN_TOKENS_KQ(parts);
     return least;
 }
-/* the formats rl2_rows takes */
-static inline int rl2_format(int type) {
-    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
-}
 static void rl2_rows_any(int type, int nt, int P, const uint8_t *const *rows, int nb, const int8_t *qa, int64_t qs,
                          int64_t lo, const float *da, const float *sa, int64_t fs, const int32_t *ST, const uint8_t *pf,
                          int64_t pfn, float *res) {
-    if (type == T_Q4_0) { RL2_CASE(T_Q4_0) }
-    else if (type == T_Q4_1) { RL2_CASE(T_Q4_1) }
-    else if (type == T_Q4_K) { RL2_CASE(T_Q4_K) }
-    else if (type == T_Q5_K) { RL2_CASE(T_Q5_K) }
-    else if (type == T_Q6_K) { RL2_CASE(T_Q6_K) }
-    else { RL2_CASE(T_Q8_0) }
+    SWITCH_FORMATS(type, RL2_CASE)
 }
 #undef RL2_CASE
 #undef RL2_NT
@@ -637,7 +630,7 @@ int rl_linear(int type, const uint8_t *w, int64_t row_bytes, const int8_t *qa, i
         float res[Q8_TILE * RL] __attribute__((aligned(32)));
         int n = r0;
 #if defined(GG_TL)
-        if (rl2_format(type) && T >= rl2_min(type, parts) && rl2_enabled()) {   /* 16 rows at a time while 16 remain */
+        if (T >= rl2_min(type, parts) && rl2_enabled()) {   /* 16 rows at a time while 16 remain */
             float res2[RL2_TILE * RL2] __attribute__((aligned(64)));
             const int pass = rl2_pass(T);
             for (; r1 - n >= RL2; n += RL2) {
