@@ -9,9 +9,11 @@ copy above) and with the lane kernels at every call (one arithmetic at every bat
 copy), and an AVX2 build here (-march=znver3) with the lanes, against which the avx2 variant is
 compared where no AVX2-only machine is at hand; and the installed variant with the row-lane
 kernel's 16-row path from 5 tokens (the threshold measured on Xeons) instead of its default on
-this CPU. Cases: decode 1 and 32 at 1k context, prefill 512 (the default), and prompts of 1-16
-tokens (`prefill:N`: one call of N tokens through every layer, the shape of a decode verifying
-N - 1 drafts). Each arm's resident memory after its last step.
+this CPU; and the installed variant with Q8_0's calls of 1-4 tokens through the weight pairs
+(AVX2 builds: the code before the row dots; SmolLM2's LM head is Q8_0). Cases: decode 1 and 32
+at 1k context, prefill 512 (the default), and prompts of 1-16 tokens (`prefill:N`: one call of N
+tokens through every layer, the shape of a decode verifying N - 1 drafts). Each arm's resident
+memory after its last step.
 
     python -m bench.kernel_variants [--rounds 7] [--threads 2] [--no-llama] [--llama-isa avx2]
                                     [--arms A,B] [--cases decode:1,prefill:4]
@@ -54,6 +56,8 @@ ARMS = {
                    "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
     "rows16-from5": ("prebuilt best, 16-row kernel from 5 tokens (the Xeon threshold)",
                      {"SARATHI_NATIVE_BUILD": "prebuilt", "SARATHI_GGUF_ROWS16_MIN": "5"}),
+    "q8-pairs": ("prebuilt best, Q8_0 at 1-4 tokens through the weight pairs (AVX2: the code before its row dots)",
+                 {"SARATHI_NATIVE_BUILD": "prebuilt", "SARATHI_GGUF_Q8_ROWDOT": "0"}),
 }
 # the ratios the results README reports: (numerator arm, denominator arm)
 RATIOS = {
@@ -65,6 +69,7 @@ RATIOS = {
     "best_over_llama": ("best", LLAMA),
     "avx2_only_over_llama": ("avx2-only", LLAMA),
     "best_over_rows16_from5": ("best", "rows16-from5"),
+    "best_over_q8_pairs": ("best", "q8-pairs"),
 }
 
 

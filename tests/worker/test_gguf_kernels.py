@@ -294,6 +294,30 @@ def test_q8_sixteen_row_threshold_leaves_the_bits(tmp_path):
         assert torch.equal(got["rows16"][key], want), key
 
 
+@pytest.mark.skipif(native.gguf_q8_isa() != "avx2", reason="the Q8_0 row dots are in AVX2 builds without VNNI")
+def test_q8_0_row_dots_leave_the_bits(tmp_path):
+    """AVX2 builds run Q8_0 passes of 1-4 tokens (the LM head of a decode step, a verification's
+    few rows) as per-row dots whose partial sums are transposed at the end, more tokens through the
+    weight pairs: a change of speed only. 1-7 tokens of every format (Q8_0 with octets and a
+    remainder of 5 rows) give the same bits as with the pairs at every size (each setting in a
+    fresh process, as the kernel reads it once)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    got = {}
+    for name, env in (("row dots", {}), ("pairs", {"SARATHI_GGUF_Q8_ROWDOT": "0"})):
+        path = tmp_path / f"{name}.pt"
+        subprocess.run([sys.executable, "-c", _ROWS16_PROBE, str(path)], check=True, timeout=120,
+                       env={**os.environ, "SARATHI_GGUF_Q8_ROWDOT": "1", **env, "PYTHONPATH": root}, cwd=root)
+        got[name] = torch.load(path)
+    assert got["row dots"].keys() == got["pairs"].keys() and len(got["pairs"]) == 6 * 7 * 2
+    for key, want in got["pairs"].items():
+        assert torch.equal(got["row dots"][key], want), key
+
+
 def test_q8_strided_rows_and_rejects_bad_shapes():
     rng = np.random.default_rng(8)
     raw = torch.from_numpy(random_blocks(Q.Q4_0, 40, 256, rng))

@@ -22,7 +22,9 @@
  * Dots: vpdpbusd is unsigned x signed, so the weights go unsigned (the unsigned formats' values as
  * they are; signed ones, Q8_0 and Q6_K, as v + 128, and 128 times the token's activation sum over
  * the run is subtracted in int32: exact), the activations as their signed bytes. Without VNNI,
- * maddubs and madd (the second RL_TOKENS below) give the same integer dots.
+ * maddubs and madd (the second RL_TOKENS below) give the same integer dots. There, Q8_0 passes of
+ * at most RL_Q8_ROWDOT tokens skip the transpose: each row's dot in its own vector, the octet's
+ * partial sums transposed at the end (rl_rowsums); the same integer dots again.
  *
  * Prefetch: an octet's rows are short streams (K / 32 runs) that the hardware prefetchers barely
  * start on, so the next octet's bytes are prefetched in software while this one runs.
@@ -171,6 +173,26 @@ static inline __m128i rl_words(__m256i x) {
 static inline int32_t ld32(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 static inline int32_t ld16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
+#if !defined(GG_VNNI)
+/* v[r]: 8 dword partial sums of row r -> dword r: their sum (int32: exact in any order) */
+static inline __attribute__((always_inline)) __m256i rl_rowsums(const __m256i *v) {
+    const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3])),
+                  u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    /* u0's lanes: rows 0-3's sums of dwords 0-3 (low) and 4-7 (high); u1: rows 4-7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+#ifndef RL_Q8_ROWDOT
+#define RL_Q8_ROWDOT 4   /* Q8_0 passes of at most this many tokens take the row dots */
+#endif
+/* SARATHI_GGUF_Q8_ROWDOT=0: every Q8_0 pass through the pairs (W2), as before (A/B) */
+static int rl_q8_rowdot(void) {
+    static int on = -1;
+    if (on < 0) { const char *e = getenv("SARATHI_GGUF_Q8_ROWDOT"); on = !(e && e[0] == '0'); }
+    return on;
+}
+#endif
+
 /* an octet's block of a format of one run a block (Q4_0, Q4_1, Q8_0): its 8 weight groups, transposed
  * (w[g] dword r: row r's group g), and each row's first dword (hv: its fp16 d, and Q4_1's m) */
 static inline __attribute__((always_inline)) void rl_octet_run(const int type, const uint8_t *const *p, int bb,
@@ -254,6 +276,31 @@ rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, i
         const uint8_t *p[RL];   /* the octet's block i */
         for (int r = 0; r < RL; r++) p[r] = rows[r] + (int64_t)i * bb;
         if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0) {   /* one run a block */
+#if !defined(GG_VNNI)
+            if (type == T_Q8_0 && P == 2 && NT <= RL_Q8_ROWDOT && rl_q8_rowdot()) {
+                /* few tokens: each row's run widened straight from memory (again for each token:
+                 * a load-and-widen) and dotted with the token's 16-bit activations (ST) in 8 dword
+                 * partial sums, the octet's sums then transposed together (rl_rowsums): no
+                 * transpose of the bytes and no pairs (W2), which pay back only over more tokens.
+                 * The same integer dot (exact in int32), so the same fp32 steps give the same bits. */
+                const __m256i hv = _mm256_setr_epi32(ld32(p[0]), ld32(p[1]), ld32(p[2]), ld32(p[3]), ld32(p[4]),
+                                                     ld32(p[5]), ld32(p[6]), ld32(p[7]));
+                const __m256 s0v = _mm256_cvtph_ps(rl_words(hv));
+                for (int t = 0; t < NT; t++) {
+                    const int32_t *st = ST + t * 16 * fs + 16 * i;
+                    const __m256i a0 = _mm256_loadu_si256((const __m256i *)st),
+                                  a1 = _mm256_loadu_si256((const __m256i *)(st + 8));
+                    __m256i v[RL];
+                    for (int r = 0; r < RL; r++)
+                        v[r] = _mm256_add_epi32(
+                            _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p[r] + 2))), a0),
+                            _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p[r] + 18))), a1));
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rl_rowsums(v)),
+                                             _mm256_mul_ps(s0v, _mm256_set1_ps(da[(int64_t)t * fs + i])), acc[t]);
+                }
+                continue;
+            }
+#endif
             __m256i w[8], hv;
             rl_octet_run(type, p, bb, w, &hv);
             const __m256 s0v = _mm256_cvtph_ps(rl_words(hv));
