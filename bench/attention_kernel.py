@@ -14,7 +14,8 @@ so background load on this shared machine hits both alike; medians over rounds a
 and the speedup is the ratio of the two medians.
 
 --baseline REV also times the kernel of git revision REV (paged_decode.c built beside this one,
-with native.py's flags: SARATHI_NATIVE_MARCH=znver3 A/Bs the AVX2 path on an AVX-512 machine), and
+with native.py's flags: SARATHI_NATIVE_MARCH=znver3 A/Bs the AVX2 path on an AVX-512 machine;
+both kernels then called the same way, without the wrapper's checks, in alternating order), and
 "read": a plain AVX2 read of the same K/V blocks in block-table order (16-bit
 caches only), the memory bound for this access pattern on one thread.
 
@@ -129,6 +130,18 @@ def build_extra(baseline: str | None) -> tuple[ctypes.CDLL | None, ctypes.CDLL]:
     return base, rd
 
 
+def raw_native_pass(layers, q, tables, lens, out, scale, threads) -> None:
+    """native_pass without the wrapper's checks: the same ctypes call baseline_pass makes, so that
+    the two kernels are compared at the same call cost (the checks cost microseconds a call,
+    several percent of one decode's layer)."""
+    code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+    for kc, vc in layers:
+        native._lib.paged_decode_attention_split(
+            q.data_ptr(), code[q.dtype], q.stride(0), kc.data_ptr(), vc.data_ptr(), code[kc.dtype],
+            tables.data_ptr(), tables.shape[1], lens.data_ptr(), None, tables.shape[0], HQ, HKV, DIM, BS,
+            scale, out.data_ptr(), code[out.dtype], out.stride(0), threads, 0)
+
+
 def baseline_pass(lib, layers, q, tables, lens, out, scale, threads) -> None:
     code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
     for kc, vc in layers:
@@ -161,13 +174,17 @@ def run_case(batch: int, ctx: int, dtype_name: str, threads: list[int], rounds: 
         baseline_pass(base, layers, q, tables, lens, out_b, scale, threads[0])
         diff_b = (out_b.float() - out_n.float()).abs().max().item()
     times = {(t, v): [] for t in threads for v in variants}
-    for _ in range(rounds):
+    for r in range(rounds):
         for t in threads:
             torch.set_num_threads(t)
-            for v in variants:
+            order = variants if r % 2 == 0 or not base else \
+                [{"native": "baseline", "baseline": "native"}.get(v, v) for v in variants]
+            for v in order:
                 t0 = time.perf_counter()
                 if v == "torch":
                     torch_pass(layers, q, meta, out_t, scale)
+                elif v == "native" and base:   # the baseline's call cost, and every other round first
+                    raw_native_pass(layers, q, tables, lens, out_n, scale, t)
                 elif v == "native":
                     native_pass(layers, q, tables, lens, out_n, scale)
                 elif v == "baseline":
