@@ -60,9 +60,9 @@
 #define PV_PAIRS 2
 #elif SIMD_W == 8
 /* 3 rows x 2 vectors = 6 accumulators + v pair + 3 broadcasts: 11 of the 16 ymm. With 2 pairs
- * (12 accumulators, 17 registers) GCC spilled an accumulator every token, and the store-to-load
- * round trip stalled the chain: one pair a pass was 0.91x the time of a hot 1k-token layer on
- * Zen 3 (bench/results/kernels/README.md), though each pass re-reads the tile's V rows from L1. */
+ * (12 accumulators, 17 registers) GCC spilled an accumulator every token and the store-to-load
+ * round trip sat on its chain; one pair a pass re-reads the tile's V rows from L1 instead, and is
+ * the faster (measured: bench/results/kernels/README.md, "Attention kernel"). */
 #define PV_ROWS 3
 #define PV_PAIRS 1
 #endif
@@ -295,8 +295,8 @@ unit(const float *qs, const void *kc, const void *vc, const int dt, const int32_
             const float tmax = vreduce_max(vm);
             mx = tmax > mx ? tmax : mx;
             /* the rescale factor, 0 on the first tile (m = -inf) and 1 while the max holds: expf(-inf)
-             * and expf(0) are exactly 0 and 1, so the libm call (most of a tile's softmax at one
-             * decode) runs only where the max moved by a finite step; the same bits */
+             * and expf(0) are exactly 0 and 1, so the libm call (a row's scalar step every tile)
+             * runs only where the max moved by a finite step; the same bits */
             const float alpha = mx == m[r] ? 1.0f : m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
             vf vs = vzero();
             for (int i = 0; i < TILE / SIMD_W; i++) {
