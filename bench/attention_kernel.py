@@ -130,25 +130,27 @@ def build_extra(baseline: str | None) -> tuple[ctypes.CDLL | None, ctypes.CDLL]:
     return base, rd
 
 
-def raw_native_pass(layers, q, tables, lens, out, scale, threads) -> None:
-    """native_pass without the wrapper's checks: the same ctypes call baseline_pass makes, so that
-    the two kernels are compared at the same call cost (the checks cost microseconds a call,
-    several percent of one decode's layer)."""
-    code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # paged_decode.c's dtype codes
+
+
+def raw_pass(fn, layers, q, tables, lens, out, scale, threads, *extra) -> None:
+    """fn (a kernel library's paged_decode_attention, or _split with extra = (0,)) over every
+    layer's cache, called through ctypes with no checks."""
     for kc, vc in layers:
-        native._lib.paged_decode_attention_split(
-            q.data_ptr(), code[q.dtype], q.stride(0), kc.data_ptr(), vc.data_ptr(), code[kc.dtype],
-            tables.data_ptr(), tables.shape[1], lens.data_ptr(), None, tables.shape[0], HQ, HKV, DIM, BS,
-            scale, out.data_ptr(), code[out.dtype], out.stride(0), threads, 0)
+        fn(q.data_ptr(), DTYPE_CODE[q.dtype], q.stride(0), kc.data_ptr(), vc.data_ptr(), DTYPE_CODE[kc.dtype],
+           tables.data_ptr(), tables.shape[1], lens.data_ptr(), None, tables.shape[0], HQ, HKV, DIM, BS, scale,
+           out.data_ptr(), DTYPE_CODE[out.dtype], out.stride(0), threads, *extra)
+
+
+def raw_native_pass(layers, q, tables, lens, out, scale, threads) -> None:
+    """native_pass without the wrapper's checks: the call baseline_pass makes, so that the two
+    kernels are compared at the same call cost (the checks cost microseconds a call, several
+    percent of one decode's layer)."""
+    raw_pass(native._lib.paged_decode_attention_split, layers, q, tables, lens, out, scale, threads, 0)
 
 
 def baseline_pass(lib, layers, q, tables, lens, out, scale, threads) -> None:
-    code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-    for kc, vc in layers:
-        lib.paged_decode_attention(q.data_ptr(), code[q.dtype], q.stride(0), kc.data_ptr(), vc.data_ptr(),
-                                   code[kc.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(), None,
-                                   tables.shape[0], HQ, HKV, DIM, BS, scale, out.data_ptr(), code[out.dtype],
-                                   out.stride(0), threads)
+    raw_pass(lib.paged_decode_attention, layers, q, tables, lens, out, scale, threads)
 
 
 def read_pass(rd, layers, tables) -> None:

@@ -271,12 +271,9 @@ torch.save(out, sys.argv[1])
 """
 
 
-@pytest.mark.skipif(native.gguf_q8_isa() != "avx512vnni", reason="the 16-row kernel is in AVX-512 VNNI builds")
-def test_q8_sixteen_row_threshold_leaves_the_bits(tmp_path):
-    """Where the row-lane kernel starts taking 16 rows a vector (by CPU: from 1 token on Zen 4, from
-    5 on the Xeons; the K-quants from 2 there) changes its speed only: 1-7 tokens of all six
-    formats give the same bits with 16 rows a vector at every size as with octets only (each
-    setting in a fresh process, as the kernel reads it once)."""
+def _probe_in_fresh_processes(tmp_path, settings: dict) -> dict:
+    """{name: _ROWS16_PROBE's outputs} with each setting's environment in a process of its own
+    (the kernels read their switches once)."""
     import os
     import subprocess
     import sys
@@ -284,11 +281,22 @@ def test_q8_sixteen_row_threshold_leaves_the_bits(tmp_path):
 
     root = str(Path(__file__).resolve().parents[2])
     got = {}
-    for name, env in (("rows16", {"SARATHI_GGUF_ROWS16_MIN": "1"}), ("octets", {"SARATHI_GGUF_ROWS16": "0"})):
+    for name, env in settings.items():
         path = tmp_path / f"{name}.pt"
         subprocess.run([sys.executable, "-c", _ROWS16_PROBE, str(path)], check=True, timeout=120,
                        env={**os.environ, **env, "PYTHONPATH": root}, cwd=root)
         got[name] = torch.load(path)
+    return got
+
+
+@pytest.mark.skipif(native.gguf_q8_isa() != "avx512vnni", reason="the 16-row kernel is in AVX-512 VNNI builds")
+def test_q8_sixteen_row_threshold_leaves_the_bits(tmp_path):
+    """Where the row-lane kernel starts taking 16 rows a vector (by CPU: from 1 token on Zen 4, from
+    5 on the Xeons; the K-quants from 2 there) changes its speed only: 1-7 tokens of all six
+    formats give the same bits with 16 rows a vector at every size as with octets only (each
+    setting in a fresh process, as the kernel reads it once)."""
+    got = _probe_in_fresh_processes(tmp_path, {"rows16": {"SARATHI_GGUF_ROWS16_MIN": "1"},
+                                               "octets": {"SARATHI_GGUF_ROWS16": "0"}})
     assert got["rows16"].keys() == got["octets"].keys() and len(got["rows16"]) == 6 * 7 * 2
     for key, want in got["octets"].items():
         assert torch.equal(got["rows16"][key], want), key
@@ -301,18 +309,8 @@ def test_q8_0_row_dots_leave_the_bits(tmp_path):
     weight pairs: a change of speed only. 1-7 tokens of every format (Q8_0 with octets and a
     remainder of 5 rows) give the same bits as with the pairs at every size (each setting in a
     fresh process, as the kernel reads it once)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = str(Path(__file__).resolve().parents[2])
-    got = {}
-    for name, env in (("row dots", {}), ("pairs", {"SARATHI_GGUF_Q8_ROWDOT": "0"})):
-        path = tmp_path / f"{name}.pt"
-        subprocess.run([sys.executable, "-c", _ROWS16_PROBE, str(path)], check=True, timeout=120,
-                       env={**os.environ, "SARATHI_GGUF_Q8_ROWDOT": "1", **env, "PYTHONPATH": root}, cwd=root)
-        got[name] = torch.load(path)
+    got = _probe_in_fresh_processes(tmp_path, {"row dots": {"SARATHI_GGUF_Q8_ROWDOT": "1"},
+                                               "pairs": {"SARATHI_GGUF_Q8_ROWDOT": "0"}})
     assert got["row dots"].keys() == got["pairs"].keys() and len(got["pairs"]) == 6 * 7 * 2
     for key, want in got["pairs"].items():
         assert torch.equal(got["row dots"][key], want), key

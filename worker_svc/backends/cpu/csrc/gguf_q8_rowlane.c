@@ -85,34 +85,37 @@ static inline __attribute__((always_inline)) void rl_load4(const uint8_t *const 
 /* the octet's run b (w[8]: its groups of 4, and s0v, s1v, cwv) against the call's NT tokens */
 #if defined(GG_VNNI)
 #define RL_Q6_OFF 96   /* Q6_K's weights unsigned: (v - 32) ^ 0x80 */
-#define RL_TOKENS(b)                                                                                       \
+/* the run's dots and fp32 steps at vector width W (256: an octet in ymm; 512: two in zmm, rl2_rows):
+ * one body for both widths, so the two kernels' steps are the same lane for lane */
+#define RL_TOKENS_W(b, W)                                                                                  \
     for (int t = 0; t < NT; t++) {                                                                     \
-        const int8_t *a = qa + t * qs + 32 * b;                                                        \
-        __m256i h = _mm256_setzero_si256(), l = h, h2 = h, l2 = h;                                     \
+        const int8_t *a = qa + t * qs + 32 * (b);                                                      \
+        __m##W##i h = _mm##W##_setzero_si##W(), l = h, h2 = h, l2 = h;                                 \
 _Pragma("GCC unroll 8")                                                                                   \
         for (int g = 0; g < 8; g++) {                                                                  \
             int32_t a4;                                                                                \
             memcpy(&a4, a + 4 * g, 4);                                                                 \
-            if (Q6 && g >= 4) h2 = _mm256_dpbusd_epi32(h2, w[g], _mm256_set1_epi32(a4));               \
-            else h = _mm256_dpbusd_epi32(h, w[g], _mm256_set1_epi32(a4));                              \
+            if (Q6 && g >= 4) h2 = _mm##W##_dpbusd_epi32(h2, w[g], _mm##W##_set1_epi32(a4));           \
+            else h = _mm##W##_dpbusd_epi32(h, w[g], _mm##W##_set1_epi32(a4));                          \
             if (P == 2) {                                                                              \
                 memcpy(&a4, a + lo + 4 * g, 4);                                                        \
-                if (Q6 && g >= 4) l2 = _mm256_dpbusd_epi32(l2, w[g], _mm256_set1_epi32(a4));           \
-                else l = _mm256_dpbusd_epi32(l, w[g], _mm256_set1_epi32(a4));                          \
+                if (Q6 && g >= 4) l2 = _mm##W##_dpbusd_epi32(l2, w[g], _mm##W##_set1_epi32(a4));       \
+                else l = _mm##W##_dpbusd_epi32(l, w[g], _mm##W##_set1_epi32(a4));                      \
             }                                                                                          \
         }                                                                                              \
-        const int64_t tb = (int64_t)t * fs + b;                                                        \
-        __m256i d = P == 2 ? _mm256_add_epi32(_mm256_slli_epi32(h, 7), l) : h;                         \
-        const __m256 dav = _mm256_set1_ps(da[tb]);                                                     \
-        if (SG) d = _mm256_sub_epi32(d, _mm256_set1_epi32(128 * (Q6 ? ST[2 * tb] : ST[2 * tb] + ST[2 * tb + 1])));\
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s0v, dav), acc[t]);              \
+        const int64_t tb = (int64_t)t * fs + (b);                                                      \
+        __m##W##i d = P == 2 ? _mm##W##_add_epi32(_mm##W##_slli_epi32(h, 7), l) : h;                   \
+        const __m##W dav = _mm##W##_set1_ps(da[tb]);                                                   \
+        if (SG) d = _mm##W##_sub_epi32(d, _mm##W##_set1_epi32(128 * (Q6 ? ST[2 * tb] : ST[2 * tb] + ST[2 * tb + 1])));\
+        acc[t] = _mm##W##_fmadd_ps(_mm##W##_cvtepi32_ps(d), _mm##W##_mul_ps(s0v, dav), acc[t]);        \
         if (Q6) {                                                                                      \
-            __m256i d2 = P == 2 ? _mm256_add_epi32(_mm256_slli_epi32(h2, 7), l2) : h2;                 \
-            d2 = _mm256_sub_epi32(d2, _mm256_set1_epi32(128 * ST[2 * tb + 1]));                        \
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2), _mm256_mul_ps(s1v, dav), acc[t]);         \
+            __m##W##i d2 = P == 2 ? _mm##W##_add_epi32(_mm##W##_slli_epi32(h2, 7), l2) : h2;           \
+            d2 = _mm##W##_sub_epi32(d2, _mm##W##_set1_epi32(128 * ST[2 * tb + 1]));                    \
+            acc[t] = _mm##W##_fmadd_ps(_mm##W##_cvtepi32_ps(d2), _mm##W##_mul_ps(s1v, dav), acc[t]);   \
         }                                                                                              \
-        if (!SG) corr[t] = _mm256_add_ps(corr[t], _mm256_mul_ps(cwv, _mm256_set1_ps(sa[tb])));         \
+        if (!SG) corr[t] = _mm##W##_add_ps(corr[t], _mm##W##_mul_ps(cwv, _mm##W##_set1_ps(sa[tb])));   \
     }
+#define RL_TOKENS(b) RL_TOKENS_W(b, 256)
 
 
 #else
@@ -173,6 +176,12 @@ static inline __m128i rl_words(__m256i x) {
 static inline int32_t ld32(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 static inline int32_t ld16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
+/* each row's first dword of its block p[r] (its fp16 d, and Q4_1's m) in lane r */
+static inline __attribute__((always_inline)) __m256i rl_heads(const uint8_t *const *p) {
+    return _mm256_setr_epi32(ld32(p[0]), ld32(p[1]), ld32(p[2]), ld32(p[3]), ld32(p[4]), ld32(p[5]), ld32(p[6]),
+                             ld32(p[7]));
+}
+
 #if !defined(GG_VNNI)
 /* v[r]: 8 dword partial sums of row r -> dword r: their sum (int32: exact in any order) */
 static inline __attribute__((always_inline)) __m256i rl_rowsums(const __m256i *v) {
@@ -212,8 +221,7 @@ static inline __attribute__((always_inline)) void rl_octet_run(const int type, c
             w[g + 4] = nibbles(g4[g], 1);
         }
     }
-    *hv = _mm256_setr_epi32(ld32(p[0]), ld32(p[1]), ld32(p[2]), ld32(p[3]), ld32(p[4]), ld32(p[5]), ld32(p[6]),
-                            ld32(p[7]));
+    *hv = rl_heads(p);
 }
 
 /* Q4_K / Q5_K sub-block j's scale and min term of an octet (H: its blocks' first 32 bytes,
@@ -283,9 +291,7 @@ rl_rows(const int type, const int NT, const int P, const uint8_t *const *rows, i
                  * partial sums, the octet's sums then transposed together (rl_rowsums): no
                  * transpose of the bytes and no pairs (W2), which pay back only over more tokens.
                  * The same integer dot (exact in int32), so the same fp32 steps give the same bits. */
-                const __m256i hv = _mm256_setr_epi32(ld32(p[0]), ld32(p[1]), ld32(p[2]), ld32(p[3]), ld32(p[4]),
-                                                     ld32(p[5]), ld32(p[6]), ld32(p[7]));
-                const __m256 s0v = _mm256_cvtph_ps(rl_words(hv));
+                const __m256 s0v = _mm256_cvtph_ps(rl_words(rl_heads(p)));
                 for (int t = 0; t < NT; t++) {
                     const int32_t *st = ST + t * 16 * fs + 16 * i;
                     const __m256i a0 = _mm256_loadu_si256((const __m256i *)st),
@@ -448,36 +454,9 @@ static inline __m512 rl_joinf(__m256 lo, __m256 hi) {
 }
 
 /* rl2_rows's run b (w[8] zmm: its groups of 4 for 16 rows, s0v, s1v, cwv) against the call's NT
- * tokens: RL_TOKENS's integer dots and fp32 steps, lane for lane (Q6_K: its two 16-element halves'
- * dots, each with its own scale and offset sum) */
-#define RL2_TOKENS(b)                                                                                      \
-    for (int t = 0; t < NT; t++) {                                                                     \
-        const int8_t *a = qa + t * qs + 32 * (b);                                                      \
-        __m512i h = _mm512_setzero_si512(), l = h, h2 = h, l2 = h;                                     \
-_Pragma("GCC unroll 8")                                                                                   \
-        for (int g = 0; g < 8; g++) {                                                                  \
-            int32_t a4;                                                                                \
-            memcpy(&a4, a + 4 * g, 4);                                                                 \
-            if (Q6 && g >= 4) h2 = _mm512_dpbusd_epi32(h2, w[g], _mm512_set1_epi32(a4));               \
-            else h = _mm512_dpbusd_epi32(h, w[g], _mm512_set1_epi32(a4));                              \
-            if (P == 2) {                                                                              \
-                memcpy(&a4, a + lo + 4 * g, 4);                                                        \
-                if (Q6 && g >= 4) l2 = _mm512_dpbusd_epi32(l2, w[g], _mm512_set1_epi32(a4));           \
-                else l = _mm512_dpbusd_epi32(l, w[g], _mm512_set1_epi32(a4));                          \
-            }                                                                                          \
-        }                                                                                              \
-        const int64_t tb = (int64_t)t * fs + (b);                                                      \
-        __m512i d = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(h, 7), l) : h;                         \
-        const __m512 dav = _mm512_set1_ps(da[tb]);                                                     \
-        if (SG) d = _mm512_sub_epi32(d, _mm512_set1_epi32(128 * (Q6 ? ST[2 * tb] : ST[2 * tb] + ST[2 * tb + 1])));\
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s0v, dav), acc[t]);              \
-        if (Q6) {                                                                                      \
-            __m512i d2 = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(h2, 7), l2) : h2;                 \
-            d2 = _mm512_sub_epi32(d2, _mm512_set1_epi32(128 * ST[2 * tb + 1]));                        \
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_mul_ps(s1v, dav), acc[t]);         \
-        }                                                                                              \
-        if (!SG) corr[t] = _mm512_add_ps(corr[t], _mm512_mul_ps(cwv, _mm512_set1_ps(sa[tb])));         \
-    }
+ * tokens: RL_TOKENS's body at 512 bits (Q6_K: its two 16-element halves' dots, each with its own
+ * scale and offset sum) */
+#define RL2_TOKENS(b) RL_TOKENS_W(b, 512)
 
 static inline __attribute__((always_inline)) void
 rl2_rows(const int type, const int NT, const int P, const uint8_t *const *rows, int nb, const int8_t *qa,
