@@ -6,7 +6,8 @@ unchanged scheduler on a virtual clock, sarathi.measure.simulate.run_replicas), 
 tau 512, prefix caching on in every replica for every routing. Routings
 (sarathi.measure.routing): shared-queue (today's distributed mode), least-queue (the picker's
 queue + KV-usage scorers), prefix (its prefix-cache scorer alone, fed by the KV-cache events), mix
-(prefix 3 + queue 1 + KV 1, the picker's default weights).
+(prefix 3 + queue 1 + KV 1, the picker's default weights); and the two other published cache-aware
+routers, kv-cost (NVIDIA Dynamo's KV router cost) and cache-aware (SGLang's router policy).
 
 Per (replicas, workload):
 * capacity (the paper's criterion: P99 TBT <= 100 ms, the strict SLO of the simulated results, and
@@ -57,7 +58,7 @@ from sarathi.measure.tools import Workload, capacity, run_once
 from sarathi.measure.trace import load_trace
 from shared.config import SchedulerConfig
 
-ROUTINGS = ("shared-queue", "least-queue", "prefix", "mix")
+ROUTINGS = ("shared-queue", "least-queue", "prefix", "mix", "kv-cost", "cache-aware")
 TBT_SLO = 0.1
 TAU = 512
 CHAT = ChatShape(system_prompts=4, system_len=512, turns=(2, 8), user_scale=0.25, think_s=5.0)
@@ -175,6 +176,8 @@ def report(a: argparse.Namespace) -> None:
         for routing in ROUTINGS:
             s = r["at_common_qps"].get(routing)
             cap, cap_hi = _capacity(r, routing)
+            if s is None and cap is None:   # a run of fewer routings
+                continue
             base, base_hi = _capacity(r, "shared-queue")
             rows.append({"replicas": r["replicas"], "workload": r["workload"], "routing": routing,
                          "capacity_qps": cap, "first_failing_qps": cap_hi,
@@ -190,8 +193,9 @@ def report(a: argparse.Namespace) -> None:
         rel = "" if row["capacity_vs_shared_queue"] is None else f" ({row['capacity_vs_shared_queue']:.2f}x)"
         if row["first_failing_qps"]:
             cap += f" (< {row['first_failing_qps']:.3g})"
-        print(f"| {row['replicas']} | {row['workload']} | {row['routing']} | {cap}{rel} | "
-              f"{row['ttft_p50_s']:.3f} / {row['ttft_p99_s']:.3f} | {row['prefix_hit_rate']:.1%} |")
+        ttft = "-" if row["ttft_p50_s"] is None else f"{row['ttft_p50_s']:.3f} / {row['ttft_p99_s']:.3f}"
+        hits = "-" if row["prefix_hit_rate"] is None else f"{row['prefix_hit_rate']:.1%}"
+        print(f"| {row['replicas']} | {row['workload']} | {row['routing']} | {cap}{rel} | {ttft} | {hits} |")
     _plot(rows, out / "routing.png")
 
 
@@ -202,7 +206,8 @@ def _plot(rows: list[dict], path: Path) -> None:
 
     configs = sorted({(r["workload"], r["replicas"]) for r in rows})
     fig, axes = plt.subplots(2, len(configs), figsize=(4 * len(configs), 7), squeeze=False)
-    colors = {"shared-queue": "tab:gray", "least-queue": "tab:blue", "prefix": "tab:orange", "mix": "tab:green"}
+    colors = {"shared-queue": "tab:gray", "least-queue": "tab:blue", "prefix": "tab:orange", "mix": "tab:green",
+              "kv-cost": "tab:purple", "cache-aware": "tab:brown"}
     for j, (wl, n) in enumerate(configs):
         sel = [r for r in rows if r["workload"] == wl and r["replicas"] == n]
         names = [r["routing"] for r in sel]
@@ -250,6 +255,30 @@ def weights(a: argparse.Namespace) -> None:
     path = Path(a.out) / f"routing_{wl}_{a.replicas}r_weights.json"
     path.write_text(json.dumps(json_safe(res), indent=1))
     _plot_weights(res, path.with_suffix(".png"))
+
+
+def kvcost(a: argparse.Namespace) -> None:
+    """Dynamo's overlap weight swept: the kv-cost routing with each weight of --weights-list (a
+    prefill block's cost in KV blocks held; Dynamo's default 1) at each rate of --qps-list, judged
+    by the capacity criterion; written to routing_{workload}_{N}r_kvcost.json (+ PNG). The question:
+    does weighting the prefill work saved higher keep conversations where their history is?"""
+    from sarathi.measure import routing as R
+
+    wl, w, target = _probe_target(a, "kv-cost")   # the picker reads the weight at each pick
+    default = R.KV_COST_OVERLAP_WEIGHT
+    res = {"command": "python -m bench.routing " + " ".join(sys.argv[1:]), "machine": machine(),
+           "replicas": a.replicas, "workload": wl, "default_weight": default, "runs": []}
+    try:
+        for setting in a.weights_list.split(","):
+            R.KV_COST_OVERLAP_WEIGHT = float(setting)
+            for q in (float(x) for x in a.qps_list.split(",")):
+                ok, s = _judged_run(a, target, w, q, f"{wl} kv-cost, overlap weight {setting}")
+                res["runs"].append({"weights": setting, "qps": q, "ok": ok, "summary": s})
+    finally:
+        R.KV_COST_OVERLAP_WEIGHT = default
+    path = Path(a.out) / f"routing_{wl}_{a.replicas}r_kvcost.json"
+    path.write_text(json.dumps(json_safe(res), indent=1))
+    _plot_weights(res, path.with_suffix(".png"), xlabel="kv-cost: overlap weight")
 
 
 def lowq(a: argparse.Namespace) -> None:
@@ -334,10 +363,12 @@ def _plot_weights(res: dict, png: Path, xlabel: str = "mix weights prefix:queue:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", nargs="?", default="run", choices=["run", "probe", "report", "weights", "lowq", "fc"])
+    modes = {"run": run, "probe": probe, "report": report, "weights": weights, "lowq": lowq, "fc": fc, "kvcost": kvcost}
+    p.add_argument("mode", nargs="?", default="run", choices=list(modes))
     p.add_argument("--routing", default="shared-queue", help="probe: the routing")
-    p.add_argument("--qps-list", default="", help="probe, weights, lowq, fc: comma-separated rates")
-    p.add_argument("--weights-list", default="3:1:1", help="weights: comma-separated prefix:queue:kv settings of mix")
+    p.add_argument("--qps-list", default="", help="probe, weights, lowq, fc, kvcost: comma-separated rates")
+    p.add_argument("--weights-list", default="3:1:1", help="weights: comma-separated prefix:queue:kv settings of "
+                   "mix; kvcost: comma-separated overlap weights of kv-cost")
     p.add_argument("--thresholds", default="0,4,16", help="lowq: comma-separated low-queue filter thresholds")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--workloads", default="chat,sharegpt")
@@ -357,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="each replica's cap on running requests (its scheduler's max_num_seqs)")
     p.add_argument("--out", default="bench/results/routing")
     a = p.parse_args(argv)
-    {"run": run, "probe": probe, "report": report, "weights": weights, "lowq": lowq, "fc": fc}[a.mode](a)
+    modes[a.mode](a)
     return 0
 
 

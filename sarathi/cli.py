@@ -299,8 +299,11 @@ def _measure_parsers(sub) -> None:
          "iteration), or the inference gateway's endpoint picker: least-queue (queue + KV-usage scorers), prefix "
          "(prefix-cache scorer from the KV-cache events; needs --prefix-caching), mix (prefix 3 + queue 1 + KV 1), "
          "mix-lowq (mix after the picker's low-queue filter: replicas with at most 4 requests waiting), "
-         "mix-fc (mix behind the picker's flow control: requests wait in the picker while the pool is saturated)",
-         choices=["least-unfinished", "shared-queue", "least-queue", "prefix", "mix", "mix-lowq", "mix-fc"])
+         "mix-fc (mix behind the picker's flow control: requests wait in the picker while the pool is saturated), "
+         "kv-cost (NVIDIA Dynamo's KV router: the lowest cost of prefill blocks to compute + KV blocks held), "
+         "cache-aware (SGLang's router: the longest prefix match unless the loads are imbalanced)",
+         choices=["least-unfinished", "shared-queue", "least-queue", "prefix", "mix", "mix-lowq", "mix-fc",
+                  "kv-cost", "cache-aware"])
     _add(p, "workload", "trace", "trace: one request per trace row; chat: multi-turn conversations (turns share "
          "a growing prefix, system prompts shared across users; lengths from the trace)", choices=["trace", "chat"])
     _add(p, "chat-system-prompts", 4, "chat: distinct system prompts, shared across conversations")

@@ -32,6 +32,26 @@ Two ways a request reaches a replica:
   roofline score), and the detector's filter keeps a saturated replica out of the candidates
   while any other is not (headroom 0). The thresholds are the detector's defaults.
 
+* ``kv-cost``: NVIDIA Dynamo's KV router, another published cache-aware router: no scores
+  normalized over the replicas but one cost in KV blocks per replica, the lowest taken (ties at
+  random, seeded):
+
+      cost = KV_COST_OVERLAP_WEIGHT * prefill blocks + decode blocks
+
+  prefill blocks: the replica's pending prefill (the uncached prompt tokens of the requests the
+  router sent it that have not produced their first token) plus this prompt's uncached tokens
+  there (its length less the leading blocks the replica holds, from the KV events), over the
+  block size; decode blocks: KV blocks the replica's active requests hold, plus this prompt's.
+  The router keeps the pending prefill itself (what it sent, released at the first token), as
+  Dynamo's does; a cache hit thus counts in tokens of work saved, against the queued work it
+  would wait behind, where the picker's prefix score is a fraction of the prompt.
+* ``cache-aware``: SGLang's router (its `cache_aware` policy, the default of SGLang's model
+  gateway), a decision rule rather than a sum: when the replicas' loads (unfinished requests the
+  router sent) are imbalanced, max - min > CACHE_AWARE_BALANCE_ABS and max > min x
+  CACHE_AWARE_BALANCE_REL, the least loaded; else, when some replica holds more than
+  CACHE_AWARE_THRESHOLD of the prompt's blocks, the one that holds the most (ties: the least
+  loaded); else the replica whose cache holds the fewest blocks (the most room). Its defaults.
+
 The scorers are one class (Scorer) over whatever state it is handed: Picker hands it the
 simulated replicas' schedulers, bench/picker_router.py (a live picker in front of real replicas)
 the metrics it scraped and the KV events it subscribed to.
@@ -46,7 +66,8 @@ import numpy as np
 
 from scheduler_svc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder, block_hash, root_hash
 
-ROUTINGS = ("least-unfinished", "shared-queue", "least-queue", "prefix", "mix", "mix-lowq", "mix-fc")
+ROUTINGS = ("least-unfinished", "shared-queue", "least-queue", "prefix", "mix", "mix-lowq", "mix-fc", "kv-cost",
+            "cache-aware")
 WEIGHTS = {"least-queue": {"queue": 1.0, "kv": 1.0}, "prefix": {"prefix": 1.0},
            "mix": {"prefix": 3.0, "queue": 1.0, "kv": 1.0}}
 WEIGHTS["mix-lowq"] = WEIGHTS["mix"]    # the same scorers, behind the filter
@@ -61,6 +82,15 @@ SATURATION_QUEUE = 5
 SATURATION_KV = 0.8
 FLOW_CONTROLLED = {"mix-fc"}
 SATURATION_FILTER = True   # the detector's filter in the scheduling profile too (else the gate alone)
+# kv-cost: the weight of prefill blocks against decode blocks (Dynamo's kv-overlap-score-weight,
+# default 1.0: a block of prompt to compute costs as much as a block of KV held)
+KV_COST_OVERLAP_WEIGHT = 1.0
+# cache-aware: SGLang's router defaults (--balance-abs-threshold 64, --balance-rel-threshold 1.5,
+# --cache-threshold 0.3)
+CACHE_AWARE_BALANCE_ABS = 64
+CACHE_AWARE_BALANCE_REL = 1.5
+CACHE_AWARE_THRESHOLD = 0.3
+OWN_RULE = {"kv-cost", "cache-aware"}   # routings of their own rule, not the picker's weighted sum
 
 
 class PrefixIndex:
@@ -107,9 +137,11 @@ class Scorer:
     MEMO_MAX = 1 << 20   # remembered block hashes; a long-lived router starts over past this
 
     def __init__(self, routing: str, num_replicas: int, block_size: int, seed: int = 0, hash_seed: str = "0"):
-        if routing not in WEIGHTS:
+        if routing not in WEIGHTS and routing not in OWN_RULE:
             raise ValueError(f"no picker for routing {routing!r}")
-        self.weights = WEIGHTS[routing]
+        self.routing = routing
+        self.own_rule = routing in OWN_RULE
+        self.weights = {"prefix": 0.0} if self.own_rule else WEIGHTS[routing]   # prefix: the index is kept
         self.low_queue = LOW_QUEUE_THRESHOLD if routing in FILTERED else None
         self.flow_control = routing in FLOW_CONTROLLED
         self.num_replicas = num_replicas
@@ -190,9 +222,52 @@ class Scorer:
             self.prompt_blocks += len(hashes)
         return total, matched
 
-    def choose(self, prompt_ids: list[int], waiting=None, kv_usage=None) -> int:
-        """The replica with the highest total score (ties broken at random, seeded)."""
-        total, matched = self.scores(prompt_ids, waiting, kv_usage)
+    def costs(self, prompt_ids: list[int], pending_prefill, active_blocks) -> tuple[np.ndarray, list[int]]:
+        """kv-cost: each replica's cost in blocks, and the leading blocks of the prompt each
+        holds. pending_prefill[i]: uncached prompt tokens sent to replica i and not yet past
+        their first token; active_blocks[i]: KV blocks its active requests hold."""
+        hashes = self._hashes(prompt_ids)
+        matched = [self.index.matched(i, hashes) for i in range(self.num_replicas)]
+        self.prompt_blocks += len(hashes)
+        bs = self.block_size
+        new = np.maximum(0, len(prompt_ids) - np.array(matched, dtype=float) * bs)
+        prefill = (np.asarray(pending_prefill, dtype=float) + new) / bs
+        decode = np.asarray(active_blocks, dtype=float) + -(-len(prompt_ids) // bs)
+        return KV_COST_OVERLAP_WEIGHT * prefill + decode, matched
+
+    def cache_aware(self, prompt_ids: list[int], loads) -> tuple[np.ndarray, list[int]]:
+        """cache-aware: the candidates SGLang's rule leaves (a boolean mask), and the leading
+        blocks of the prompt each replica holds. loads[i]: unfinished requests sent to replica i."""
+        hashes = self._hashes(prompt_ids)
+        matched = [self.index.matched(i, hashes) for i in range(self.num_replicas)]
+        self.prompt_blocks += len(hashes)
+        load = np.asarray(loads, dtype=float)
+        m = np.array(matched, dtype=float)
+        if load.max() - load.min() > CACHE_AWARE_BALANCE_ABS and load.max() > CACHE_AWARE_BALANCE_REL * load.min():
+            return load == load.min(), matched
+        if hashes and m.max() / len(hashes) > CACHE_AWARE_THRESHOLD:
+            best = m == m.max()
+            return best & (load == load[best].min()), matched
+        size = np.array([len(b) for b in self.index.blocks], dtype=float)
+        return size == size.min(), matched
+
+    def new_prefill_tokens(self, prompt_ids: list[int], replica: int) -> int:
+        """The prompt's tokens replica `replica` would compute (its cached leading blocks off)."""
+        return max(0, len(prompt_ids) - self.index.matched(replica, self._hashes(prompt_ids)) * self.block_size)
+
+    def choose(self, prompt_ids: list[int], waiting=None, kv_usage=None, *, pending_prefill=None,
+               active_blocks=None) -> int:
+        """The replica with the highest total score (kv-cost: the lowest cost, from
+        pending_prefill and active_blocks; cache-aware: SGLang's rule, `waiting` the replicas'
+        loads; ties broken at random, seeded)."""
+        if self.routing == "cache-aware":
+            keep, matched = self.cache_aware(prompt_ids, waiting)
+            total = np.where(keep, 0.0, -np.inf)
+        elif self.own_rule:
+            cost, matched = self.costs(prompt_ids, pending_prefill, active_blocks)
+            total = -cost
+        else:
+            total, matched = self.scores(prompt_ids, waiting, kv_usage)
         best = np.flatnonzero(total >= total.max() - 1e-12)
         i = int(best[self.rng.integers(len(best))]) if len(best) > 1 else int(best[0])
         if matched is not None:
@@ -214,11 +289,28 @@ class Picker(Scorer):
                 if bm.cache is None:
                     raise ValueError("prefix-aware routing needs prefix caching (--prefix-caching)")
                 bm.events = KVEventRecorder(block_size, sink=self.index.sink(i))
+        self.sent: list[dict[str, int]] = [{} for _ in replicas]   # kv-cost: req id -> prefill tokens
 
     def state(self) -> tuple[list, list]:
         return ([len(r.scheduler.waiting) for r in self.replicas],
                 [r.scheduler.block_manager.num_used_blocks / r.scheduler.block_manager.num_blocks
                  for r in self.replicas])
 
-    def pick(self, prompt_ids: list[int]) -> int:
-        return self.choose(prompt_ids)
+    def pick(self, prompt_ids: list[int], req_id: str | None = None) -> int:
+        """The replica for a request arriving now; req_id: kv-cost's record of what it sent
+        (released when the request has its first token or is gone)."""
+        if not self.own_rule:
+            return self.choose(prompt_ids)
+        if self.routing == "cache-aware":   # load: unfinished requests (the router's own count)
+            return self.choose(prompt_ids, [len(r.scheduler.requests) for r in self.replicas])
+        pending = []
+        for i, r in enumerate(self.replicas):   # what the router sent that is still in prefill
+            sent, reqs = self.sent[i], r.scheduler.requests
+            for rid in [rid for rid in sent if rid not in reqs or reqs[rid].num_output_tokens]:
+                del sent[rid]
+            pending.append(sum(sent.values()))
+        i = self.choose(prompt_ids, pending_prefill=pending,
+                        active_blocks=[r.scheduler.block_manager.num_used_blocks for r in self.replicas])
+        if req_id is not None:
+            self.sent[i][req_id] = self.new_prefill_tokens(prompt_ids, i)
+        return i

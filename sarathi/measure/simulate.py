@@ -192,12 +192,12 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
     sarathi.measure.routing.ROUTINGS; max_waiting: the scheduler service's local queue bound
     (shared-queue pulls); seed: the picker's tie-breaks; routes: if given, filled with request id
     -> the index of the replica that served it."""
-    from sarathi.measure.routing import ROUTINGS, WEIGHTS, Picker
+    from sarathi.measure.routing import OWN_RULE, ROUTINGS, WEIGHTS, Picker
 
     if routing not in ROUTINGS:
         raise ValueError(f"unknown routing {routing!r}; choose one of {', '.join(ROUTINGS)}")
     picker = Picker(routing, replicas, replicas[0].scheduler.block_manager.block_size, seed) \
-        if routing in WEIGHTS else None
+        if routing in WEIGHTS or routing in OWN_RULE else None
     end = max((s.arrival for s in workload), default=0.0) + drain_s
     # warm-up requests (arrivals before 0): the run starts at the first of them (virtual clocks
     # start at 0: every time is shifted by `offset`, and shifted back in the results)
@@ -240,7 +240,7 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
         `at`, the current event time (no busy replica's clock is earlier)."""
         while held and not picker.saturated():
             spec = held.popleft()
-            admit(picker.pick(spec.prompt_ids), spec, at)
+            admit(picker.pick(spec.prompt_ids, spec.req_id), spec, at)
 
     def idle() -> list[int]:   # replicas blocked on the shared queue, longest idle first
         return sorted((k for k, r in enumerate(replicas) if not r.scheduler.has_unfinished()),
@@ -266,7 +266,7 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
                 held.append(spec)
                 release(spec.arrival)
                 continue
-            i = (picker.pick(spec.prompt_ids) if picker is not None
+            i = (picker.pick(spec.prompt_ids, spec.req_id) if picker is not None
                  else min(range(len(replicas)), key=lambda k: (replicas[k].unfinished, k)))
             admit(i, spec)
             continue

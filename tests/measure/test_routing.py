@@ -285,3 +285,90 @@ def test_the_flow_control_sweep_runs_the_mix_without_it_and_both_ways_with_it_an
         ("no flow control", 4.0), ("gate + filter", 4.0), ("gate alone", 4.0)]
     assert [r["summary"]["routing"] for r in res["runs"]] == ["mix", "mix-fc", "mix-fc"]
     assert (tmp_path / "routing_chat_2r_fc.png").stat().st_size > 0
+
+
+def test_kv_cost_trades_the_prefill_a_hit_saves_against_the_work_queued_behind_it():
+    """kv-cost (Dynamo's KV router): cost = weight x (pending prefill + this prompt's uncached
+    tokens) / block size + KV blocks held, the lowest wins. The replica holding the prompt wins
+    while the prefill it saves outweighs what it has queued; with more queued than the prompt's
+    length it loses; KV blocks held count block for block; a higher overlap weight makes the
+    saved prefill count for more against the blocks held."""
+    from sarathi.measure import routing as R
+    from scheduler_svc.kv_events import BlockStored
+
+    prompt = list(range(100, 164)) + [5] * 8           # 4 full blocks of 16, then 8 tokens
+    sc = R.Scorer("kv-cost", 3, block_size=16, seed=0)
+    sc.index.sink(0)(BlockStored(block_hashes=sc._hashes(prompt)[:4], parent_block_hash=None,
+                                 token_ids=prompt[:64], block_size=16))
+    cost, matched = sc.costs(prompt, pending_prefill=[0, 0, 0], active_blocks=[0, 0, 0])
+    assert matched == [4, 0, 0]
+    assert cost.tolist() == [8 / 16 + 5, 72 / 16 + 5, 72 / 16 + 5]       # decode: the prompt's 5 blocks
+    assert sc.choose(prompt, pending_prefill=[63, 0, 0], active_blocks=[0, 0, 0]) == 0
+    assert sc.choose(prompt, pending_prefill=[65, 0, 0], active_blocks=[0, 0, 0]) != 0
+    assert sc.choose(prompt, pending_prefill=[0, 0, 0], active_blocks=[5, 0, 0]) != 0   # 5 blocks > 4 saved
+    before = R.KV_COST_OVERLAP_WEIGHT
+    try:
+        R.KV_COST_OVERLAP_WEIGHT = 2.0
+        assert sc.choose(prompt, pending_prefill=[0, 0, 0], active_blocks=[5, 0, 0]) == 0   # 8 saved > 5
+    finally:
+        R.KV_COST_OVERLAP_WEIGHT = before
+
+
+def test_kv_cost_releases_a_requests_prefill_at_its_first_token():
+    """The simulated router keeps each replica's pending prefill as Dynamo's does: the uncached
+    tokens of what it sent, until the request's first token; afterwards only its KV blocks count."""
+    reps = replicas(2)
+    pk = Picker("kv-cost", reps, 16)
+    prompt = list(range(1000, 1000 + 200))
+    i = pk.pick(prompt, "a")
+    reps[i].engine.add_request("a", prompt, bench_sampling(30), 0.0)
+    assert pk.sent[i] == {"a": 200}
+    j = pk.pick(list(range(5000, 5200)), "b")
+    assert j != i                                         # 200 tokens pending on i: b goes to the other
+    reps[j].engine.add_request("b", list(range(5000, 5200)), bench_sampling(30), 0.0)
+    while not reps[i].scheduler.requests["a"].num_output_tokens:
+        reps[i].engine.step()
+    pk.pick([9] * 40, "c")
+    assert "a" not in pk.sent[i] and pk.sent[j]["b"] == 200       # b: still no token
+
+
+def test_cache_aware_follows_the_longest_match_unless_the_loads_are_imbalanced():
+    """cache-aware (SGLang's router): the replica with the longest match when it holds more than
+    the threshold of the prompt (ties: the least loaded); below it, the replica caching the least;
+    when the loads are imbalanced by both the absolute and the relative threshold, the least
+    loaded, whatever it caches."""
+    from sarathi.measure import routing as R
+    from scheduler_svc.kv_events import BlockStored
+
+    prompt = list(range(100, 164))                      # 4 full blocks
+    other = list(range(900, 996))                       # 6 blocks of something else
+    sc = R.Scorer("cache-aware", 3, block_size=16, seed=0)
+    sc.index.sink(1)(BlockStored(block_hashes=sc._hashes(prompt), parent_block_hash=None, token_ids=prompt,
+                                 block_size=16))
+    sc.index.sink(0)(BlockStored(block_hashes=sc._hashes(other), parent_block_hash=None, token_ids=other,
+                                 block_size=16))
+    a = R.CACHE_AWARE_BALANCE_ABS
+    assert sc.choose(prompt, [0, a, 0]) == 1                          # not imbalanced: max 64 - 0 is not > 64
+    assert sc.choose(prompt, [0, a + 1, 0]) != 1                      # imbalanced: the least loaded
+    assert sc.choose(prompt, [200, a + 201, 200]) == 1                # 265 < 1.5 x 200: not imbalanced
+    assert sc.choose(list(range(3000, 3064)), [0, 0, 0]) == 2         # no match: the smallest cache
+    sc.index.sink(2)(BlockStored(block_hashes=sc._hashes(prompt), parent_block_hash=None, token_ids=prompt,
+                                 block_size=16))
+    assert sc.choose(prompt, [0, 5, 3]) == 2                          # a tie in match: the less loaded
+
+
+def test_the_kv_cost_sweep_runs_each_weight_and_restores_the_default(tmp_path):
+    import json
+
+    from bench.routing import main
+    from sarathi.measure import routing as R
+
+    before = R.KV_COST_OVERLAP_WEIGHT
+    main(["kvcost", "--replicas", "2", "--workloads", "chat", "--duration", "4", "--warmup", "4",
+          "--num-requests", "60", "--qps-list", "4", "--weights-list", "0,64", "--out", str(tmp_path)])
+    assert R.KV_COST_OVERLAP_WEIGHT == before
+    res = json.loads((tmp_path / "routing_chat_2r_kvcost.json").read_text())
+    assert [(r["weights"], r["qps"]) for r in res["runs"]] == [("0", 4.0), ("64", 4.0)]
+    hits = {r["weights"]: r["summary"]["prefix_hit_rate"] for r in res["runs"]}
+    assert hits["64"] > hits["0"]                         # weight 0: KV blocks alone, blind to the cache
+    assert (tmp_path / "routing_chat_2r_kvcost.png").stat().st_size > 0
