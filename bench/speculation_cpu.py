@@ -12,6 +12,7 @@ of tokens over the sum of times of its prompts. Each run starts a fresh schedule
 of a draft is measured anew (scheduler_svc/speculative/base.py).
 
     python -m bench.speculation_cpu OUT_PREFIX [--threads 1] [--max-tokens 80] [--k 6] [--reps 2] [--quick]
+        [--proposer ngram|suffix]
         [--workloads grounded,chat,structured]
 
 writes OUT_PREFIX.json and OUT_PREFIX.png.
@@ -91,7 +92,8 @@ def decode_rate(out) -> tuple[int, float]:
 def run(args) -> dict:
     llm = LLM(threads=args.threads, num_blocks=512, max_num_seqs=4)
     off_cfg = llm.scheduler_config
-    on_cfg = dataclasses.replace(off_cfg, speculative="ngram", num_speculative_tokens=args.k)
+    on_cfg = dataclasses.replace(off_cfg, speculative=args.proposer, num_speculative_tokens=args.k)
+    arm_on = args.proposer
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     every = {"grounded": [(t, None) for t in GROUNDED], "chat": [(t, None) for t in CHAT],
              "structured": STRUCTURED}
@@ -110,7 +112,7 @@ def run(args) -> dict:
                 params, constraint=grammar_for("json_schema", schema, "response_format"))
             outs = {}
             for _ in range(args.reps):
-                for arm, cfg in (("off", off_cfg), ("ngram", on_cfg)):
+                for arm, cfg in (("off", off_cfg), (arm_on, on_cfg)):
                     engine = llm.make_engine(cfg)
                     t0 = time.perf_counter()
                     out = engine.generate([ids], request)[0]
@@ -121,7 +123,7 @@ def run(args) -> dict:
                     got = {"output_tokens": len(out.output_token_ids), "decode_tokens": n,
                            "decode_s": secs, "tok_per_s": n / secs if secs else 0.0,
                            "wall_s": time.perf_counter() - t0}
-                    if arm == "ngram":
+                    if arm == arm_on:
                         st = engine.stats()
                         got.update({k: st[k] for k in ("spec_proposed_tokens", "spec_accepted_tokens",
                                                        "spec_acceptance_rate", "spec_tokens_per_step",
@@ -129,26 +131,26 @@ def run(args) -> dict:
                     row.setdefault(arm + "_runs", []).append(got)
                     if arm not in row or got["tok_per_s"] > row[arm]["tok_per_s"]:
                         row[arm] = got
-            row["identical"] = outs["off"] == outs["ngram"]
-            row["speedup"] = row["ngram"]["tok_per_s"] / row["off"]["tok_per_s"] if row["off"]["tok_per_s"] else 0.0
-            print(f"{name:8s} {row['off']['tok_per_s']:7.1f} -> {row['ngram']['tok_per_s']:7.1f} tok/s "
+            row["identical"] = outs["off"] == outs[arm_on]
+            row["speedup"] = row[arm_on]["tok_per_s"] / row["off"]["tok_per_s"] if row["off"]["tok_per_s"] else 0.0
+            print(f"{name:8s} {row['off']['tok_per_s']:7.1f} -> {row[arm_on]['tok_per_s']:7.1f} tok/s "
                   f"({row['speedup']:.2f}x, identical={row['identical']}) {row['prompt']!r}", flush=True)
             rows.append(row)
         agg = {}
-        for arm in ("off", "ngram"):
+        for arm in ("off", arm_on):
             n = sum(r[arm]["decode_tokens"] for r in rows)
             s = sum(r[arm]["decode_s"] for r in rows)
             agg[arm] = {"decode_tokens": n, "decode_s": s, "tok_per_s": n / s if s else 0.0}
-        prop = sum(r["ngram"]["spec_proposed_tokens"] for r in rows)
-        acc = sum(r["ngram"]["spec_accepted_tokens"] for r in rows)
+        prop = sum(r[arm_on]["spec_proposed_tokens"] for r in rows)
+        acc = sum(r[arm_on]["spec_accepted_tokens"] for r in rows)
         result[name] = {"prompts": rows, "total": agg,
-                        "speedup": agg["ngram"]["tok_per_s"] / agg["off"]["tok_per_s"],
+                        "speedup": agg[arm_on]["tok_per_s"] / agg["off"]["tok_per_s"],
                         "acceptance_rate": acc / prop if prop else 0.0,
                         "all_identical": all(r["identical"] for r in rows)}
     return result
 
 
-def plot(result: dict, path: Path, title: str) -> None:
+def plot(result: dict, path: Path, title: str, proposer: str = "ngram") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -156,7 +158,7 @@ def plot(result: dict, path: Path, title: str) -> None:
     names = list(result)
     fig, ax = plt.subplots(figsize=(6, 3.6))
     w = 0.38
-    for i, (arm, label) in enumerate((("off", "speculation off"), ("ngram", "n-gram drafts"))):
+    for i, (arm, label) in enumerate((("off", "speculation off"), (proposer, f"{proposer} drafts"))):
         vals = [result[n]["total"][arm]["tok_per_s"] for n in names]
         bars = ax.bar([x + (i - 0.5) * w for x in range(len(names))], vals, w, label=label)
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
@@ -178,6 +180,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2, help="runs per prompt and arm, fastest kept")
     p.add_argument("--k", type=int, default=6, help="--num-speculative-tokens")
     p.add_argument("--quick", action="store_true", help="two prompts per workload")
+    p.add_argument("--proposer", default="ngram", choices=["ngram", "suffix"],
+                   help="the drafts arm's --speculative (its key in the JSON)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of " + ", ".join(WORKLOADS))
     args = p.parse_args()
     args.workloads = [w for w in args.workloads.split(",") if w]
@@ -190,14 +194,14 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"command": command_line(prog="python -m bench.speculation_cpu"), "machine": started,
            "loadavg_after": machine()["loadavg"], "model": "SmolLM2-135M-Instruct (default GGUF)",
-           "threads": args.threads, "max_tokens": args.max_tokens, "num_speculative_tokens": args.k,
-           "reps": args.reps,
+           "threads": args.threads, "proposer": args.proposer, "max_tokens": args.max_tokens,
+           "num_speculative_tokens": args.k, "reps": args.reps,
            "results": result}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     plot(result, out.with_suffix(".png"),
-         f"SmolLM2-135M, batch 1, {args.threads} threads, greedy, k <= {args.k}\n{started['cpu']}")
+         f"SmolLM2-135M, batch 1, {args.threads} threads, greedy, k <= {args.k}\n{started['cpu']}", args.proposer)
     for name, r in result.items():
-        print(f"{name}: {r['total']['off']['tok_per_s']:.1f} -> {r['total']['ngram']['tok_per_s']:.1f} tok/s "
+        print(f"{name}: {r['total']['off']['tok_per_s']:.1f} -> {r['total'][args.proposer]['tok_per_s']:.1f} tok/s "
               f"= {r['speedup']:.2f}x, acceptance {r['acceptance_rate']:.2f}, identical {r['all_identical']}")
 
 
