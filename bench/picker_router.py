@@ -7,11 +7,14 @@ For every POST /v1/completions or /v1/chat/completions it
   prompts as they are; text through the model's tokenizer; chat messages through its chat
   template), and their full blocks into the KV-event block hashes (vLLM's sha256_cbor_64bit
   chain, seeded as the replicas' --kv-events-config hash_seed);
-* scores every replica on the state it last saw: vllm:num_requests_waiting and
+* scores every replica (the picker's routings) on the state it last saw: vllm:num_requests_waiting and
   vllm:kv_cache_usage_perc scraped from each replica's /metrics every `poll_s` seconds (what the
   picker's metrics refresh does), and the replica's prefix cache as its KV-cache events
   announced it (a ZeroMQ SUB socket per replica, vLLM's msgpack batches; a gap in the sequence
   numbers, or joining late, is filled from the replica's replay socket);
+* or, for kv-cost (Dynamo's KV router) and cache-aware (SGLang's router), on its own bookkeeping
+  as those routers keep it: requests in flight per replica (until their answer ends), their
+  uncached prompt tokens (until the answer's first bytes), their prompts' KV blocks;
 * forwards the request body unchanged to the chosen replica and passes the answer through byte
   for byte (streamed SSE stays streamed); the response names the replica in `x-routed-to`.
 
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from sarathi.measure.routing import WEIGHTS, Scorer
+from sarathi.measure.routing import OWN_RULE, WEIGHTS, Scorer
 from sarathi.measure.scrape import summed
 from scheduler_svc.kv_events import END_SEQ, decode_batch
 
@@ -190,6 +193,11 @@ class Router:
         self.waiting = [0.0] * len(backends)
         self.kv_usage = [0.0] * len(backends)
         self.picks = [0] * len(backends)
+        # the router's own bookkeeping (kv-cost, cache-aware): requests in flight per replica,
+        # their uncached prompt tokens not yet past the first bytes back, their prompts' blocks
+        self.in_flight = [0] * len(backends)
+        self.prefill = [0] * len(backends)
+        self.active_blocks = [0] * len(backends)
         self.scrape_errors = 0
         self._headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
         self.events = EventSubscriber(backends, self.scorer) if self.scorer.index is not None else None
@@ -245,13 +253,41 @@ class Router:
         return []
 
     def pick(self, ids: list[int]) -> int:
-        i = self.scorer.choose(ids, self.waiting, self.kv_usage)
+        """The replica for a prompt; the router's own count of what it sent there grows (see
+        sent / done)."""
+        s = self.scorer
+        if s.routing == "cache-aware":         # load: requests in flight, the router's own count
+            i = s.choose(ids, self.in_flight)
+        elif s.routing == "kv-cost":           # Dynamo's cost on the router's own bookkeeping
+            i = s.choose(ids, pending_prefill=self.prefill, active_blocks=self.active_blocks)
+        else:
+            i = s.choose(ids, self.waiting, self.kv_usage)
         self.picks[i] += 1
         return i
 
+    def sent(self, i: int, ids: list[int]) -> tuple[int, int]:
+        """A request went to replica i: it is in flight there, its uncached prompt tokens are
+        pending prefill until its first bytes come back (first_bytes), and its prompt's blocks are
+        held until it ends (done). Returns what first_bytes and done give back. (Dynamo also
+        counts the blocks a request's output adds; this proxy does not parse the output.)"""
+        new = self.scorer.new_prefill_tokens(ids, i) if self.scorer.index is not None else 0
+        blocks = -(-len(ids) // self.scorer.block_size)
+        self.in_flight[i] += 1
+        self.prefill[i] += new
+        self.active_blocks[i] += blocks
+        return new, blocks
+
+    def first_bytes(self, i: int, new: int) -> None:
+        self.prefill[i] -= new
+
+    def done(self, i: int, blocks: int) -> None:
+        self.in_flight[i] -= 1
+        self.active_blocks[i] -= blocks
+
     def stats(self) -> dict:
         s = self.scorer
-        return {"picks": self.picks, "waiting": self.waiting, "kv_usage": self.kv_usage,
+        return {"picks": self.picks, "waiting": self.waiting, "kv_usage": self.kv_usage, "in_flight": self.in_flight,
+                "pending_prefill_tokens": self.prefill, "active_blocks": self.active_blocks,
                 "matched_blocks": s.matched_blocks, "prompt_blocks": s.prompt_blocks,
                 "event_batches": self.events.batches if self.events else None,
                 "event_replays": self.events.replays if self.events else None,
@@ -285,16 +321,33 @@ def create_app(router: Router, api_key: str | None = None):
             return JSONResponse({"error": {"message": f"invalid JSON body: {e}", "type": "invalid_request_error"}}, 400)
         ids = await asyncio.to_thread(router.prompt_ids, request.url.path, body)
         i = router.pick(ids)
+        new, blocks = router.sent(i, ids)
         upstream = router.client.build_request("POST", router.backends[i].url + request.url.path, content=raw,
                                                headers={"content-type": "application/json"})
         try:
             resp = await router.client.send(upstream, stream=True)
         except httpx.HTTPError as e:
+            router.first_bytes(i, new)
+            router.done(i, blocks)
             return JSONResponse({"error": {"message": f"replica {i} unreachable: {type(e).__name__}",
                                            "type": "server_error"}}, 502, headers={"x-routed-to": str(i)})
         keep = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "cache-control", "retry-after")}
         keep["x-routed-to"] = str(i)
-        return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=keep,
+
+        async def body_then_account():
+            first = True
+            try:
+                async for chunk in resp.aiter_raw():
+                    if first:
+                        router.first_bytes(i, new)
+                        first = False
+                    yield chunk
+            finally:
+                if first:
+                    router.first_bytes(i, new)
+                router.done(i, blocks)
+
+        return StreamingResponse(body_then_account(), status_code=resp.status_code, headers=keep,
                                  background=BackgroundTask(resp.aclose))
 
     async def models(request: Request) -> Response:
@@ -330,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replica", action="append", required=True, help="URL[,EVENTS[,REPLAY]] (repeat)")
-    p.add_argument("--routing", default="mix", choices=sorted(WEIGHTS))
+    p.add_argument("--routing", default="mix", choices=sorted([*WEIGHTS, *OWN_RULE]))
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--api-key", default=None)

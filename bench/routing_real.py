@@ -59,8 +59,8 @@ from sarathi.measure.scrape import summed
 from sarathi.measure.trace import Trace, load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
-ROUTINGS = ("shared-queue", "least-queue", "prefix", "mix")
-PICKER_ROUTINGS = ("least-queue", "prefix", "mix")
+ROUTINGS = ("shared-queue", "least-queue", "prefix", "mix", "kv-cost", "cache-aware")
+PICKER_ROUTINGS = ("least-queue", "prefix", "mix", "kv-cost", "cache-aware")
 
 
 def get(url: str, timeout: float = 5.0) -> str:
@@ -448,7 +448,8 @@ def _plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"shared-queue": "tab:gray", "least-queue": "tab:blue", "prefix": "tab:orange", "mix": "tab:green"}
+    colors = {"shared-queue": "tab:gray", "least-queue": "tab:blue", "prefix": "tab:orange", "mix": "tab:green",
+              "kv-cost": "tab:purple", "cache-aware": "tab:brown"}
     fig, axes = plt.subplots(len(results), 4, figsize=(18, 3.8 * len(results)), squeeze=False)
     for j, r in enumerate(results):
         for routing in ROUTINGS:
@@ -484,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", nargs="?", default="run", choices=["run", "report"])
     p.add_argument("--workloads", default="chat,sharegpt")
-    p.add_argument("--routings", default=",".join(ROUTINGS))
+    p.add_argument("--routings", default=",".join(ROUTINGS[:4]), help="comma-separated, of " + ", ".join(ROUTINGS))
     p.add_argument("--routings-sharegpt", default="shared-queue,mix", help="the routings of --workloads sharegpt "
                    "(no prefix is shared there: prefix alone is a coin toss, least-queue is mix's load part)")
     p.add_argument("--rates", default="1,2,3,4", help="total QPS over both replicas, comma-separated "

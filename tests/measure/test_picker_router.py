@@ -167,3 +167,35 @@ def test_parse_load_reads_the_vllm_gauges():
     text = ('# HELP vllm:num_requests_waiting x\nvllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
             'vllm:num_requests_running{model_name="m"} 2.0\nvllm:kv_cache_usage_perc{model_name="m"} 0.25\n')
     assert parse_load(text) == (3.0, 0.25)
+
+
+def test_kv_cost_and_cache_aware_route_on_the_routers_own_bookkeeping(replicas):
+    """kv-cost (Dynamo) and cache-aware (SGLang) keep their own count of what they sent: a
+    request is in flight until its answer ends, its uncached prompt tokens pending until the
+    answer's first bytes, its prompt's blocks held until the end; both follow a replica that
+    announced the prompt's blocks."""
+    prompt = list(range(100, 100 + 5 * BS + 3))
+    replicas[1].recorder.store(prompt)
+    wait_for(lambda: replicas[1].pub.next_seq == 1)
+    for routing in ("kv-cost", "cache-aware"):
+        router, server = start_router(replicas, routing)
+        try:
+            wait_for(lambda: router.events.batches[1] == 1)
+            with httpx.stream("POST", server.url + "/v1/completions", timeout=10,
+                              json={"model": "m", "prompt": prompt, "max_tokens": 3, "stream": True}) as r:
+                assert r.headers["x-routed-to"] == "1"
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: {")        # the first bytes are back
+                assert router.in_flight == [0, 1]
+                assert router.prefill == [0, 0]                 # released at the first bytes
+                assert router.active_blocks == [0, 6]           # 83 tokens: 6 blocks of 16
+                assert sum(1 for _ in lines) > 0
+            wait_for(lambda: router.in_flight == [0, 0])
+            assert router.active_blocks == [0, 0] and router.prefill == [0, 0]
+            assert router.scorer.matched_blocks == 5
+            # nothing cached anywhere: cache-aware takes the replica caching the fewest blocks (a),
+            # kv-cost the one with the least work (a tie: either)
+            got = complete(server.url, list(range(7000, 7000 + 3 * BS))).headers["x-routed-to"]
+            assert got == "0" if routing == "cache-aware" else got in ("0", "1")
+        finally:
+            server.stop()
