@@ -232,53 +232,55 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def weights(a: argparse.Namespace) -> None:
-    """The picker's weights swept: the mix routing with each prefix:queue:kv setting of
-    --weights-list at each rate of --qps-list, judged by the capacity criterion; written to
-    routing_{workload}_{N}r_weights.json (+ PNG). The endpoint picker's configuration sets these
-    weights per scorer; this asks whether another setting than the default 3:1:1 moves capacity."""
+def _sweep(a: argparse.Namespace, routing: str, name: str, apply, default: dict, describe, xlabel: str) -> None:
+    """One run per (setting of --weights-list, rate of --qps-list) of `routing`, each judged by
+    the capacity criterion; apply(setting) sets a module-level parameter the routing reads at
+    each pick, and the value before is put back whatever happens; written to
+    routing_{workload}_{N}r_{name}.json (+ PNG), `default` (the parameter's default) in it."""
     from sarathi.measure import routing as R
 
-    wl, w, target = _probe_target(a, "mix")     # the picker reads WEIGHTS["mix"] at each run's start
-    default = dict(R.WEIGHTS["mix"])
+    wl, w, target = _probe_target(a, routing)
     res = {"command": "python -m bench.routing " + " ".join(sys.argv[1:]), "machine": machine(),
-           "replicas": a.replicas, "workload": wl, "default_weights": default, "runs": []}
+           "replicas": a.replicas, "workload": wl, **default, "runs": []}
+    saved = dict(R.WEIGHTS["mix"]), R.KV_COST_OVERLAP_WEIGHT
     try:
         for setting in a.weights_list.split(","):
-            pw, qw, kw = (float(x) for x in setting.split(":"))
-            R.WEIGHTS["mix"] = {"prefix": pw, "queue": qw, "kv": kw}
+            apply(setting)
             for q in (float(x) for x in a.qps_list.split(",")):
-                ok, s = _judged_run(a, target, w, q, f"{wl} mix {setting}")
+                ok, s = _judged_run(a, target, w, q, f"{wl} {describe(setting)}")
                 res["runs"].append({"weights": setting, "qps": q, "ok": ok, "summary": s})
     finally:
-        R.WEIGHTS["mix"] = default
-    path = Path(a.out) / f"routing_{wl}_{a.replicas}r_weights.json"
+        R.WEIGHTS["mix"], R.KV_COST_OVERLAP_WEIGHT = saved
+    path = Path(a.out) / f"routing_{wl}_{a.replicas}r_{name}.json"
     path.write_text(json.dumps(json_safe(res), indent=1))
-    _plot_weights(res, path.with_suffix(".png"))
+    _plot_weights(res, path.with_suffix(".png"), xlabel=xlabel)
+
+
+def weights(a: argparse.Namespace) -> None:
+    """The picker's weights swept: the mix routing with each prefix:queue:kv setting of
+    --weights-list at each rate of --qps-list (_sweep; routing_{workload}_{N}r_weights.json). The
+    endpoint picker's configuration sets these weights per scorer; this asks whether another
+    setting than the default 3:1:1 moves capacity."""
+    from sarathi.measure import routing as R
+
+    def apply(setting: str) -> None:    # the picker reads WEIGHTS["mix"] at each pick
+        pw, qw, kw = (float(x) for x in setting.split(":"))
+        R.WEIGHTS["mix"] = {"prefix": pw, "queue": qw, "kv": kw}
+    _sweep(a, "mix", "weights", apply, {"default_weights": dict(R.WEIGHTS["mix"])}, lambda x: f"mix {x}",
+           "mix weights prefix:queue:kv")
 
 
 def kvcost(a: argparse.Namespace) -> None:
     """Dynamo's overlap weight swept: the kv-cost routing with each weight of --weights-list (a
-    prefill block's cost in KV blocks held; Dynamo's default 1) at each rate of --qps-list, judged
-    by the capacity criterion; written to routing_{workload}_{N}r_kvcost.json (+ PNG). The question:
-    does weighting the prefill work saved higher keep conversations where their history is?"""
+    prefill block's cost in KV blocks held; Dynamo's default 1) at each rate of --qps-list (_sweep;
+    routing_{workload}_{N}r_kvcost.json). The question: does weighting the prefill work saved
+    higher keep conversations where their history is?"""
     from sarathi.measure import routing as R
 
-    wl, w, target = _probe_target(a, "kv-cost")   # the picker reads the weight at each pick
-    default = R.KV_COST_OVERLAP_WEIGHT
-    res = {"command": "python -m bench.routing " + " ".join(sys.argv[1:]), "machine": machine(),
-           "replicas": a.replicas, "workload": wl, "default_weight": default, "runs": []}
-    try:
-        for setting in a.weights_list.split(","):
-            R.KV_COST_OVERLAP_WEIGHT = float(setting)
-            for q in (float(x) for x in a.qps_list.split(",")):
-                ok, s = _judged_run(a, target, w, q, f"{wl} kv-cost, overlap weight {setting}")
-                res["runs"].append({"weights": setting, "qps": q, "ok": ok, "summary": s})
-    finally:
-        R.KV_COST_OVERLAP_WEIGHT = default
-    path = Path(a.out) / f"routing_{wl}_{a.replicas}r_kvcost.json"
-    path.write_text(json.dumps(json_safe(res), indent=1))
-    _plot_weights(res, path.with_suffix(".png"), xlabel="kv-cost: overlap weight")
+    def apply(setting: str) -> None:    # read at each pick
+        R.KV_COST_OVERLAP_WEIGHT = float(setting)
+    _sweep(a, "kv-cost", "kvcost", apply, {"default_weight": R.KV_COST_OVERLAP_WEIGHT},
+           lambda x: f"kv-cost, overlap weight {x}", "kv-cost: overlap weight")
 
 
 def lowq(a: argparse.Namespace) -> None:

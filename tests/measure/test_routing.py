@@ -154,24 +154,28 @@ def test_warm_up_turns_run_first_and_stay_out_of_the_results():
     assert extra["prefix_hit_rate"] > cold["prefix_hit_rate"]   # the warm-up filled the caches
 
 
-def test_the_weights_sweep_runs_each_setting_and_restores_the_default(tmp_path):
-    """bench.routing weights: one run per (setting, rate), the settings really differ (an
-    all-prefix setting finds more cached than an all-load one), and the picker's default weights
-    are back afterwards."""
+@pytest.mark.parametrize("mode, settings, richer, blind", [
+    ("weights", "1:0:0,0:1:1", "1:0:0", "0:1:1"),     # all prefix against all load
+    ("kvcost", "0,64", "64", "0"),                     # weight 0: KV blocks alone, blind to the cache
+])
+def test_a_sweep_runs_each_setting_and_restores_the_default(tmp_path, mode, settings, richer, blind):
+    """bench.routing weights (the mix's prefix:queue:kv) and kvcost (kv-cost's overlap weight):
+    one run per (setting, rate), the settings really differ (the one that weighs the prefix cache
+    finds more cached than the one blind to it), and the defaults are back afterwards."""
     import json
 
     from bench.routing import main
-    from sarathi.measure.routing import WEIGHTS
+    from sarathi.measure import routing as R
 
-    before = dict(WEIGHTS["mix"])
-    main(["weights", "--replicas", "2", "--workloads", "chat", "--duration", "4", "--warmup", "4",
-          "--num-requests", "60", "--qps-list", "4", "--weights-list", "1:0:0,0:1:1", "--out", str(tmp_path)])
-    assert WEIGHTS["mix"] == before
-    res = json.loads((tmp_path / "routing_chat_2r_weights.json").read_text())
-    assert [(r["weights"], r["qps"]) for r in res["runs"]] == [("1:0:0", 4.0), ("0:1:1", 4.0)]
+    before = dict(R.WEIGHTS["mix"]), R.KV_COST_OVERLAP_WEIGHT
+    main([mode, "--replicas", "2", "--workloads", "chat", "--duration", "4", "--warmup", "4",
+          "--num-requests", "60", "--qps-list", "4", "--weights-list", settings, "--out", str(tmp_path)])
+    assert (dict(R.WEIGHTS["mix"]), R.KV_COST_OVERLAP_WEIGHT) == before
+    res = json.loads((tmp_path / f"routing_chat_2r_{mode}.json").read_text())
+    assert [(r["weights"], r["qps"]) for r in res["runs"]] == [(x, 4.0) for x in settings.split(",")]
     hits = {r["weights"]: r["summary"]["prefix_hit_rate"] for r in res["runs"]}
-    assert hits["1:0:0"] > hits["0:1:1"]
-    assert (tmp_path / "routing_chat_2r_weights.png").stat().st_size > 0
+    assert hits[richer] > hits[blind]
+    assert (tmp_path / f"routing_chat_2r_{mode}.png").stat().st_size > 0
 
 
 def test_the_low_queue_filter_overrides_the_prefix_cache_above_its_threshold():
@@ -355,20 +359,3 @@ def test_cache_aware_follows_the_longest_match_unless_the_loads_are_imbalanced()
     sc.index.sink(2)(BlockStored(block_hashes=sc._hashes(prompt), parent_block_hash=None, token_ids=prompt,
                                  block_size=16))
     assert sc.choose(prompt, [0, 5, 3]) == 2                          # a tie in match: the less loaded
-
-
-def test_the_kv_cost_sweep_runs_each_weight_and_restores_the_default(tmp_path):
-    import json
-
-    from bench.routing import main
-    from sarathi.measure import routing as R
-
-    before = R.KV_COST_OVERLAP_WEIGHT
-    main(["kvcost", "--replicas", "2", "--workloads", "chat", "--duration", "4", "--warmup", "4",
-          "--num-requests", "60", "--qps-list", "4", "--weights-list", "0,64", "--out", str(tmp_path)])
-    assert R.KV_COST_OVERLAP_WEIGHT == before
-    res = json.loads((tmp_path / "routing_chat_2r_kvcost.json").read_text())
-    assert [(r["weights"], r["qps"]) for r in res["runs"]] == [("0", 4.0), ("64", 4.0)]
-    hits = {r["weights"]: r["summary"]["prefix_hit_rate"] for r in res["runs"]}
-    assert hits["64"] > hits["0"]                         # weight 0: KV blocks alone, blind to the cache
-    assert (tmp_path / "routing_chat_2r_kvcost.png").stat().st_size > 0
