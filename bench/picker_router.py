@@ -185,9 +185,12 @@ class Router:
     """The picker's state and the proxy (create_app wraps it)."""
 
     def __init__(self, backends: list[Backend], routing: str, *, block_size: int = 16, hash_seed: str = "0",
-                 tokenizer=None, poll_s: float = 0.05, backend_api_key: str | None = None, seed: int = 0):
+                 tokenizer=None, poll_s: float = 0.05, backend_api_key: str | None = None, seed: int = 0,
+                 **rule):
+        """rule: the kv-cost / cache-aware settings of Scorer (overlap_weight, balance_abs,
+        balance_rel, cache_threshold)."""
         self.backends = backends
-        self.scorer = Scorer(routing, len(backends), block_size, seed=seed, hash_seed=hash_seed)
+        self.scorer = Scorer(routing, len(backends), block_size, seed=seed, hash_seed=hash_seed, **rule)
         self.tokenizer = tokenizer
         self.poll_s = poll_s
         self.waiting = [0.0] * len(backends)
@@ -394,6 +397,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hash-seed", default="0", help="the replicas' KV-event hash_seed")
     p.add_argument("--poll", type=float, default=0.05, help="seconds between metric scrapes")
     p.add_argument("--seed", type=int, default=0, help="tie-breaking")
+    p.add_argument("--kv-overlap-weight", type=float, default=None,
+                   help="kv-cost: a prefill block's cost in KV blocks held (Dynamo's --kv-overlap-score-weight; 1)")
+    p.add_argument("--balance-abs-threshold", type=float, default=None,
+                   help="cache-aware: requests in flight one replica has over another before the least loaded "
+                        "takes the request (SGLang's router; 64)")
+    p.add_argument("--balance-rel-threshold", type=float, default=None,
+                   help="cache-aware: ... and this many times as many (1.5)")
+    p.add_argument("--cache-threshold", type=float, default=None,
+                   help="cache-aware: the matched fraction of the prompt above which the longest match wins (0.3)")
     p.add_argument("--log-level", default="warning")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -404,7 +416,9 @@ def main(argv: list[str] | None = None) -> int:
 
     router = Router([Backend.parse(s) for s in a.replica], a.routing, block_size=a.block_size,
                     hash_seed=a.hash_seed, tokenizer=load_tokenizer(resolve_model(a.model)), poll_s=a.poll,
-                    backend_api_key=a.backend_api_key, seed=a.seed)
+                    backend_api_key=a.backend_api_key, seed=a.seed, overlap_weight=a.kv_overlap_weight,
+                    balance_abs=a.balance_abs_threshold, balance_rel=a.balance_rel_threshold,
+                    cache_threshold=a.cache_threshold)
     uvicorn.run(create_app(router, key), host=a.host, port=a.port, log_level=a.log_level)
     return 0
 

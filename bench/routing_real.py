@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -206,6 +207,7 @@ class Deployments:
                 "--poll", str(self.a.poll)]
         for r in self.replicas:
             argv += ["--replica", r]
+        argv += shlex.split(self.a.router_args)
         self.router, self.router_url = self.procs.start(f"router-{routing}", argv), f"http://127.0.0.1:{port}"
         self.procs.wait_ready(self.router_url + "/health")
         return f"http://127.0.0.1:{port}", self.serve_metrics
@@ -486,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("mode", nargs="?", default="run", choices=["run", "report"])
     p.add_argument("--workloads", default="chat,sharegpt")
     p.add_argument("--routings", default=",".join(ROUTINGS[:4]), help="comma-separated, of " + ", ".join(ROUTINGS))
+    p.add_argument("--router-args", default="", help="more arguments of bench.picker_router for every picker "
+                   "routing, e.g. '--balance-abs-threshold 4' (recorded in the JSON's settings)")
     p.add_argument("--routings-sharegpt", default="shared-queue,mix", help="the routings of --workloads sharegpt "
                    "(no prefix is shared there: prefix alone is a coin toss, least-queue is mix's load part)")
     p.add_argument("--rates", default="1,2,3,4", help="total QPS over both replicas, comma-separated "

@@ -136,10 +136,17 @@ class Scorer:
 
     MEMO_MAX = 1 << 20   # remembered block hashes; a long-lived router starts over past this
 
-    def __init__(self, routing: str, num_replicas: int, block_size: int, seed: int = 0, hash_seed: str = "0"):
+    def __init__(self, routing: str, num_replicas: int, block_size: int, seed: int = 0, hash_seed: str = "0", *,
+                 overlap_weight: float | None = None, balance_abs: float | None = None,
+                 balance_rel: float | None = None, cache_threshold: float | None = None):
+        """overlap_weight (kv-cost), balance_abs, balance_rel, cache_threshold (cache-aware):
+        this router's settings; None: the module's defaults (KV_COST_OVERLAP_WEIGHT,
+        CACHE_AWARE_*), read at each pick."""
         if routing not in WEIGHTS and routing not in OWN_RULE:
             raise ValueError(f"no picker for routing {routing!r}")
         self.routing = routing
+        self.overlap_weight, self.cache_threshold = overlap_weight, cache_threshold
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
         self.own_rule = routing in OWN_RULE
         self.weights = {"prefix": 0.0} if self.own_rule else WEIGHTS[routing]   # prefix: the index is kept
         self.low_queue = LOW_QUEUE_THRESHOLD if routing in FILTERED else None
@@ -233,7 +240,8 @@ class Scorer:
         new = np.maximum(0, len(prompt_ids) - np.array(matched, dtype=float) * bs)
         prefill = (np.asarray(pending_prefill, dtype=float) + new) / bs
         decode = np.asarray(active_blocks, dtype=float) + -(-len(prompt_ids) // bs)
-        return KV_COST_OVERLAP_WEIGHT * prefill + decode, matched
+        w = KV_COST_OVERLAP_WEIGHT if self.overlap_weight is None else self.overlap_weight
+        return w * prefill + decode, matched
 
     def cache_aware(self, prompt_ids: list[int], loads) -> tuple[np.ndarray, list[int]]:
         """cache-aware: the candidates SGLang's rule leaves (a boolean mask), and the leading
@@ -243,9 +251,12 @@ class Scorer:
         self.prompt_blocks += len(hashes)
         load = np.asarray(loads, dtype=float)
         m = np.array(matched, dtype=float)
-        if load.max() - load.min() > CACHE_AWARE_BALANCE_ABS and load.max() > CACHE_AWARE_BALANCE_REL * load.min():
+        b_abs = CACHE_AWARE_BALANCE_ABS if self.balance_abs is None else self.balance_abs
+        b_rel = CACHE_AWARE_BALANCE_REL if self.balance_rel is None else self.balance_rel
+        threshold = CACHE_AWARE_THRESHOLD if self.cache_threshold is None else self.cache_threshold
+        if load.max() - load.min() > b_abs and load.max() > b_rel * load.min():
             return load == load.min(), matched
-        if hashes and m.max() / len(hashes) > CACHE_AWARE_THRESHOLD:
+        if hashes and m.max() / len(hashes) > threshold:
             best = m == m.max()
             return best & (load == load[best].min()), matched
         size = np.array([len(b) for b in self.index.blocks], dtype=float)

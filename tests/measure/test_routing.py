@@ -359,3 +359,28 @@ def test_cache_aware_follows_the_longest_match_unless_the_loads_are_imbalanced()
     sc.index.sink(2)(BlockStored(block_hashes=sc._hashes(prompt), parent_block_hash=None, token_ids=prompt,
                                  block_size=16))
     assert sc.choose(prompt, [0, 5, 3]) == 2                          # a tie in match: the less loaded
+
+
+def test_a_routers_own_settings_override_the_module_defaults():
+    """Scorer(overlap_weight=..., balance_abs=..., balance_rel=..., cache_threshold=...): the
+    settings a router is started with (bench/picker_router.py's flags) decide, not the module's
+    defaults: a low imbalance threshold moves a request off the replica holding its prefix, a
+    high cache threshold ignores a short match, a high overlap weight keeps a hit."""
+    from sarathi.measure import routing as R
+    from scheduler_svc.kv_events import BlockStored
+
+    prompt = list(range(100, 164))                      # 4 full blocks
+    def scorer(routing, **kw):
+        sc = R.Scorer(routing, 2, block_size=16, seed=0, **kw)
+        sc.index.sink(0)(BlockStored(block_hashes=sc._hashes(prompt), parent_block_hash=None, token_ids=prompt,
+                                     block_size=16))
+        return sc
+    assert scorer("cache-aware").choose(prompt, [3, 0]) == 0                   # defaults: 64 apart at least
+    assert scorer("cache-aware", balance_abs=2).choose(prompt, [3, 0]) == 1
+    assert scorer("cache-aware", balance_abs=2, balance_rel=4.0).choose(prompt, [3, 1]) == 0   # 3 < 4 x 1
+    longer = prompt + list(range(500, 564))             # half of it cached on replica 0
+    assert scorer("cache-aware").choose(longer, [0, 0]) == 0
+    assert scorer("cache-aware", cache_threshold=0.6).choose(longer, [0, 0]) == 1   # the smaller cache
+    assert scorer("kv-cost").choose(prompt + [9], pending_prefill=[0, 0], active_blocks=[8, 0]) == 1
+    assert scorer("kv-cost", overlap_weight=4.0).choose(prompt + [9], pending_prefill=[0, 0],
+                                                        active_blocks=[8, 0]) == 0
