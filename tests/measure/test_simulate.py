@@ -129,6 +129,13 @@ def test_simulate_refuses_adaptive_without_an_slo(capsys):
     assert "--tbt-slo" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("routing", ["prefix", "mix", "mix-lowq", "mix-fc", "kv-cost", "cache-aware"])
+def test_simulate_refuses_a_cache_aware_routing_without_prefix_caching(routing, capsys):
+    assert main(["simulate", "--model", "llama-3-8b", "--device", "a100", "--replicas", "2", "--routing", routing,
+                 "--num-requests", "5", "--no-progress"]) == 2
+    assert "--prefix-caching" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_parallel_runs_keep_pp_batches_in_flight(pp, tmp_path):
     model = GPUCostModel("llama-2-70b", "a100", tp=4, pp=pp)
