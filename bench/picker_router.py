@@ -46,6 +46,7 @@ import httpx
 from sarathi.measure.routing import OWN_RULE, WEIGHTS, Scorer
 from sarathi.measure.scrape import summed
 from scheduler_svc.kv_events import END_SEQ, decode_batch
+from shared.config import cdiv
 
 log = logging.getLogger("sarathi.picker_router")
 
@@ -269,12 +270,12 @@ class Router:
         return i
 
     def sent(self, i: int, ids: list[int]) -> tuple[int, int]:
-        """A request went to replica i: it is in flight there, its uncached prompt tokens are
+        """The request just picked (pick) went to replica i: it is in flight there, its uncached prompt tokens are
         pending prefill until its first bytes come back (first_bytes), and its prompt's blocks are
         held until it ends (done). Returns what first_bytes and done give back. (Dynamo also
         counts the blocks a request's output adds; this proxy does not parse the output.)"""
-        new = self.scorer.new_prefill_tokens(ids, i) if self.scorer.index is not None else 0
-        blocks = -(-len(ids) // self.scorer.block_size)
+        new = self.scorer.new_prefill_tokens(ids) if self.scorer.index is not None else 0
+        blocks = cdiv(len(ids), self.scorer.block_size)
         self.in_flight[i] += 1
         self.prefill[i] += new
         self.active_blocks[i] += blocks

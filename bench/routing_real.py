@@ -61,7 +61,6 @@ from sarathi.measure.trace import Trace, load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTINGS = ("shared-queue", "least-queue", "prefix", "mix", "kv-cost", "cache-aware")
-PICKER_ROUTINGS = ("least-queue", "prefix", "mix", "kv-cost", "cache-aware")
 
 
 def get(url: str, timeout: float = 5.0) -> str:

@@ -65,6 +65,7 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler_svc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder, block_hash, root_hash
+from shared.config import cdiv
 
 ROUTINGS = ("least-unfinished", "shared-queue", "least-queue", "prefix", "mix", "mix-lowq", "mix-fc", "kv-cost",
             "cache-aware")
@@ -148,16 +149,17 @@ class Scorer:
         self.overlap_weight, self.cache_threshold = overlap_weight, cache_threshold
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
         self.own_rule = routing in OWN_RULE
-        self.weights = {"prefix": 0.0} if self.own_rule else WEIGHTS[routing]   # prefix: the index is kept
+        self.weights = WEIGHTS.get(routing, {})
         self.low_queue = LOW_QUEUE_THRESHOLD if routing in FILTERED else None
         self.flow_control = routing in FLOW_CONTROLLED
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.rng = np.random.default_rng(seed)
-        self.index = PrefixIndex(num_replicas) if "prefix" in self.weights else None
+        self.index = PrefixIndex(num_replicas) if self.own_rule or "prefix" in self.weights else None
         self._root = root_hash(hash_seed)
         self._memo: dict[tuple, int] = {}   # (parent hash, block tokens) -> hash
         self.matched_blocks = 0     # over all picks: blocks the chosen replica held (prefix scorer)
+        self.last_match = 0         # the last pick's: leading blocks of its prompt the chosen replica held
         self.prompt_blocks = 0
 
     def _hashes(self, prompt_ids: list[int]) -> list[int]:
@@ -222,33 +224,34 @@ class Scorer:
             total += w["kv"] * (1.0 - np.asarray(kv_usage, dtype=float))
         matched = None
         if "prefix" in w:
-            hashes = self._hashes(prompt_ids)
-            matched = [self.index.matched(i, hashes) for i in range(n)]
+            hashes, matched = self._lookup(prompt_ids)
             if hashes:
                 total += w["prefix"] * np.array(matched, dtype=float) / len(hashes)
-            self.prompt_blocks += len(hashes)
         return total, matched
+
+    def _lookup(self, prompt_ids: list[int]) -> tuple[list[int], list[int]]:
+        """The prompt's block hashes, and the leading blocks of them each replica holds (counted
+        in prompt_blocks)."""
+        hashes = self._hashes(prompt_ids)
+        self.prompt_blocks += len(hashes)
+        return hashes, [self.index.matched(i, hashes) for i in range(self.num_replicas)]
 
     def costs(self, prompt_ids: list[int], pending_prefill, active_blocks) -> tuple[np.ndarray, list[int]]:
         """kv-cost: each replica's cost in blocks, and the leading blocks of the prompt each
         holds. pending_prefill[i]: uncached prompt tokens sent to replica i and not yet past
         their first token; active_blocks[i]: KV blocks its active requests hold."""
-        hashes = self._hashes(prompt_ids)
-        matched = [self.index.matched(i, hashes) for i in range(self.num_replicas)]
-        self.prompt_blocks += len(hashes)
+        _, matched = self._lookup(prompt_ids)
         bs = self.block_size
         new = np.maximum(0, len(prompt_ids) - np.array(matched, dtype=float) * bs)
         prefill = (np.asarray(pending_prefill, dtype=float) + new) / bs
-        decode = np.asarray(active_blocks, dtype=float) + -(-len(prompt_ids) // bs)
+        decode = np.asarray(active_blocks, dtype=float) + cdiv(len(prompt_ids), bs)
         w = KV_COST_OVERLAP_WEIGHT if self.overlap_weight is None else self.overlap_weight
         return w * prefill + decode, matched
 
     def cache_aware(self, prompt_ids: list[int], loads) -> tuple[np.ndarray, list[int]]:
         """cache-aware: the candidates SGLang's rule leaves (a boolean mask), and the leading
         blocks of the prompt each replica holds. loads[i]: unfinished requests sent to replica i."""
-        hashes = self._hashes(prompt_ids)
-        matched = [self.index.matched(i, hashes) for i in range(self.num_replicas)]
-        self.prompt_blocks += len(hashes)
+        hashes, matched = self._lookup(prompt_ids)
         load = np.asarray(loads, dtype=float)
         m = np.array(matched, dtype=float)
         b_abs = CACHE_AWARE_BALANCE_ABS if self.balance_abs is None else self.balance_abs
@@ -261,10 +264,6 @@ class Scorer:
             return best & (load == load[best].min()), matched
         size = np.array([len(b) for b in self.index.blocks], dtype=float)
         return size == size.min(), matched
-
-    def new_prefill_tokens(self, prompt_ids: list[int], replica: int) -> int:
-        """The prompt's tokens replica `replica` would compute (its cached leading blocks off)."""
-        return max(0, len(prompt_ids) - self.index.matched(replica, self._hashes(prompt_ids)) * self.block_size)
 
     def choose(self, prompt_ids: list[int], waiting=None, kv_usage=None, *, pending_prefill=None,
                active_blocks=None) -> int:
@@ -281,9 +280,14 @@ class Scorer:
             total, matched = self.scores(prompt_ids, waiting, kv_usage)
         best = np.flatnonzero(total >= total.max() - 1e-12)
         i = int(best[self.rng.integers(len(best))]) if len(best) > 1 else int(best[0])
-        if matched is not None:
-            self.matched_blocks += matched[i]
+        self.last_match = 0 if matched is None else matched[i]
+        self.matched_blocks += self.last_match
         return i
+
+    def new_prefill_tokens(self, prompt_ids: list[int]) -> int:
+        """Of the prompt the last choose() placed: the tokens its replica will compute (the
+        leading blocks that replica holds off)."""
+        return max(0, len(prompt_ids) - self.last_match * self.block_size)
 
 
 class Picker(Scorer):
@@ -323,5 +327,5 @@ class Picker(Scorer):
         i = self.choose(prompt_ids, pending_prefill=pending,
                         active_blocks=[r.scheduler.block_manager.num_used_blocks for r in self.replicas])
         if req_id is not None:
-            self.sent[i][req_id] = self.new_prefill_tokens(prompt_ids, i)
+            self.sent[i][req_id] = self.new_prefill_tokens(prompt_ids)
         return i
