@@ -59,6 +59,30 @@ from sarathi.measure.trace import load_trace
 from shared.config import SchedulerConfig
 
 ROUTINGS = ("shared-queue", "least-queue", "prefix", "mix", "kv-cost", "cache-aware")
+# a routing + a tier suffix: the same routing with a KV tier all replicas share
+# (sarathi.measure.simulate.KVTier) of --tier-blocks-per-replica x replicas blocks, its loads
+# before the batch that needs them (+tier, LMCache's default) or layer by layer beside it
+# (+tier-lw, its layerwise mode), e.g. mix+tier; only where --capacity-routings or --routing
+# name them
+TIERS = {"+tier": False, "+tier-lw": True}
+
+
+def _split(routing: str) -> tuple[str, str]:
+    """(routing, tier suffix or "")."""
+    base, plus, rest = routing.partition("+")
+    if plus and plus + rest not in TIERS:
+        raise ValueError(f"unknown tier suffix +{rest!r} of {routing!r}; choose one of {', '.join(TIERS)}")
+    return base, plus + rest
+
+
+def _sim_target(cost, a: argparse.Namespace, routing: str, blocks: int, sched: SchedulerConfig):
+    """simulated_target for `routing`, which may end in a suffix of TIERS (a shared KV tier,
+    loads over a 25 GB/s host link, the model's KV bytes a token)."""
+    base, tier = _split(routing)
+    return simulated_target(cost, replicas=a.replicas, num_blocks=blocks, max_model_len=8192, sched_config=sched,
+                            routing=base, kv_tier_blocks=a.tier_blocks_per_replica * a.replicas if tier else 0,
+                            tier_load_overlap=TIERS.get(tier, False),
+                            kv_bytes_per_token=cost.shape.kv_bytes_per_token(cost.shape.num_layers, 1) if tier else 0)
 TBT_SLO = 0.1
 TAU = 512
 CHAT = ChatShape(system_prompts=4, system_len=512, turns=(2, 8), user_scale=0.25, think_s=5.0)
@@ -87,8 +111,7 @@ def run(a: argparse.Namespace) -> None:
         sched = SchedulerConfig(enable_prefix_caching=True, max_num_seqs=a.max_num_seqs)
         t0 = time.time()
         for routing in a.capacity_routings.split(","):
-            target = simulated_target(cost, replicas=a.replicas, num_blocks=blocks, max_model_len=8192,
-                                      sched_config=sched, routing=routing)
+            target = _sim_target(cost, a, routing, blocks, sched)
             c = capacity(target, w, TBT_SLO, policy="sarathi", token_budget=TAU,
                          qps_start=a.qps_start or a.replicas * 3.0, resolution=a.resolution, progress=False)
             res["capacity"][routing] = {"capacity_qps": c["capacity_qps"], "bracket": c["bracket"],
@@ -98,9 +121,8 @@ def run(a: argparse.Namespace) -> None:
                   f"({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
         common = a.qps or res["capacity"].get("shared-queue", {}).get("capacity_qps") or a.replicas * 3.0
         res["common_qps"] = common
-        for routing in ROUTINGS:
-            target = simulated_target(cost, replicas=a.replicas, num_blocks=blocks, max_model_len=8192,
-                                      sched_config=sched, routing=routing)
+        for routing in ROUTINGS + tuple(x for x in a.capacity_routings.split(",") if _split(x)[1]):
+            target = _sim_target(cost, a, routing, blocks, sched)
             r = run_once(target, w, common, policy="sarathi", token_budget=TAU, progress=False,
                          keep_requests=False)
             s = r["summary"]
@@ -119,9 +141,8 @@ def _probe_target(a: argparse.Namespace, routing: str):
     (wl,) = a.workloads.split(",")
     w = Workload(trace, a.num_requests, seed=a.seed, drain_s=a.drain, duration_s=a.duration,
                  chat=_chat_shape(a.warmup, a.wait_for_answer) if wl == "chat" else None)
-    target = simulated_target(cost, replicas=a.replicas, num_blocks=cost.kv_blocks(16, 0.9), max_model_len=8192,
-                              sched_config=SchedulerConfig(enable_prefix_caching=True, max_num_seqs=a.max_num_seqs),
-                              routing=routing)
+    target = _sim_target(cost, a, routing, cost.kv_blocks(16, 0.9),
+                         SchedulerConfig(enable_prefix_caching=True, max_num_seqs=a.max_num_seqs))
     return wl, w, target
 
 
@@ -173,7 +194,8 @@ def report(a: argparse.Namespace) -> None:
     rows = []
     for p in sorted(out.glob("routing_*_*r.json")):
         r = json.loads(p.read_text())
-        for routing in ROUTINGS:
+        tiered = [x for x in r["capacity"] if _split(x)[1]]
+        for routing in ROUTINGS + tuple(tiered):
             s = r["at_common_qps"].get(routing)
             cap, cap_hi = _capacity(r, routing)
             if s is None and cap is None:   # a run of fewer routings
@@ -205,7 +227,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     configs = sorted({(r["workload"], r["replicas"]) for r in rows})
-    fig, axes = plt.subplots(2, len(configs), figsize=(4 * len(configs), 7), squeeze=False)
+    most = max(sum(1 for r in rows if (r["workload"], r["replicas"]) == c) for c in configs)
+    fig, axes = plt.subplots(2, len(configs), figsize=(max(4.0, 0.5 * most) * len(configs), 7.5), squeeze=False)
     colors = {"shared-queue": "tab:gray", "least-queue": "tab:blue", "prefix": "tab:orange", "mix": "tab:green",
               "kv-cost": "tab:purple", "cache-aware": "tab:brown"}
     for j, (wl, n) in enumerate(configs):
@@ -214,17 +237,19 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax = axes[0][j]
         measured = [r for r in sel if r["capacity_qps"]]
         caps = [r["capacity_qps"] for r in measured]
-        up = [(r["first_failing_qps"] or r["capacity_qps"]) - r["capacity_qps"] for r in measured]
-        ax.bar([r["routing"] for r in measured], caps, color=[colors[r["routing"]] for r in measured],
+        # (with --wait-for-answer a failing probe may achieve no more than the passing one)
+        up = [max(0.0, (r["first_failing_qps"] or r["capacity_qps"]) - r["capacity_qps"]) for r in measured]
+        ax.bar([r["routing"] for r in measured], caps, color=[colors[_split(r["routing"])[0]] for r in measured],
+               hatch=[{"": "", "+tier": "//", "+tier-lw": ".."}[_split(r["routing"])[1]] for r in measured],
                yerr=[[0] * len(caps), up], capsize=4)
         ax.set_title(f"{wl}, {n} x A100 (Llama-3-8B)")
         ax.set_ylabel("capacity (QPS; bar: first failing rate)")
-        ax.tick_params(axis="x", rotation=30)
+        plt.setp(ax.get_xticklabels(), rotation=35, ha="right")
         ax = axes[1][j]
         x = range(len(sel))
         ax.bar([i - 0.2 for i in x], [r["ttft_p50_s"] for r in sel], 0.4, label="P50")
         ax.bar([i + 0.2 for i in x], [r["ttft_p99_s"] for r in sel], 0.4, label="P99")
-        ax.set_xticks(list(x), names, rotation=30)
+        ax.set_xticks(list(x), names, rotation=35, ha="right")
         ax.set_yscale("log")
         ax.set_ylabel(f"TTFT (s) at {sel[0]['common_qps']:.3g} QPS")
         ax.legend()
@@ -388,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=128,
                    help="each replica's cap on running requests (its scheduler's max_num_seqs)")
+    p.add_argument("--tier-blocks-per-replica", type=int, default=4 * 28683,
+                   help="routings ending in +tier: the shared KV tier's blocks per replica (default 4 x an "
+                        "A100's KV blocks: 240 GB of Llama-3-8B's KV per replica, in host memory)")
     p.add_argument("--out", default="bench/results/routing")
     a = p.parse_args(argv)
     modes[a.mode](a)

@@ -348,6 +348,11 @@ def _measure_parsers(sub) -> None:
          "a transfer takes prompt blocks x block size x the model's KV bytes per token / this")
     _add(p, "kv-bytes-per-token", 0, "KV bytes per token a transfer moves (0 = the --device model's; with --profile "
          "and pools it must be given: a profile does not record its model's KV size; SmolLM2-135M's bf16 KV: 23040)")
+    _add(p, "kv-tier-blocks", 0, "> 0: with --replicas and --prefix-caching, a KV tier of this many blocks shared by "
+         "all replicas (host memory or a KV store, as LMCache or Mooncake run one): every block computed is written "
+         "to it, and a replica loads from it the blocks after its own cached prefix over --kv-link-gbs")
+    _add(p, "kv-tier-overlap", False, "--kv-tier-blocks: load layer by layer beside the forward pass (LMCache's "
+         "layerwise mode) instead of before it (its default)")
 
     p = sub.add_parser("profile", help="iteration-time table, SLOs and cost model of this machine")
     _model_args(p)

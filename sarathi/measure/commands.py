@@ -323,12 +323,29 @@ def simulate(a: argparse.Namespace) -> int:
     if roles is None:
         if a.routing in ("prefix", "mix") and not sched.enable_prefix_caching:
             raise ValueError(f"--routing {a.routing} scores the prefix cache: add --prefix-caching")
+        if a.kv_tier_blocks < 0:
+            raise ValueError(f"--kv-tier-blocks must be >= 0, got {a.kv_tier_blocks}")
+        if a.kv_tier_blocks and not sched.enable_prefix_caching:
+            raise ValueError("--kv-tier-blocks shares cached prefixes between replicas: add --prefix-caching")
+        tier_bytes = 0
+        if a.kv_tier_blocks:
+            if desc["kind"] != "gpu" and not a.kv_bytes_per_token:
+                raise ValueError("a --profile does not record its model's KV size: give --kv-bytes-per-token with "
+                                 "--kv-tier-blocks")
+            tier_bytes = a.kv_bytes_per_token or cost.shape.kv_bytes_per_token(cost.shape.num_layers, 1)
         target = simulated_target(cost, replicas=a.replicas, depth=a.pp, block_size=a.block_size,
                                   num_blocks=num_blocks, max_model_len=max_len, sched_config=sched,
                                   description=desc, windows=a.windows, noise_sigma=a.noise_sigma,
-                                  spec_acceptance=a.spec_acceptance, routing=a.routing)
+                                  spec_acceptance=a.spec_acceptance, routing=a.routing,
+                                  kv_tier_blocks=a.kv_tier_blocks, tier_load_overlap=a.kv_tier_overlap,
+                                  kv_bytes_per_token=tier_bytes, kv_link_gbs=a.kv_link_gbs)
         desc = {**desc, "routing": a.routing}
+        if a.kv_tier_blocks:
+            desc["kv_tier"] = {"blocks": a.kv_tier_blocks, "overlap": a.kv_tier_overlap,
+                               "kv_bytes_per_token": tier_bytes, "link_gbs": a.kv_link_gbs}
     else:
+        if a.kv_tier_blocks:
+            raise ValueError("--kv-tier-blocks is modelled for --replicas (independent replicas), not pools")
         if a.kv_bytes_per_token < 0:
             raise ValueError(f"--kv-bytes-per-token must be >= 0, got {a.kv_bytes_per_token}")
         if desc["kind"] != "gpu" and not a.kv_bytes_per_token:

@@ -13,6 +13,9 @@ clock. Discrete-event: nothing sleeps; the clock jumps from one event to the nex
   with one replica this is run_inprocess. Routing (sarathi.measure.routing): least-unfinished
   (the default: the replica with the fewest unfinished requests, ties the lowest index), the
   shared queue's pull, or the inference gateway's endpoint picker's scorers.
+* KV tier: replicas may share a KVTier (host memory or a KV store, as LMCache or Mooncake run
+  one): every block computed is written to it, and a replica loads what its own cache lacks
+  from it (TieredBlockManager) over its worker's KV link, before the batch or beside it.
 
 Pipeline parallelism, two measures over stages and replicas:
 * pp_idle_fraction: the share of stage time a stage is idle while its replica has unfinished
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Callable
 
 import numpy as np
@@ -35,6 +38,7 @@ from sarathi.measure.costmodel import aggregates, batch_shapes
 from sarathi.measure.loadgen import FollowUps, RequestSpec, RunResult, _record, bench_sampling
 from sarathi.measure.metrics import IterationRecord, windowed_tbt_p99
 from sarathi.measure.tools import Target
+from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sim_executor import SimClock
@@ -70,6 +74,14 @@ class SimulatedWorker:
         # after the last stage; the worker waits for the ack, so its next batch starts after them
         self.kv_bytes_per_token, self.kv_link_gbs = kv_bytes_per_token, kv_link_gbs
         self.kv_s = 0.0          # seconds spent sending KV (s), not in busy
+        # a KV tier (TieredBlockManager): the blocks a batch's allocations loaded from it
+        # (loads() -> blocks since the last call) come over the same link, either before the
+        # batch starts (load_overlap False: a synchronous load, LMCache's default) or layer by
+        # layer beside its forward pass (True: each stage takes max(its compute, its share of
+        # the load), the layer-wise pipelining of LMCache's layerwise mode)
+        self.loads: Callable[[], int] | None = None
+        self.load_overlap = False
+        self.tier_load_s = 0.0           # seconds spent loading KV from a tier (s), not in busy
         self.noise_sigma = noise_sigma
         self._rng = np.random.default_rng(seed)
         self.stage_times: Callable[[Batch], list[float]] = (
@@ -91,6 +103,14 @@ class SimulatedWorker:
             self.stage_free = [0.0] * len(times)
             self.busy, self.bubble = [0.0] * len(times), [0.0] * len(times)
         submitted = t = self.clock.now
+        loaded = self.loads() if self.loads is not None else 0
+        if loaded:                  # the tier's blocks, before or beside this batch's compute
+            secs = self.kv_transfer(loaded)[1]
+            self.tier_load_s += secs
+            if self.load_overlap:
+                times = [max(dt, secs / len(times)) for dt in times]
+            else:
+                t = max(t, self.stage_free[0]) + secs
         for s, dt in enumerate(times):
             if s == 0 and host:     # prepared on the host from the submit on, beside the batch before
                 start, dt = max(t + host, self.stage_free[0]), dt - host
@@ -156,18 +176,29 @@ class SimulatedWorker:
 
 
 class Replica:
-    """One scheduler + its simulated worker, on its own SimClock."""
+    """One scheduler + its simulated worker, on its own SimClock; kv_tier: a KVTier it shares
+    with other replicas (its block manager a TieredBlockManager, loads over the worker's KV
+    link: kv_bytes_per_token x tokens at kv_link_gbs GB/s, before the batch or, with
+    tier_load_overlap, beside it: SimulatedWorker)."""
 
     def __init__(self, cost, sched_config: SchedulerConfig, *, block_size: int, num_blocks: int,
                  max_model_len: int, vocab_size: int = 32000, depth: int = 1, noise_sigma: float = 0.0,
-                 seed: int = 0, spec_acceptance: float = 0.0):
+                 seed: int = 0, spec_acceptance: float = 0.0, kv_bytes_per_token: int = 0,
+                 kv_link_gbs: float = 25.0, kv_tier: KVTier | None = None, tier_load_overlap: bool = False):
         self.clock = SimClock()
         self.scheduler = Scheduler(sched_config, CacheConfig(block_size=block_size, num_blocks=num_blocks),
                                    ModelInfo("sim", max_model_len, vocab_size, [0], block_size=block_size,
                                              num_blocks=num_blocks), clock=self.clock)
         self.worker = SimulatedWorker(cost, self.clock, block_size, vocab_size, noise_sigma, seed,
                                       spec_acceptance=spec_acceptance,
-                                      overlap_host=sched_config.async_scheduling)
+                                      overlap_host=sched_config.async_scheduling,
+                                      kv_bytes_per_token=kv_bytes_per_token, kv_link_gbs=kv_link_gbs)
+        if kv_tier is not None:     # the same block manager, in front of the shared tier
+            bm = self.scheduler.block_manager
+            self.scheduler.block_manager = TieredBlockManager(
+                kv_tier, bm.num_blocks, bm.block_size, bm.watermark_blocks, bm.cache is not None)
+            self.worker.loads = self.scheduler.block_manager.take_loaded
+            self.worker.load_overlap = tier_load_overlap
         if self.scheduler.speculator is not None:   # simulated tokens: acceptance is the parameter
             from scheduler_svc.speculative.synthetic import SyntheticProposer
             self.scheduler.speculator.proposer = SyntheticProposer()
@@ -177,6 +208,82 @@ class Replica:
     @property
     def unfinished(self) -> int:
         return len(self.scheduler.requests)
+
+
+class KVTier:
+    """A KV-cache tier every replica shares (host memory or a KV store beside the GPUs, as
+    LMCache or Mooncake run one): every block a replica computes is written to it as well
+    (write-through), and a replica loads from it the blocks after its own cached prefix instead
+    of computing them (TieredBlockManager). Keys are the prefix-cache keys (a key names the
+    whole prefix up to its block); least recently used first out past `capacity` blocks."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"a KV tier holds at least 1 block, got {capacity}")
+        self.capacity = capacity
+        self._keys: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def put(self, key: int) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        if len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def has(self, key: int) -> bool:
+        """Whether the tier holds the block (a hit counts as a use)."""
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            return True
+        return False
+
+
+class TieredBlockManager(BlockManager):
+    """A replica's block manager in front of a KVTier, as vLLM's KV connector puts LMCache in
+    front of its own: at allocation, the blocks after the locally cached prefix that the tier
+    holds are loaded into the request's new blocks instead of computed (keyed and announced
+    like blocks computed here; at least the prompt's last token is still computed); blocks
+    computed here are written to the tier. `loaded` counts the blocks loaded, which the
+    simulated worker takes (take_loaded) and charges before the batch that allocated them."""
+
+    def __init__(self, tier: KVTier, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tier = tier
+        self.loaded = 0          # blocks loaded from the tier, not yet charged
+        self.loaded_total = 0    # blocks loaded from the tier since start
+
+    def allocate(self, req, shared: list[int] | None = None) -> int:
+        tokens = super().allocate(req, shared)
+        if self.cache is None:
+            return tokens
+        first, num_full = req.num_cached_blocks, (req.num_tokens - 1) // self.block_size
+        for key in req.block_hashes[:first]:    # local hits: still valid, kept warm in the tier
+            self.tier.put(key)
+        n = first
+        while n < num_full and self.tier.has(req.block_hashes[n]):
+            n += 1
+        if n == first:
+            return tokens
+        stored = [j for j in range(first, n) if self.cache.insert(req.block_hashes[j], req.block_table[j])]
+        if self.events is not None:
+            self.events.stored(req, stored)
+        req.num_cached_blocks = n
+        req.num_computed_tokens = n * self.block_size
+        self.loaded += n - first
+        self.loaded_total += n - first
+        return req.num_computed_tokens
+
+    def cache_computed_blocks(self, req, upto: int | None = None) -> None:
+        before = req.num_cached_blocks
+        super().cache_computed_blocks(req, upto)
+        for key in req.block_hashes[before:req.num_cached_blocks]:
+            self.tier.put(key)
+
+    def take_loaded(self) -> int:
+        n, self.loaded = self.loaded, 0
+        return n
 
 
 def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_s: float,
@@ -191,7 +298,8 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
     of the records, iterations and hit rate. routing: one of
     sarathi.measure.routing.ROUTINGS; max_waiting: the scheduler service's local queue bound
     (shared-queue pulls); seed: the picker's tie-breaks; routes: if given, filled with request id
-    -> the index of the replica that served it."""
+    -> the index of the replica that served it. Replicas in front of a KV tier: blocks loaded
+    from it count as prefix hits; extras `kv_tier_*` count them (warm-up included)."""
     from sarathi.measure.routing import OWN_RULE, ROUTINGS, WEIGHTS, Picker
 
     if routing not in ROUTINGS:
@@ -314,6 +422,10 @@ def run_replicas(replicas: list[Replica], workload: list[RequestSpec], *, drain_
              "pp_bubble_fraction": bubble_s / (busy_s + bubble_s) if busy_s + bubble_s else 0.0,
              "pp_idle_fraction": max(0.0, 1 - busy_s / stage_time) if stage_time else 0.0,
              "stage_busy_s": [[round(b, 4) for b in r.worker.busy] for r in replicas]}
+    tiered = [r for r in replicas if isinstance(r.scheduler.block_manager, TieredBlockManager)]
+    if tiered:
+        extra["kv_tier_loaded_blocks"] = sum(r.scheduler.block_manager.loaded_total for r in tiered)
+        extra["kv_tier_load_s"] = round(sum(r.worker.tier_load_s for r in tiered), 4)
     iterations.sort(key=lambda it: it.start)
     end_time = max(r.clock.now for r in replicas) - offset
     if windows:
@@ -329,22 +441,29 @@ def simulated_target(cost, *, replicas: int = 1, depth: int = 1, block_size: int
                      num_blocks: int = 2048, max_model_len: int = 8192, vocab_size: int = 32000,
                      sched_config: SchedulerConfig | None = None, description: dict | None = None,
                      windows: int = 0, noise_sigma: float = 0.0, spec_acceptance: float = 0.0,
-                     routing: str = "least-unfinished") -> Target:
+                     routing: str = "least-unfinished", kv_tier_blocks: int = 0, tier_load_overlap: bool = False,
+                     kv_bytes_per_token: int = 0, kv_link_gbs: float = 25.0) -> Target:
     """A Target whose runs go to `replicas` simulated replicas (each `depth` micro-batches in
     flight: the PP degree) with the given cost model; sched_config is the template each run
     copies with its policy and tau. windows > 0: each run's summary has P99 TBT per time window.
     noise_sigma: lognormal iteration-time variation (SimulatedWorker). spec_acceptance: the
     draft acceptance probability when sched_config speculates (SimulatedWorker). routing: how
-    arrivals reach the replicas (sarathi.measure.routing.ROUTINGS)."""
+    arrivals reach the replicas (sarathi.measure.routing.ROUTINGS). kv_tier_blocks > 0: a KVTier
+    of that many blocks shared by the replicas (a new one each run), a copy from it taking
+    kv_bytes_per_token x its tokens over a kv_link_gbs GB/s link (before the batch that needs
+    them, or beside it with tier_load_overlap)."""
     import dataclasses
 
     base = sched_config or SchedulerConfig()
 
     def run(policy: str, tau: int, workload: list[RequestSpec], drain_s: float, on_progress) -> tuple:
         cfg = dataclasses.replace(base, policy=policy, token_budget=tau, max_model_len=max_model_len)
+        tier = KVTier(kv_tier_blocks) if kv_tier_blocks > 0 else None
         reps = [Replica(cost, cfg, block_size=block_size, num_blocks=num_blocks,
                         max_model_len=max_model_len, vocab_size=vocab_size, depth=depth,
-                        noise_sigma=noise_sigma, seed=i, spec_acceptance=spec_acceptance)
+                        noise_sigma=noise_sigma, seed=i, spec_acceptance=spec_acceptance,
+                        kv_bytes_per_token=kv_bytes_per_token, kv_link_gbs=kv_link_gbs, kv_tier=tier,
+                        tier_load_overlap=tier_load_overlap)
                 for i in range(replicas)]
         return run_replicas(reps, workload, drain_s=drain_s, on_progress=on_progress, windows=windows,
                             routing=routing)

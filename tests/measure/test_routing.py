@@ -10,9 +10,11 @@ import pytest
 from sarathi.measure.gpu_costmodel import GPUCostModel
 from sarathi.measure.loadgen import ChatShape, RequestSpec, bench_sampling, make_chat_workload, sim_output_tokens
 from sarathi.measure.routing import Picker
-from sarathi.measure.simulate import Replica, run_replicas
+from sarathi.measure.simulate import KVTier, Replica, TieredBlockManager, run_replicas
 from sarathi.measure.trace import Trace
+from scheduler_svc.request import Request
 from shared.config import SchedulerConfig
+from shared.sampling import SamplingParams
 
 TRACE = Trace([200, 400, 800, 100], [20, 40, 10, 30], "test")
 COST = GPUCostModel("llama-3-8b", "a100")
@@ -384,3 +386,107 @@ def test_a_routers_own_settings_override_the_module_defaults():
     assert scorer("kv-cost").choose(prompt + [9], pending_prefill=[0, 0], active_blocks=[8, 0]) == 1
     assert scorer("kv-cost", overlap_weight=4.0).choose(prompt + [9], pending_prefill=[0, 0],
                                                         active_blocks=[8, 0]) == 0
+
+
+# -- a KV tier shared by the replicas ---------------------------------------------------------------
+def _computed(bm, r) -> None:
+    """As after the batch that computed all of r's prompt: its full blocks keyed."""
+    r.num_computed_tokens = r.num_tokens
+    bm.cache_computed_blocks(r)
+
+
+def test_the_kv_tier_forgets_its_least_recently_used_block_first():
+    tier = KVTier(2)
+    tier.put(1)
+    tier.put(2)
+    assert tier.has(1)       # a use: 2 is now the oldest
+    tier.put(3)
+    assert not tier.has(2) and tier.has(1) and tier.has(3) and len(tier) == 2
+    with pytest.raises(ValueError, match="at least 1 block"):
+        KVTier(0)
+
+
+def test_a_replica_loads_from_the_tier_what_another_computed_and_computes_the_rest():
+    tier = KVTier(100)
+    a, b = (TieredBlockManager(tier, 32, 4, 0, True) for _ in range(2))
+    prompt = list(range(1, 19))          # 18 tokens: 4 full blocks, the last 2 tokens partial
+    r = Request("a", prompt, SamplingParams(), 0.0)
+    assert a.allocate(r) == 0 and a.take_loaded() == 0      # nothing anywhere yet
+    _computed(a, r)
+    assert len(tier) == 4                # written through as it was computed
+    s = Request("b", prompt + [40, 41], SamplingParams(), 0.0)
+    assert b.allocate(s) == 16           # the 4 blocks come from the tier, not computed
+    assert s.num_computed_tokens == 16 and b.take_loaded() == 4 and b.take_loaded() == 0
+    assert b.cached_prefix_tokens(Request("c", prompt, SamplingParams(), 0.0)) == 16   # now b's own
+    t = Request("t", prompt, SamplingParams(), 0.0)
+    assert b.allocate(t) == 16 and b.take_loaded() == 0       # a local hit loads nothing
+    u = Request("u", list(range(1, 17)), SamplingParams(), 0.0)
+    c = TieredBlockManager(tier, 32, 4, 0, True)
+    assert c.allocate(u) == 12 and c.take_loaded() == 3       # the last token is always computed
+
+
+def test_a_tier_load_stops_at_the_first_block_the_tier_lost():
+    tier = KVTier(2)                     # holds the last 2 of the 4 blocks written
+    a, b = (TieredBlockManager(tier, 32, 4, 0, True) for _ in range(2))
+    prompt = list(range(1, 19))
+    r = Request("a", prompt, SamplingParams(), 0.0)
+    a.allocate(r)
+    _computed(a, r)
+    s = Request("b", prompt, SamplingParams(), 0.0)
+    assert b.allocate(s) == 0 and b.take_loaded() == 0     # block 0 is gone: nothing after it counts
+
+
+def test_a_tier_load_delays_the_batch_or_runs_beside_it():
+    from sarathi.measure.simulate import SimulatedWorker
+    from scheduler_svc.sim_executor import SimClock
+    from shared.messages import Batch
+
+    ends = {}
+    for how in ("none", "sync", "overlap"):
+        w = SimulatedWorker(lambda batch: 0.010, SimClock(), 16, 32000, kv_bytes_per_token=1000,
+                            kv_link_gbs=1.0)
+        if how != "none":
+            w.loads = lambda: 1000          # 1000 blocks x 16 tokens x 1000 B over 1 GB/s: 16 ms
+            w.load_overlap = how == "overlap"
+        w.submit(Batch(0, []))
+        ends[how] = w.next_done
+    assert ends["none"] == pytest.approx(0.010)
+    assert ends["sync"] == pytest.approx(0.026)       # the load, then the forward pass
+    assert ends["overlap"] == pytest.approx(0.016)    # layer by layer beside it: the longer of the two
+
+
+def test_a_shared_tier_gives_the_shared_queue_the_hits_its_pull_scatters():
+    w = make_chat_workload(TRACE, 60, 1.0, ChatShape(system_len=128, turns=(4, 4), think_s=2.0), seed=2)
+    _, plain = run_replicas(replicas(4), w, drain_s=60, routing="shared-queue")
+    tier = KVTier(100_000)
+    cfg = SchedulerConfig(token_budget=512, max_model_len=8192, enable_prefix_caching=True)
+    reps = [Replica(COST, cfg, block_size=16, num_blocks=4096, max_model_len=8192, seed=i, kv_tier=tier,
+                    kv_bytes_per_token=131072) for i in range(4)]
+    rr, tiered = run_replicas(reps, w, drain_s=60, routing="shared-queue")
+    assert all(r.finished for r in rr.records)
+    assert tiered["kv_tier_loaded_blocks"] > 0 and tiered["kv_tier_load_s"] > 0
+    assert tiered["prefix_hit_rate"] > plain["prefix_hit_rate"] + 0.2
+
+
+def test_the_routing_bench_runs_a_routing_in_front_of_a_tier_beside_the_same_without(tmp_path):
+    """bench.routing with a tier suffix: the tiered routing's probes report tier loads, the plain
+    one's none; report lists both; an unknown suffix is refused."""
+    import json
+
+    from bench.routing import main
+
+    main(["--replicas", "2", "--workloads", "chat", "--duration", "4", "--warmup", "4", "--num-requests", "60",
+          "--qps-start", "4", "--resolution", "0.5", "--capacity-routings", "shared-queue,shared-queue+tier-lw",
+          "--tier-blocks-per-replica", "10000", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "routing_chat_2r.json").read_text())
+    plain, tiered = (res["capacity"][k]["probes"] for k in ("shared-queue", "shared-queue+tier-lw"))
+    assert all("kv_tier_loaded_blocks" not in p["summary"] for p in plain)
+    assert all(p["summary"]["kv_tier_loaded_blocks"] > 0 for p in tiered)
+    assert res["at_common_qps"]["shared-queue+tier-lw"]["prefix_hit_rate"] > \
+        res["at_common_qps"]["shared-queue"]["prefix_hit_rate"]
+    main(["report", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    assert {"shared-queue", "shared-queue+tier-lw"} <= {r["routing"] for r in rows}
+    with pytest.raises(ValueError, match="unknown tier suffix"):
+        main(["probe", "--replicas", "2", "--workloads", "chat", "--duration", "4", "--qps-list", "4",
+              "--routing", "mix+cache", "--out", str(tmp_path)])

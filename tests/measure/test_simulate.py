@@ -136,6 +136,28 @@ def test_simulate_refuses_a_cache_aware_routing_without_prefix_caching(routing, 
     assert "--prefix-caching" in capsys.readouterr().err
 
 
+def test_simulate_runs_replicas_in_front_of_a_shared_kv_tier(tmp_path):
+    out = tmp_path / "tier"
+    assert main(["simulate", "--replicas", "2", "--routing", "shared-queue", "--prefix-caching", "--workload", "chat",
+                 "--kv-tier-blocks", "100000", "--kv-tier-overlap", "--qps", "4", "--duration", "10",
+                 "--out", str(out), "--no-progress"]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["simulated"]["kv_tier"] == {"blocks": 100000, "overlap": True, "kv_bytes_per_token": 131072,
+                                           "link_gbs": 25.0}
+    (run,) = res["runs"]
+    assert run["summary"]["kv_tier_loaded_blocks"] > 0 and run["summary"]["kv_tier_load_s"] > 0
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--replicas", "2", "--kv-tier-blocks", "1000"], "--prefix-caching"),
+    (["--replicas", "2", "--prefix-caching", "--kv-tier-blocks", "-1"], ">= 0"),
+    (["--prefill-replicas", "1", "--decode-replicas", "1", "--prefix-caching", "--kv-tier-blocks", "1000"],
+     "not pools")])
+def test_simulate_refuses_a_kv_tier_it_cannot_model(args, says, capsys):
+    assert main(["simulate", "--num-requests", "5", "--no-progress", *args]) == 2
+    assert says in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_parallel_runs_keep_pp_batches_in_flight(pp, tmp_path):
     model = GPUCostModel("llama-2-70b", "a100", tp=4, pp=pp)
