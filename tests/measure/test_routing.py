@@ -12,6 +12,7 @@ from sarathi.measure.loadgen import ChatShape, RequestSpec, bench_sampling, make
 from sarathi.measure.routing import Picker
 from sarathi.measure.simulate import KVTier, Replica, TieredBlockManager, run_replicas
 from sarathi.measure.trace import Trace
+from scheduler_svc.kv_events import KVEventRecorder, prefix_hashes
 from scheduler_svc.request import Request
 from shared.config import SchedulerConfig
 from shared.sampling import SamplingParams
@@ -414,8 +415,12 @@ def test_a_replica_loads_from_the_tier_what_another_computed_and_computes_the_re
     assert a.allocate(r) == 0 and a.take_loaded() == 0      # nothing anywhere yet
     _computed(a, r)
     assert len(tier) == 4                # written through as it was computed
+    seen = []
+    b.events = KVEventRecorder(4, sink=seen.append)
     s = Request("b", prompt + [40, 41], SamplingParams(), 0.0)
     assert b.allocate(s) == 16           # the 4 blocks come from the tier, not computed
+    assert [len(ev.block_hashes) for ev in seen] == [4]                       # announced, as if computed
+    assert seen[0].block_hashes == prefix_hashes(prompt, 4)[:4]              # under the events' own hashes
     assert s.num_computed_tokens == 16 and b.take_loaded() == 4 and b.take_loaded() == 0
     assert b.cached_prefix_tokens(Request("c", prompt, SamplingParams(), 0.0)) == 16   # now b's own
     t = Request("t", prompt, SamplingParams(), 0.0)
