@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -215,7 +216,9 @@ def report(a: argparse.Namespace) -> None:
         rel = "" if row["capacity_vs_shared_queue"] is None else f" ({row['capacity_vs_shared_queue']:.2f}x)"
         if row["first_failing_qps"]:
             cap += f" (< {row['first_failing_qps']:.3g})"
-        ttft = "-" if row["ttft_p50_s"] is None else f"{row['ttft_p50_s']:.3f} / {row['ttft_p99_s']:.3f}"
+        # (a run that left requests unfinished has an infinite P99, written "inf" in the JSON)
+        ttft = "-" if row["ttft_p50_s"] is None else \
+            f"{float(row['ttft_p50_s']):.3f} / {float(row['ttft_p99_s']):.3f}"
         hits = "-" if row["prefix_hit_rate"] is None else f"{row['prefix_hit_rate']:.1%}"
         print(f"| {row['replicas']} | {row['workload']} | {row['routing']} | {cap}{rel} | {ttft} | {hits} |")
     _plot(rows, out / "routing.png")
@@ -247,8 +250,12 @@ def _plot(rows: list[dict], path: Path) -> None:
         plt.setp(ax.get_xticklabels(), rotation=35, ha="right")
         ax = axes[1][j]
         x = range(len(sel))
-        ax.bar([i - 0.2 for i in x], [r["ttft_p50_s"] for r in sel], 0.4, label="P50")
-        ax.bar([i + 0.2 for i in x], [r["ttft_p99_s"] for r in sel], 0.4, label="P99")
+        for dx, key, label in ((-0.2, "ttft_p50_s", "P50"), (0.2, "ttft_p99_s", "P99")):
+            vals = [float(r[key]) if r[key] is not None else math.nan for r in sel]
+            ax.bar([i + dx for i in x], [v if math.isfinite(v) else math.nan for v in vals], 0.4, label=label)
+            for i, v in zip(x, vals):   # unfinished requests: an infinite percentile, marked
+                if math.isinf(v):
+                    ax.annotate("inf", (i + dx, 1), xycoords=("data", "axes fraction"), ha="center", va="top")
         ax.set_xticks(list(x), names, rotation=35, ha="right")
         ax.set_yscale("log")
         ax.set_ylabel(f"TTFT (s) at {sel[0]['common_qps']:.3g} QPS")
