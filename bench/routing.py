@@ -60,6 +60,9 @@ from sarathi.measure.trace import load_trace
 from shared.config import SchedulerConfig
 
 ROUTINGS = ("shared-queue", "least-queue", "prefix", "mix", "kv-cost", "cache-aware")
+TBT_SLO = 0.1
+TAU = 512
+CHAT = ChatShape(system_prompts=4, system_len=512, turns=(2, 8), user_scale=0.25, think_s=5.0)
 # a routing + a tier suffix: the same routing with a KV tier all replicas share
 # (sarathi.measure.simulate.KVTier) of --tier-blocks-per-replica x replicas blocks, its loads
 # before the batch that needs them (+tier, LMCache's default) or layer by layer beside it
@@ -84,9 +87,6 @@ def _sim_target(cost, a: argparse.Namespace, routing: str, blocks: int, sched: S
                             routing=base, kv_tier_blocks=a.tier_blocks_per_replica * a.replicas if tier else 0,
                             tier_load_overlap=TIERS.get(tier, False),
                             kv_bytes_per_token=cost.shape.kv_bytes_per_token(cost.shape.num_layers, 1) if tier else 0)
-TBT_SLO = 0.1
-TAU = 512
-CHAT = ChatShape(system_prompts=4, system_len=512, turns=(2, 8), user_scale=0.25, think_s=5.0)
 
 
 def _chat_shape(warmup_s: float, wait_for_answer: bool = False) -> ChatShape:

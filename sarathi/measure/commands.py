@@ -298,6 +298,18 @@ def _chat_shape(a: argparse.Namespace):
     return dataclasses.replace(shape, warmup_s=round(span, 1))
 
 
+def _kv_bytes_per_token(a: argparse.Namespace, desc: dict, cost, needed_by: str) -> int:
+    """The KV bytes a token moves over the simulated link (for `needed_by`, an option's name):
+    --kv-bytes-per-token, else the --device model's; a --profile run must give it, since a
+    profile does not record its model's KV size."""
+    if a.kv_bytes_per_token < 0:
+        raise ValueError(f"--kv-bytes-per-token must be >= 0, got {a.kv_bytes_per_token}")
+    if desc["kind"] != "gpu" and not a.kv_bytes_per_token:
+        raise ValueError("a --profile does not record its model's KV size: give --kv-bytes-per-token with "
+                         f"{needed_by} (SmolLM2-135M's bf16 KV: 23040)")
+    return a.kv_bytes_per_token or cost.shape.kv_bytes_per_token(cost.shape.num_layers, 1)
+
+
 def simulate(a: argparse.Namespace) -> int:
     from sarathi.measure.env import command_line, machine
     from sarathi.measure.profile import RELAXED, STRICT
@@ -327,12 +339,7 @@ def simulate(a: argparse.Namespace) -> int:
             raise ValueError(f"--kv-tier-blocks must be >= 0, got {a.kv_tier_blocks}")
         if a.kv_tier_blocks and not sched.enable_prefix_caching:
             raise ValueError("--kv-tier-blocks shares cached prefixes between replicas: add --prefix-caching")
-        tier_bytes = 0
-        if a.kv_tier_blocks:
-            if desc["kind"] != "gpu" and not a.kv_bytes_per_token:
-                raise ValueError("a --profile does not record its model's KV size: give --kv-bytes-per-token with "
-                                 "--kv-tier-blocks")
-            tier_bytes = a.kv_bytes_per_token or cost.shape.kv_bytes_per_token(cost.shape.num_layers, 1)
+        tier_bytes = _kv_bytes_per_token(a, desc, cost, "--kv-tier-blocks") if a.kv_tier_blocks else 0
         target = simulated_target(cost, replicas=a.replicas, depth=a.pp, block_size=a.block_size,
                                   num_blocks=num_blocks, max_model_len=max_len, sched_config=sched,
                                   description=desc, windows=a.windows, noise_sigma=a.noise_sigma,
@@ -346,12 +353,7 @@ def simulate(a: argparse.Namespace) -> int:
     else:
         if a.kv_tier_blocks:
             raise ValueError("--kv-tier-blocks is modelled for --replicas (independent replicas), not pools")
-        if a.kv_bytes_per_token < 0:
-            raise ValueError(f"--kv-bytes-per-token must be >= 0, got {a.kv_bytes_per_token}")
-        if desc["kind"] != "gpu" and not a.kv_bytes_per_token:
-            raise ValueError("a --profile does not record its model's KV size: give --kv-bytes-per-token with "
-                             "--prefill-replicas/--decode-replicas (SmolLM2-135M's bf16 KV: 23040)")
-        kv_bytes = a.kv_bytes_per_token or cost.shape.kv_bytes_per_token(cost.shape.num_layers, 1)
+        kv_bytes = _kv_bytes_per_token(a, desc, cost, "--prefill-replicas/--decode-replicas")
         target = pool_target(cost, roles=roles, mode=a.disaggregation, threshold_tokens=a.disagg_threshold,
                              backlog_margin_tokens=a.disagg_backlog_margin,
                              prefill_token_budget=a.prefill_token_budget, depth=a.pp,
